@@ -1,0 +1,76 @@
+"""Tuning knobs for FlashDecode and the split heuristic.
+
+Dimension legend used throughout fdecode:
+  B batch, T new tokens per sequence, Hq query heads, Hkv kv heads, G = Hq // Hkv,
+  S cache capacity (tokens), Dk key/query head dim, Dv value head dim,
+  R = T * G query rows per kv head, P pages, page_size tokens per page.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+
+# Split the cache only while batch*kv_heads leaves the machine idle: the Ascend
+# IncreFlashAttention rule (split when B*Hkv < 0.4 * cores).
+_SPLIT_OCCUPANCY = 0.4
+# Cap the splits one (batch, kv head) pair may use: past this the combine costs more
+# than it saves (Tenstorrent's `max_cores_per_head_batch` = 16).
+MAX_SPLITS_PER_HEAD = 16
+DEFAULT_BLOCK_K = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Static tuning knobs; ``None`` means "pick by heuristic".
+
+  Attributes:
+    num_splits: number of chunks the cache's token axis is split into, each producing
+      a partial output + LSE that `merge_states` combines. Any positive value gives
+      the same result within float tolerance.
+    block_k: tokens per block of the Pallas kernel's online-softmax loop.
+  """
+
+  num_splits: int | None = None
+  block_k: int | None = None
+
+  def __post_init__(self):
+    for name in ("num_splits", "block_k"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+
+
+def num_parallel_units(backend: str | None = None) -> int:
+  """Cores the split heuristic tries to fill: SMs on GPU, cores on CPU/TPU."""
+  backend = backend or jax.default_backend()
+  if backend == "cpu":
+    return os.cpu_count() or 1
+  device = jax.devices(backend)[0]
+  return int(getattr(device, "core_count", None) or 1)
+
+
+def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int, num_units: int) -> int:
+  """The split heuristic.
+
+  One (batch, kv head) pair is one unit of work. If there are at least
+  ``0.4 * num_units`` of them the machine is already busy and the cache is not split.
+  Otherwise each pair gets ``ceil(num_units / (batch * num_kv_heads))`` splits, at most
+  `MAX_SPLITS_PER_HEAD` and at most one per block of the cache.
+  """
+  work = batch * num_kv_heads
+  if work >= _SPLIT_OCCUPANCY * num_units:
+    return 1
+  splits = math.ceil(num_units / max(work, 1))
+  return max(1, min(splits, MAX_SPLITS_PER_HEAD, num_blocks))
+
+
+def largest_divisor_at_most(n: int, cap: int) -> int:
+  """Largest d <= cap with n % d == 0 (1 for n == 0)."""
+  for d in range(max(min(cap, n), 1), 0, -1):
+    if n % d == 0:
+      return d
+  return 1

@@ -1,0 +1,46 @@
+"""Shared test helpers: random decode problems, dtype-keyed tolerances, comparisons."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# Tolerances keyed by the dtype of q/k/v. bfloat16 keeps 8 mantissa bits and the
+# kernels feed softmax weights to the PV matmul in the cache dtype.
+TOLERANCES = {
+    jnp.float32: dict(atol=3e-5, rtol=3e-5, lse=3e-5),
+    jnp.bfloat16: dict(atol=2.5e-2, rtol=2.5e-2, lse=2e-3),
+}
+
+
+def tol(dtype):
+  return TOLERANCES[jnp.dtype(dtype).type]
+
+
+def make_problem(seed, *, b=2, t=1, hq=4, hkv=2, s=64, dk=64, dv=None, dtype=jnp.float32):
+  """q [B, T, Hq, Dk] (or [B, Hq, Dk] if t is None), k [B, Hkv, S, Dk], v [B, Hkv, S, Dv]."""
+  dv = dk if dv is None else dv
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  q_shape = (b, hq, dk) if t is None else (b, t, hq, dk)
+  q = jax.random.normal(kq, q_shape, jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (b, hkv, s, dk), jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, (b, hkv, s, dv), jnp.float32).astype(dtype)
+  return q, k, v
+
+
+def assert_close(actual, expected, *, atol, rtol, what="output"):
+  """FlashMLA-style: inf/NaN positions must agree first, then the finite values."""
+  a = np.asarray(jnp.asarray(actual, jnp.float32))
+  e = np.asarray(jnp.asarray(expected, jnp.float32))
+  assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+  assert not np.isnan(a).any(), f"{what}: NaN in result"
+  np.testing.assert_array_equal(np.isinf(a), np.isinf(e), err_msg=f"{what}: inf positions differ")
+  np.testing.assert_array_equal(np.sign(a[np.isinf(a)]), np.sign(e[np.isinf(e)]),
+                                err_msg=f"{what}: inf signs differ")
+  fin = np.isfinite(e)
+  np.testing.assert_allclose(a[fin], e[fin], atol=atol, rtol=rtol, err_msg=what)
+
+
+@pytest.fixture(params=["xla", "pallas"])
+def impl(request):
+  return request.param

@@ -1,0 +1,66 @@
+"""merge_states: the one implementation of the LSE combine."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fdecode
+from fdecode.reference import reference_decode
+from conftest import assert_close, make_problem
+
+
+@pytest.mark.parametrize("cut", [0, 1, 17, 33, 63, 64])
+def test_split_anywhere_then_merge_equals_whole(cut):
+  """Attention over cache[:cut] and cache[cut:] merged == attention over the whole cache."""
+  q, k, v = make_problem(10, b=3, t=None, hq=4, hkv=2, s=64, dk=32)
+  lengths = jnp.array([64, 40, 5])
+  whole, whole_lse = fdecode.flash_decode(q, k, v, lengths, impl="reference", return_lse=True)
+  left = fdecode.flash_decode(q, k[:, :, :cut], v[:, :, :cut], jnp.minimum(lengths, cut),
+                              impl="reference", return_lse=True) if cut else None
+  # Right part: keys [cut, S). A query of a sequence of length n sees n - cut of them.
+  right = fdecode.flash_decode(q, k[:, :, cut:], v[:, :, cut:], jnp.clip(lengths - cut, 0, 64 - cut),
+                               impl="reference", return_lse=True) if cut < 64 else None
+  parts = [p for p in (left, right) if p is not None]
+  o, lse = fdecode.merge_states(jnp.stack([p[0] for p in parts]), jnp.stack([p[1] for p in parts]))
+  assert_close(o, whole, atol=2e-6, rtol=2e-6)
+  assert_close(lse, whole_lse, atol=2e-6, rtol=2e-6)
+
+
+def test_empty_parts_contribute_nothing_and_all_empty_is_zero():
+  o = jax.random.normal(jax.random.key(0), (3, 2, 5))
+  lse = jnp.array([[0.5, -jnp.inf], [-jnp.inf, -jnp.inf], [1.5, -jnp.inf]])
+  out, out_lse = fdecode.merge_states(o, lse, axis=0)
+  w = jax.nn.softmax(jnp.array([0.5, 1.5]))
+  np.testing.assert_allclose(out[0], w[0] * o[0, 0] + w[1] * o[2, 0], rtol=1e-6)
+  np.testing.assert_allclose(out_lse[0], jnp.logaddexp(0.5, 1.5), rtol=1e-6)
+  np.testing.assert_array_equal(out[1], 0.0)
+  assert np.isneginf(out_lse[1])
+
+
+def test_axis_and_order_invariance():
+  o = jax.random.normal(jax.random.key(1), (2, 4, 3, 8))
+  lse = jax.random.normal(jax.random.key(2), (2, 4, 3))
+  a = fdecode.merge_states(o, lse, axis=1)
+  perm = jnp.array([2, 0, 3, 1])
+  b = fdecode.merge_states(o[:, perm], lse[:, perm], axis=-2)  # negative axes count on lse
+  c = fdecode.merge_states(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0), axis=0)
+  for x in (b, c):
+    np.testing.assert_allclose(x[0], a[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(x[1], a[1], rtol=1e-6)
+
+
+def test_single_part_is_identity():
+  o = jax.random.normal(jax.random.key(3), (1, 4, 8))
+  lse = jnp.array([[0.1, -jnp.inf, 3.0, -2.0]])
+  out, out_lse = fdecode.merge_states(o, lse)
+  np.testing.assert_allclose(out[jnp.array([0, 2, 3])], o[0, jnp.array([0, 2, 3])], rtol=1e-6)
+  np.testing.assert_array_equal(out[1], 0.0)
+  np.testing.assert_array_equal(out_lse, lse[0])
+
+
+def test_shape_errors():
+  with pytest.raises(ValueError, match=r"o.shape\[:-1\] must equal lse.shape"):
+    fdecode.merge_states(jnp.zeros((2, 3, 4)), jnp.zeros((2, 4)))
+  with pytest.raises(ValueError, match="axis=3 out of range"):
+    fdecode.merge_states(jnp.zeros((2, 3, 4)), jnp.zeros((2, 3)), axis=3)
