@@ -1,5 +1,10 @@
 """Shared test helpers: random decode problems, dtype-keyed tolerances, comparisons."""
 
+import os
+
+# Eight simulated CPU devices for the multi-device tests; set before JAX initializes.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
 import jax
 import jax.numpy as jnp
 import numpy as np
