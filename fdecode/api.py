@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdecode import config as config_lib
+from fdecode.cache.paged import gather_pages, gather_scale
 from fdecode.combine import merge_states
 from fdecode.kernels.pallas import pallas_partials
 from fdecode.kernels.xla import xla_partials
+from fdecode.quant import canonical_scale, dequantize, is_quantized
 from fdecode.reference import query_limits, reference_decode
 
 IMPLS = ("pallas", "xla", "reference")
@@ -20,7 +22,7 @@ IMPLS = ("pallas", "xla", "reference")
 
 def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=None,
                  softmax_scale=None, num_splits=None, block_k=None, impl=None,
-                 interpret=None, return_lse=False):
+                 interpret=None, return_lse=False, k_offset=None, v_offset=None):
   """FlashDecode attention of new tokens over a KV cache.
 
   Legend: B batch, T new tokens per sequence, Hq query heads, Hkv kv heads
@@ -31,12 +33,23 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     q: ``[B, Hq, Dk]`` (one new token per sequence) or ``[B, T, Hq, Dk]`` (the last T
       positions of each sequence, causal among themselves: query t attends to key
       positions ``< lengths - T + t + 1``). Floating dtype.
-    k: ``[B, Hkv, S, Dk]`` head-major contiguous key cache, floating dtype.
-    v: ``[B, Hkv, S, Dv]`` value cache; Dv may differ from Dk.
+    k: ``[B, Hkv, S, Dk]`` head-major contiguous key cache, or with ``block_tables`` a
+      paged pool ``[Hkv, P, page_size, Dk]``. Float, or int8 / float8_e4m3fn /
+      float8_e5m2 with ``k_scale``.
+    v: ``[B, Hkv, S, Dv]`` or ``[Hkv, P, page_size, Dv]``; Dv may differ from Dk.
     lengths: int ``[B]`` valid tokens per sequence, new ones included, each in ``[0, S]``.
       Concrete values outside that range raise ValueError; under ``jit`` they are
       clipped to ``[0, S]``.
-    block_tables, k_scale, v_scale: paged / quantized caches (not implemented yet).
+    block_tables: int ``[B, n]``: page j of sequence b is ``k[:, block_tables[b, j]]``
+      (token t in page ``block_tables[b, t // page_size]``, slot ``t % page_size``);
+      capacity ``S = n * page_size``. Entries past a sequence's length are never read
+      and may hold anything. Concrete ids out of ``[0, P)`` for a live token raise
+      ValueError; under ``jit`` ids are clipped into the pool (never an out-of-bounds read).
+    k_scale, v_scale: required for 8-bit caches: a scalar (per tensor) or float32 shaped
+      like the cache with the last axis replaced by ``n_tiles`` dividing the head dim
+      (1 = per token per head, D/128 = 1x128 tiles); leading axes of size 1 broadcast.
+      Dequantization happens after the load, inside the kernel (see `fdecode.quant`).
+    k_offset, v_offset: optional, shaped like the scales: real = (x + offset) * scale.
     softmax_scale: scores multiplier, default ``1/sqrt(Dk)``.
     num_splits: chunks of the token axis processed in parallel, each yielding a partial
       state merged by `merge_states`. ``None``: `fdecode.config.default_num_splits`.
@@ -57,16 +70,16 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       argument and shows the shapes), or concrete lengths out of range.
     NotImplementedError: for ``block_tables``, ``k_scale`` or ``v_scale``.
   """
-  for name, value in (("block_tables", block_tables), ("k_scale", k_scale), ("v_scale", v_scale)):
-    if value is not None:
-      raise NotImplementedError(
-          f"flash_decode: {name} (paged / quantized caches) is not implemented yet; "
-          "pass a contiguous floating-point cache")
-  single_token = _validate(q, k, v, lengths)
+  single_token = _validate(q, k, v, lengths, block_tables)
+  k_scale, k_offset = _validate_quant("k", k, k_scale, k_offset)
+  v_scale, v_offset = _validate_quant("v", v, v_scale, v_offset)
   if impl is not None and impl not in IMPLS:
     raise ValueError(f"flash_decode: impl must be one of {IMPLS} or None, got {impl!r}")
   cfg = config_lib.Config(num_splits=num_splits, block_k=block_k)
-  _check_concrete_lengths(lengths, k.shape[2])
+  capacity = k.shape[2] if block_tables is None else block_tables.shape[1] * k.shape[2]
+  _check_concrete_lengths(lengths, capacity)
+  if block_tables is not None:
+    _check_concrete_page_ids(block_tables, lengths, k.shape[1], k.shape[2])
   backend = jax.default_backend()
   if impl is None:
     impl = "xla" if backend == "cpu" else "pallas"
@@ -75,7 +88,9 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   dk = q.shape[-1]
   scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(dk)
   q4 = q[:, None] if single_token else q
-  out, lse = _decode(q4, k, v, jnp.asarray(lengths).astype(jnp.int32), impl=impl,
+  cache = dict(block_tables=None if block_tables is None else jnp.asarray(block_tables, jnp.int32),
+               k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset)
+  out, lse = _decode(q4, k, v, jnp.asarray(lengths).astype(jnp.int32), cache, impl=impl,
                      softmax_scale=scale, cfg=cfg, interpret=bool(interpret), backend=backend)
   if single_token:
     out, lse = out[:, 0], lse[:, 0]
@@ -83,29 +98,37 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "softmax_scale", "cfg", "interpret", "backend"))
-def _decode(q, k, v, lengths, *, impl, softmax_scale, cfg, interpret, backend):
-  """q ``[B, T, Hq, Dk]`` -> (out ``[B, T, Hq, Dv]`` in q.dtype, lse f32 ``[B, T, Hq]``)."""
+def _decode(q, k, v, lengths, cache, *, impl, softmax_scale, cfg, interpret, backend):
+  """q ``[B, T, Hq, Dk]`` -> (out ``[B, T, Hq, Dv]`` in q.dtype, lse f32 ``[B, T, Hq]``).
+
+  ``cache``: dict of block_tables and canonical scales / offsets (None when absent).
+  """
   b, t, hq, dk = q.shape
-  _, hkv, s, _ = k.shape
+  paged = cache["block_tables"] is not None
+  if paged:
+    hkv, s = k.shape[0], cache["block_tables"].shape[1] * k.shape[2]
+  else:
+    hkv, s = k.shape[1], k.shape[2]
   g = hq // hkv
   if impl == "reference":
-    out, lse = reference_decode(q, k, v, lengths, softmax_scale=softmax_scale)
+    kf, vf = _materialize(k, cache, "k"), _materialize(v, cache, "v")
+    out, lse = reference_decode(q, kf, vf, lengths, softmax_scale=softmax_scale)
     return out.astype(q.dtype), lse
   # Rows of one kv head: r = t * G + g.
   q_rows = q.reshape(b, t, hkv, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dk)
   if impl == "xla":
-    splits = cfg.num_splits or config_lib.largest_divisor_at_most(
-        s, config_lib.default_num_splits(b, hkv, max(s, 1), config_lib.num_parallel_units(backend)))
+    splits = cfg.num_splits or _xla_default_splits(b, hkv, s, cache, backend)
     row_limits = jnp.repeat(query_limits(lengths, t, s), g, axis=1)  # [B, R]
-    o, lse = xla_partials(q_rows, k, v, row_limits, softmax_scale=softmax_scale, num_splits=splits)
+    o, lse = xla_partials(q_rows, k, v, row_limits, softmax_scale=softmax_scale,
+                          num_splits=splits, **cache)
   else:
     block_k = cfg.block_k or config_lib.DEFAULT_BLOCK_K
-    num_blocks = max(-(-s // block_k), 1)
+    num_blocks = max(-(-s // (k.shape[2] if paged else block_k)), 1)
     splits = cfg.num_splits or config_lib.default_num_splits(
         b, hkv, num_blocks, config_lib.num_parallel_units(backend))
     o, lse = pallas_partials(q_rows, k, v, lengths, num_tokens=t, softmax_scale=softmax_scale,
                              num_splits=splits, block_k=block_k, interpret=interpret,
-                             backend=backend)
+                             backend=backend, **cache)
   o, lse = merge_states(o, lse, axis=2)  # [B, Hkv, R, Dv], [B, Hkv, R]
   dv = o.shape[-1]
   out = o.reshape(b, hkv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, dv)
@@ -113,35 +136,106 @@ def _decode(q, k, v, lengths, *, impl, softmax_scale, cfg, interpret, backend):
   return out.astype(q.dtype), lse
 
 
-def _validate(q, k, v, lengths) -> bool:
+def _validate(q, k, v, lengths, block_tables) -> bool:
   """Trace-time shape/dtype checks. Returns True for the single-token q layout."""
   shapes = f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+  paged = block_tables is not None
+  layout = "[Hkv, P, page_size, {}]" if paged else "[B, Hkv, S, {}]"
   if q.ndim not in (3, 4):
     raise ValueError(f"flash_decode: q must be [B, Hq, Dk] or [B, T, Hq, Dk]; got {shapes}")
   if k.ndim != 4:
-    raise ValueError(f"flash_decode: k must be [B, Hkv, S, Dk]; got {shapes}")
+    raise ValueError(f"flash_decode: k must be {layout.format('Dk')}; got {shapes}")
   if v.ndim != 4:
-    raise ValueError(f"flash_decode: v must be [B, Hkv, S, Dv]; got {shapes}")
+    raise ValueError(f"flash_decode: v must be {layout.format('Dv')}; got {shapes}")
   b, hq, dk = q.shape[0], q.shape[-2], q.shape[-1]
-  kb, hkv, s, kdk = k.shape
-  if kb != b or v.shape[0] != b:
-    raise ValueError(f"flash_decode: batch of q, k and v must agree; got {shapes}")
+  kdk = k.shape[-1]
+  if paged:
+    bt_shape = tuple(np.shape(block_tables))
+    if len(bt_shape) != 2 or bt_shape[0] != b:
+      raise ValueError(f"flash_decode: block_tables must be [B, n] with B={b}; got "
+                       f"block_tables.shape={bt_shape}, {shapes}")
+    if not jnp.issubdtype(jnp.result_type(block_tables), jnp.integer):
+      raise ValueError(f"flash_decode: block_tables must be integer, got dtype {jnp.result_type(block_tables)}")
+    if v.shape[:3] != k.shape[:3]:
+      raise ValueError(f"flash_decode: paged k and v must have the same [Hkv, P, page_size]; got {shapes}")
+    hkv = k.shape[0]
+  else:
+    if k.shape[0] != b or v.shape[0] != b:
+      raise ValueError(f"flash_decode: batch of q, k and v must agree; got {shapes}")
+    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+      raise ValueError(f"flash_decode: k and v must have the same [B, Hkv, S]; got {shapes}")
+    hkv = k.shape[1]
   if kdk != dk:
     raise ValueError(f"flash_decode: head dim Dk of q ({dk}) and k ({kdk}) must agree; got {shapes}")
-  if v.shape[1] != hkv or v.shape[2] != s:
-    raise ValueError(f"flash_decode: k and v must have the same [B, Hkv, S]; got {shapes}")
   if hkv == 0 or hq % hkv != 0:
     raise ValueError(f"flash_decode: Hq ({hq}) must be a multiple of Hkv ({hkv}); got {shapes}")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise ValueError(f"flash_decode: {name} must be floating point, got {name}.dtype={x.dtype} "
-                       "(8-bit caches need k_scale/v_scale, not implemented yet)")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise ValueError(f"flash_decode: q must be floating point, got q.dtype={q.dtype}")
   lengths_shape = tuple(np.shape(lengths))
   if lengths_shape != (b,):
     raise ValueError(f"flash_decode: lengths must be [B]=({b},); got lengths.shape={lengths_shape}")
   if not jnp.issubdtype(jnp.result_type(lengths), jnp.integer):
     raise ValueError(f"flash_decode: lengths must be integer, got dtype {jnp.result_type(lengths)}")
   return q.ndim == 3
+
+
+def _validate_quant(name, cache, scale, offset):
+  """Checks the cache dtype against its scale; returns canonical (scale, offset) or Nones."""
+  if is_quantized(cache.dtype):
+    if scale is None:
+      raise ValueError(f"flash_decode: {name} has dtype {cache.dtype}: pass {name}_scale "
+                       f"(a scalar, or shaped like {name}.shape={tuple(cache.shape)} with the last axis "
+                       "replaced by n_tiles)")
+    scale = canonical_scale(scale, cache.shape, f"{name}_scale")
+    if offset is not None:
+      offset = canonical_scale(offset, cache.shape, f"{name}_offset")
+      if offset.shape[-1] != scale.shape[-1]:
+        raise ValueError(f"flash_decode: {name}_offset must tile like {name}_scale; got "
+                         f"{name}_offset.shape={tuple(offset.shape)}, {name}_scale.shape={tuple(scale.shape)}")
+    return scale, offset
+  if not jnp.issubdtype(cache.dtype, jnp.floating):
+    raise ValueError(f"flash_decode: {name} must be floating point or int8/float8 with {name}_scale, "
+                     f"got {name}.dtype={cache.dtype}")
+  if scale is not None or offset is not None:
+    raise ValueError(f"flash_decode: {name}_scale/{name}_offset given but {name} is not quantized "
+                     f"({name}.dtype={cache.dtype})")
+  return None, None
+
+
+def _materialize(x, cache, name):
+  """Float32 contiguous ``[B, Hkv, S, D]`` copy of a cache (the reference's input)."""
+  scale, offset = cache[f"{name}_scale"], cache[f"{name}_offset"]
+  tables = cache["block_tables"]
+  if tables is not None:
+    page_size = x.shape[2]
+    x = gather_pages(x, tables)
+    scale = None if scale is None else gather_scale(scale, tables, page_size)
+    offset = None if offset is None else gather_scale(offset, tables, page_size)
+  if scale is None:
+    return x.astype(jnp.float32)
+  return dequantize(x, scale, offset)
+
+
+def _xla_default_splits(b, hkv, s, cache, backend):
+  """Contiguous float: a divisor of S (a free reshape). Paged / 8-bit: chunks of about
+  `XLA_CHUNK_TOKENS` so that one gathered / dequantized chunk stays cache-sized."""
+  n = config_lib.default_num_splits(b, hkv, max(s, 1), config_lib.num_parallel_units(backend))
+  if cache["block_tables"] is None and cache["k_scale"] is None and cache["v_scale"] is None:
+    return config_lib.largest_divisor_at_most(s, n)
+  return max(n, -(-s // config_lib.XLA_CHUNK_TOKENS))
+
+
+def _check_concrete_page_ids(block_tables, lengths, num_pages, page_size) -> None:
+  """When table and lengths are concrete: every page a live token needs is in [0, P)."""
+  if isinstance(block_tables, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
+    return
+  tables, lens = np.asarray(block_tables), np.asarray(lengths)
+  needed = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // page_size)
+  bad = needed & ((tables < 0) | (tables >= num_pages))
+  if bad.any():
+    seq, j = map(int, np.argwhere(bad)[0])
+    raise ValueError(f"flash_decode: block_tables[{seq}, {j}] = {int(tables[seq, j])} is out of range "
+                     f"[0, P={num_pages}) for a live token of sequence {seq} (length {int(lens[seq])})")
 
 
 def _check_concrete_lengths(lengths, capacity: int) -> None:

@@ -28,7 +28,9 @@ def arrays(**over):
     (dict(lengths=jnp.array([1, 2, 3])), r"lengths must be \[B\]=\(2,\); got lengths.shape=\(3,\)"),
     (dict(lengths=jnp.array([[1, 2]])), r"lengths must be \[B\]"),
     (dict(lengths=jnp.array([1.0, 2.0])), r"lengths must be integer"),
-    (dict(k=jnp.zeros((B, HKV, S, D), jnp.int8)), r"k must be floating point"),
+    (dict(k=jnp.zeros((B, HKV, S, D), jnp.int8)), r"k has dtype int8: pass k_scale"),
+    (dict(v=jnp.zeros((B, HKV, S, D), jnp.int32)), r"v must be floating point or int8/float8 with v_scale"),
+    (dict(q=jnp.zeros((B, HQ, D), jnp.int32)), r"q must be floating point, got q.dtype=int32"),
     (dict(lengths=jnp.array([3, S + 1])), r"lengths must lie in \[0, S=16\]; sequence 1 has length 17"),
     (dict(lengths=jnp.array([-1, 2])), r"sequence 0 has length -1"),
 ])
@@ -52,9 +54,3 @@ def test_shape_errors_raise_at_trace_time_under_jit():
 def test_bad_options(kw, pattern):
   with pytest.raises(ValueError, match=pattern):
     fdecode.flash_decode(**arrays(), **kw)
-
-
-@pytest.mark.parametrize("name", ["block_tables", "k_scale", "v_scale"])
-def test_unimplemented_options_say_so(name):
-  with pytest.raises(NotImplementedError, match=f"{name} .*not implemented yet"):
-    fdecode.flash_decode(**arrays(), **{name: jnp.ones((B, 1), jnp.int32)})

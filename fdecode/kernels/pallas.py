@@ -1,16 +1,20 @@
-"""FlashDecode split-KV Pallas kernel.
+"""FlashDecode split-KV Pallas kernel (contiguous or paged, float or 8-bit caches).
 
 Grid ``(B, Hkv, n_splits)``. One program owns one kv head of one sequence and one
 contiguous range of cache blocks; the R = T*G query rows of that kv head are the rows
 of its matmuls (heads packed into the row dimension, as in Tenstorrent's sdpa_decode),
 so every cache byte is read once. Inside a split the program runs an online softmax
-over blocks of ``block_k`` tokens and writes one normalized partial state
-(o, lse) per row; `merge_states` combines the splits.
+over blocks and writes one normalized partial state (o, lse) per row; `merge_states`
+combines the splits.
 
-Tails need no padding of the cache: block j covers tokens ``[j*block_k, (j+1)*block_k)``
-but is *loaded* from ``min(j*block_k, S - block_k)``, and positions before
-``j*block_k`` (already seen by block j-1) are masked. The loop runs only over blocks
-below the sequence's length, so splits and blocks past it do no work and load nothing.
+Blocks. Contiguous cache: ``block_k`` tokens; block j covers tokens
+``[j*block_k, (j+1)*block_k)`` but is *loaded* from ``min(j*block_k, S - block_k)`` and
+positions before ``j*block_k`` are masked, so a tail needs no padding of the cache.
+Paged cache: one page per block, found through the block table (ids clipped to the pool,
+so a stale or -1 entry can never cause an out-of-bounds read). The loop runs only over
+blocks below the sequence's length: splits and blocks past it do no work and load
+nothing. 8-bit blocks are dequantized right after the load (`fdecode.quant.dequantize`);
+the cache is never dequantized in memory.
 
 Everything backend-specific (row padding, compiler params) sits in `_backend_spec`;
 the kernel body is shared by interpret mode (CPU tests), GPU (Triton) and TPU (Mosaic).
@@ -28,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from fdecode.combine import finalize_state
+from fdecode.quant import dequantize
 
 MASK_VALUE = -1e30
 
@@ -52,19 +57,43 @@ def _backend_spec(backend: str, interpret: bool) -> _BackendSpec:
   raise ValueError(f"impl='pallas' has no compiled lowering for backend {backend!r}; pass interpret=True")
 
 
-def _split_kernel(lengths_ref,  # i32[1]: this sequence's length
-                  q_ref,        # [Rp, Dk]
-                  k_ref,        # [S, Dk]
-                  v_ref,        # [S, Dv]
-                  o_ref,        # f32[Rp, Dv]
-                  lse_ref,      # f32[Rp]
-                  *, softmax_scale, block_k, blocks_per_split, num_rows, group, num_tokens, seq_len):
-  # seq_len: the cache capacity S; k_ref may hold more rows (padded up to one block).
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """Static description of the cache the kernel reads."""
+  paged: bool
+  block: int        # tokens per block (page_size when paged)
+  rows: int         # k_ref rows (contiguous: >= block) or pool pages (paged)
+  k_quant: tuple    # (has_scale, has_offset, scale_rows) for K; scale_rows = scale's token/page extent
+  v_quant: tuple
+
+
+def _load_scale(ref, layout, start, page):
+  """Scale (or offset) rows for one block: [block|1, n_tiles]."""
+  if layout.paged:  # ref: [P|1, ps|1, nt]
+    return ref[page if ref.shape[0] > 1 else 0]
+  if ref.shape[0] == 1:  # ref: [S|1, nt]
+    return ref[...]
+  return ref[pl.ds(start, layout.block), :]
+
+
+def _split_kernel(*refs, layout: _Layout, softmax_scale, blocks_per_split, num_rows, group,
+                  num_tokens, seq_len):
+  # refs: lengths i32[1], [table i32[n]], q [Rp, Dk], k, v, [k_scale], [k_offset],
+  #       [v_scale], [v_offset], o f32[Rp, Dv], lse f32[Rp]
+  refs = list(refs)
+  lengths_ref = refs.pop(0)
+  table_ref = refs.pop(0) if layout.paged else None
+  q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+  kq = [refs.pop(0) if present else None for present in layout.k_quant[:2]]
+  vq = [refs.pop(0) if present else None for present in layout.v_quant[:2]]
+  o_ref, lse_ref = refs
   split = pl.program_id(2)
-  rows_p, _ = q_ref.shape
+  rows_p = q_ref.shape[0]
   dv = v_ref.shape[-1]
+  bk = layout.block
   length = jnp.clip(lengths_ref[0], 0, seq_len)
   q = q_ref[...]
+  compute_dtype = q.dtype
 
   # Row r is query token t = r // G: it sees positions < length - T + t + 1.
   rows = lax.broadcasted_iota(jnp.int32, (rows_p, 1), 0)
@@ -72,23 +101,41 @@ def _split_kernel(lengths_ref,  # i32[1]: this sequence's length
   row_limit = jnp.where(rows < num_rows, row_limit, 0)  # [Rp, 1]
 
   first = split * blocks_per_split
-  last = jnp.minimum(first + blocks_per_split, pl.cdiv(length, block_k))
+  last = jnp.minimum(first + blocks_per_split, pl.cdiv(length, bk))
+
+  def load(ref, quant, start, page):
+    if layout.paged:
+      x = ref[page]  # [ps, D]
+    else:
+      x = ref[pl.ds(start, bk), :]
+    scale_ref, offset_ref = quant
+    if scale_ref is None:
+      return x
+    offset = None if offset_ref is None else _load_scale(offset_ref, layout, start, page)
+    return dequantize(x, _load_scale(scale_ref, layout, start, page), offset, compute_dtype)
 
   def body(j, carry):
     acc, m, l = carry
-    start = j * block_k
-    load_start = jnp.minimum(start, k_ref.shape[0] - block_k)
-    kb = k_ref[pl.ds(load_start, block_k), :]
-    vb = v_ref[pl.ds(load_start, block_k), :]
-    s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = s * softmax_scale  # [Rp, block_k]
-    pos = load_start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+    start = j * bk
+    if layout.paged:
+      page = jnp.clip(table_ref[j], 0, layout.rows - 1)
+      load_start = start
+    else:
+      page = None
+      load_start = jnp.minimum(start, layout.rows - bk)
+    kb = load(k_ref, kq, load_start, page)
+    vb = load(v_ref, vq, load_start, page)
+    s = lax.dot_general(q, kb.astype(compute_dtype), (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32)
+    s = s * softmax_scale  # [Rp, bk]
+    pos = load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     valid = (pos >= start) & (pos < row_limit)
     s = jnp.where(valid, s, MASK_VALUE)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
     l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+    vb = vb.astype(compute_dtype)
     pv = lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32)
     return alpha * acc + pv, m_new, l_new
@@ -102,43 +149,82 @@ def _split_kernel(lengths_ref,  # i32[1]: this sequence's length
   lse_ref[...] = lse
 
 
+def _scale_spec(scale, paged):
+  """BlockSpec for a canonical rank-4 scale; axes of size 1 broadcast (index 0)."""
+  d0, d1, d2, nt = scale.shape
+  if paged:  # [Hkv|1, P|1, ps|1, nt]: the whole pool of this kv head
+    return pl.BlockSpec((None, d1, d2, nt), lambda i, h, j: (h if d0 > 1 else 0, 0, 0, 0))
+  return pl.BlockSpec((None, None, d2, nt),
+                      lambda i, h, j: (i if d0 > 1 else 0, h if d1 > 1 else 0, 0, 0))
+
+
 def pallas_partials(q_rows, k, v, lengths, *, num_tokens: int, softmax_scale: float,
-                    num_splits: int, block_k: int, interpret: bool, backend: str):
+                    num_splits: int, block_k: int, interpret: bool, backend: str,
+                    block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None):
   """Per-split partial states from the Pallas kernel.
 
   Args:
     q_rows: ``[B, Hkv, R, Dk]`` queries, row r = t * G + g.
-    k: ``[B, Hkv, S, Dk]``; v: ``[B, Hkv, S, Dv]``.
+    k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables`` int32 ``[B, n]``, paged
+      ``[Hkv, P, page_size, D]``; float or 8-bit with canonical rank-4 scales/offsets.
     lengths: int32 ``[B]``.
     num_tokens: T (rows are T groups of G).
+    block_k: tokens per block (contiguous only; a paged block is one page).
 
   Returns:
     ``(o, lse)``: float32 ``[B, Hkv, n, R, Dv]`` and ``[B, Hkv, n, R]``.
   """
   b, hkv, r, dk = q_rows.shape
-  s, dv = k.shape[2], v.shape[-1]
+  dv = v.shape[-1]
   spec = _backend_spec(backend, interpret)
-  if s < block_k:  # a cache shorter than one block: pad it (cheap: < block_k tokens)
-    pad = [(0, 0), (0, 0), (0, block_k - s), (0, 0)]
-    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+  paged = block_tables is not None
+  if paged:
+    block = k.shape[2]
+    seq_len = block_tables.shape[1] * block
+    rows = k.shape[1]
+  else:
+    seq_len = k.shape[2]
+    block = block_k
+    if seq_len < block:  # a cache shorter than one block: pad it (cheap: < block_k tokens)
+      pad = [(0, 0), (0, 0), (0, block - seq_len), (0, 0)]
+      k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+      k_scale, v_scale, k_offset, v_offset = (
+          a if a is None or a.shape[2] == 1 else jnp.pad(a, pad)
+          for a in (k_scale, v_scale, k_offset, v_offset))
+    rows = k.shape[2]
   rows_p = -(-r // spec.row_multiple) * spec.row_multiple
   if rows_p != r:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, rows_p - r), (0, 0)])
-  num_blocks = pl.cdiv(max(s, 1), block_k)
-  blocks_per_split = pl.cdiv(num_blocks, num_splits)
+  num_blocks = pl.cdiv(max(seq_len, 1), block)
+  layout = _Layout(paged=paged, block=block, rows=rows,
+                   k_quant=(k_scale is not None, k_offset is not None),
+                   v_quant=(v_scale is not None, v_offset is not None))
   kernel = functools.partial(
-      _split_kernel, softmax_scale=softmax_scale, block_k=block_k,
-      blocks_per_split=blocks_per_split, num_rows=r, group=r // num_tokens,
-      num_tokens=num_tokens, seq_len=s)
+      _split_kernel, layout=layout, softmax_scale=softmax_scale,
+      blocks_per_split=pl.cdiv(num_blocks, num_splits), num_rows=r, group=r // num_tokens,
+      num_tokens=num_tokens, seq_len=seq_len)
+
+  if paged:
+    cache_spec = lambda d: pl.BlockSpec((None,) + k.shape[1:3] + (d,), lambda i, h, j: (h, 0, 0, 0))
+  else:
+    cache_spec = lambda d: pl.BlockSpec((None, None, rows, d), lambda i, h, j: (i, h, 0, 0))
+  operands = [lengths.astype(jnp.int32)]
+  in_specs = [pl.BlockSpec((1,), lambda i, h, j: (i,))]
+  if paged:
+    operands.append(block_tables.astype(jnp.int32))
+    in_specs.append(pl.BlockSpec((None, block_tables.shape[1]), lambda i, h, j: (i, 0)))
+  operands += [q_rows, k, v]
+  in_specs += [pl.BlockSpec((None, None, rows_p, dk), lambda i, h, j: (i, h, 0, 0)),
+               cache_spec(dk), cache_spec(dv)]
+  for extra in (k_scale, k_offset, v_scale, v_offset):
+    if extra is not None:
+      operands.append(extra)
+      in_specs.append(_scale_spec(extra, paged))
+
   o, lse = pl.pallas_call(
       kernel,
       grid=(b, hkv, num_splits),
-      in_specs=[
-          pl.BlockSpec((1,), lambda i, h, j: (i,)),
-          pl.BlockSpec((None, None, rows_p, dk), lambda i, h, j: (i, h, 0, 0)),
-          pl.BlockSpec((None, None, k.shape[2], dk), lambda i, h, j: (i, h, 0, 0)),
-          pl.BlockSpec((None, None, k.shape[2], dv), lambda i, h, j: (i, h, 0, 0)),
-      ],
+      in_specs=in_specs,
       out_specs=[
           pl.BlockSpec((None, None, None, rows_p, dv), lambda i, h, j: (i, h, j, 0, 0)),
           pl.BlockSpec((None, None, None, rows_p), lambda i, h, j: (i, h, j, 0)),
@@ -150,5 +236,5 @@ def pallas_partials(q_rows, k, v, lengths, *, num_tokens: int, softmax_scale: fl
       compiler_params=spec.compiler_params,
       interpret=interpret,
       name="fdecode_split_kv",
-  )(lengths.astype(jnp.int32), q_rows, k, v)
+  )(*operands)
   return o[:, :, :, :r], lse[:, :, :, :r]

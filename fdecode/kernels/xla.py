@@ -1,57 +1,119 @@
 """FlashDecode in plain jnp: the CPU default.
 
-The cache's token axis is split into ``n`` equal chunks (a free reshape of the
-head-major cache); each chunk yields a partial state with one batched matmul for the
-scores and one for the values, and the states are merged with `merge_states`.
+Contiguous float caches: the token axis is split into ``n`` equal chunks (a free
+reshape of the head-major cache); one batched matmul gives every chunk's scores, another
+its values, and the per-chunk states are merged with `merge_states`. Measured on a
+2-core AVX2 CPU (benchmarks/RESULTS.md): keeping the batch dims (B, Hkv) leading and the
+split axis on K lets XLA use its native mixed bf16 x bf16 -> f32 dot; token-major
+layouts or a flattened batch axis are 2-5x slower.
 
-Measured on a 2-core AVX2 CPU (see benchmarks/RESULTS.md): keeping exactly the batch
-dims (B, Hkv) leading and the split axis on K lets XLA use its native mixed
-bf16 x bf16 -> f32 dot; token-major layouts or a flattened batch axis are 2-5x slower.
-XLA has no dynamic shapes, so this path reads the full capacity S and masks; the Pallas
+Paged or 8-bit caches: a loop over the ``n`` chunks loads one chunk at a time (gathering
+its pages through the block table, dequantizing after the load), so neither the
+contiguous cache nor its dequantized copy is ever materialized whole.
+
+XLA has no dynamic shapes: this path reads the full capacity S and masks; the Pallas
 kernel is the one that skips blocks past each sequence's length.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 
+from fdecode.cache.paged import gather_pages, gather_scale
 from fdecode.combine import finalize_state
+from fdecode.quant import dequantize
 
 # Finite "minus infinity" for masked scores, so that max/exp never see inf - inf.
 MASK_VALUE = -1e30
 
 
-def xla_partials(q_rows, k, v, row_limits, *, softmax_scale: float, num_splits: int):
-  """Per-split partial states.
-
-  Args:
-    q_rows: ``[B, Hkv, R, Dk]`` queries, the G heads (times T tokens) of a kv head as rows.
-    k: ``[B, Hkv, S, Dk]`` keys; v: ``[B, Hkv, S, Dv]`` values.
-    row_limits: int32 ``[B, R]``: row r attends to key positions ``< row_limits[b, r]``.
-    softmax_scale: multiplies the scores (in float32).
-    num_splits: ``n`` chunks; if it does not divide S the cache is padded (a copy).
-
-  Returns:
-    ``(o, lse)``: float32 ``[B, Hkv, n, R, Dv]`` and ``[B, Hkv, n, R]``.
-  """
-  b, hkv, s, dk = k.shape
-  dv = v.shape[-1]
-  n = num_splits
-  chunk = -(-s // n) if s else 1
-  if chunk * n != s:
-    pad = [(0, 0), (0, 0), (0, chunk * n - s), (0, 0)]
-    k = jnp.pad(k, pad)
-    v = jnp.pad(v, pad)
-  kc = k.reshape(b, hkv, n, chunk, dk)
-  vc = v.reshape(b, hkv, n, chunk, dv)
-  scores = jnp.einsum("bhrd,bhncd->bhnrc", q_rows.astype(k.dtype), kc,
+def _chunk_states(q_rows, kc, vc, row_limits, first_pos, softmax_scale):
+  """States of chunks: kc ``[B, Hkv, n, C, Dk]``, vc ``[B, Hkv, n, C, Dv]``, chunk i starting
+  at token ``first_pos + i*C`` -> (o f32 ``[B, Hkv, n, R, Dv]``, lse ``[B, Hkv, n, R]``)."""
+  n, c = kc.shape[2], kc.shape[3]
+  scores = jnp.einsum("bhrd,bhncd->bhnrc", q_rows.astype(kc.dtype), kc,
                       preferred_element_type=jnp.float32) * softmax_scale
-  pos = jnp.arange(n * chunk, dtype=jnp.int32).reshape(n, 1, chunk)
+  pos = first_pos + jnp.arange(n * c, dtype=jnp.int32).reshape(n, 1, c)
   valid = pos[None, None] < row_limits[:, None, None, :, None]  # [B, 1, n, R, C]
   scores = jnp.where(valid, scores, MASK_VALUE)
   m = jnp.max(scores, axis=-1)
   p = jnp.where(valid, jnp.exp(scores - m[..., None]), 0.0)
   l = jnp.sum(p, axis=-1)
-  acc = jnp.einsum("bhnrc,bhncd->bhnrd", p.astype(v.dtype), vc,
-                   preferred_element_type=jnp.float32)
+  acc = jnp.einsum("bhnrc,bhncd->bhnrd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
   return finalize_state(acc, m, l)
+
+
+def _pad_tokens(x, total, axis=2):
+  if x.shape[axis] in (1, total):
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, total - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def xla_partials(q_rows, k, v, row_limits, *, softmax_scale: float, num_splits: int,
+                 block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None):
+  """Per-split partial states.
+
+  Args:
+    q_rows: ``[B, Hkv, R, Dk]`` queries, the G heads (times T tokens) of a kv head as rows.
+    k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables [B, n]``, paged
+      ``[Hkv, P, page_size, D]``; float, or 8-bit with canonical rank-4 scales
+      (`fdecode.quant.canonical_scale`) and optional offsets.
+    row_limits: int32 ``[B, R]``: row r attends to key positions ``< row_limits[b, r]``.
+    softmax_scale: multiplies the scores (in float32).
+    num_splits: ``n`` chunks. A contiguous float cache that ``n`` does not divide is
+      padded (a copy); the heuristic only picks divisors.
+
+  Returns:
+    ``(o, lse)``: float32 ``[B, Hkv, n, R, Dv]`` and ``[B, Hkv, n, R]``.
+  """
+  n = num_splits
+  quantized = k_scale is not None or v_scale is not None
+  if block_tables is None and not quantized:
+    b, hkv, s, dk = k.shape
+    chunk = max(-(-s // n), 1)
+    k, v = _pad_tokens(k, chunk * n), _pad_tokens(v, chunk * n)
+    kc = k.reshape(b, hkv, n, chunk, dk)
+    vc = v.reshape(b, hkv, n, chunk, v.shape[-1])
+    return _chunk_states(q_rows, kc, vc, row_limits, 0, softmax_scale)
+
+  compute_dtype = jnp.bfloat16 if q_rows.dtype == jnp.bfloat16 else jnp.float32
+  if block_tables is not None:
+    page_size = k.shape[2]
+    pages_per_chunk = -(-block_tables.shape[1] // n)
+    tables = _pad_tokens(block_tables, pages_per_chunk * n, axis=1)
+    chunk = pages_per_chunk * page_size
+
+    def load(i, x, scale, offset):
+      ids = lax.dynamic_slice_in_dim(tables, i * pages_per_chunk, pages_per_chunk, axis=1)
+      x = gather_pages(x, ids)
+      if scale is not None:
+        sc = gather_scale(scale, ids, page_size)
+        off = None if offset is None else gather_scale(offset, ids, page_size)
+        x = dequantize(x, sc, off, compute_dtype)
+      return x
+  else:
+    s = k.shape[2]
+    chunk = max(-(-s // n), 1)
+    k, v = _pad_tokens(k, chunk * n), _pad_tokens(v, chunk * n)
+    k_scale, v_scale, k_offset, v_offset = (
+        None if a is None else _pad_tokens(a, chunk * n) for a in (k_scale, v_scale, k_offset, v_offset))
+
+    def load(i, x, scale, offset):
+      x = lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=2)
+      if scale is not None:
+        sl = lambda a: a if a.shape[2] == 1 else lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=2)
+        x = dequantize(x, sl(scale), None if offset is None else sl(offset), compute_dtype)
+      return x
+
+  def one_chunk(i):
+    kc = load(i, k, k_scale, k_offset)[:, :, None]
+    vc = load(i, v, v_scale, v_offset)[:, :, None]
+    o, lse = _chunk_states(q_rows, kc, vc, row_limits, i * chunk, softmax_scale)
+    return o[:, :, 0], lse[:, :, 0]
+
+  o, lse = lax.map(one_chunk, jnp.arange(n, dtype=jnp.int32))  # [n, B, Hkv, R, ...]
+  return jnp.moveaxis(o, 0, 2), jnp.moveaxis(lse, 0, 2)

@@ -1,0 +1,103 @@
+"""8-bit KV caches: the scale layout, `quantize`, and the one `dequantize` every path uses.
+
+Byte layout. A quantized cache stores ``values`` in int8, float8_e4m3fn or float8_e5m2 with
+exactly the shape of the float cache (``[B, Hkv, S, D]`` contiguous or
+``[Hkv, P, page_size, D]`` paged), one byte per element, row-major. Beside it lives a
+float32 ``scale`` (and optionally an ``offset``, for asymmetric int8) with **one rule for
+every granularity**: either a scalar (per tensor), or an array shaped like the cache with
+its last axis replaced by ``n_tiles``, where ``n_tiles`` divides the head dim D. Tile ``i``
+of a row covers elements ``[i*D/n_tiles, (i+1)*D/n_tiles)``:
+
+  * ``n_tiles = 1``: one scale per token per head (``[B, Hkv, S, 1]``);
+  * ``n_tiles = D / 128``: FlashMLA's 1x128 tiles;
+  * leading axes of size 1 broadcast, e.g. ``[1, Hkv, 1, 1]`` per head.
+
+The real value is ``(values + offset) * scale`` (Ascend's antiquant; offset 0 if absent).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+_QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
+
+
+def is_quantized(dtype) -> bool:
+  return jnp.dtype(dtype) in QUANT_DTYPES
+
+
+def canonical_scale(scale, cache_shape, name: str):
+  """Validates a scale/offset against its cache and returns it as float32 of rank 4.
+
+  A scalar becomes ``[1, 1, 1, 1]``; an array must have the cache's rank, each leading
+  axis equal to the cache's or 1, and a last axis ``n_tiles`` dividing the head dim.
+  """
+  scale = jnp.asarray(scale, jnp.float32)
+  d = cache_shape[-1]
+  if scale.ndim == 0:
+    return scale.reshape(1, 1, 1, 1)
+  ok = scale.ndim == len(cache_shape) and all(s in (1, c) for s, c in zip(scale.shape[:-1], cache_shape[:-1]))
+  if not ok or scale.shape[-1] < 1 or d % scale.shape[-1]:
+    raise ValueError(
+        f"flash_decode: {name} must be a scalar or shaped like the cache with its last axis replaced by "
+        f"n_tiles dividing the head dim (leading axes may be 1); got {name}.shape={tuple(scale.shape)} "
+        f"for cache shape {tuple(cache_shape)}")
+  return scale
+
+
+def dequantize(values, scale, offset=None, dtype=jnp.float32):
+  """``(values + offset) * scale`` with tile-wise scales.
+
+  Args:
+    values: ``[..., D]`` int8 / fp8 (or float) cache rows.
+    scale: float32 broadcastable to ``[..., n_tiles]``.
+    offset: like ``scale`` or None.
+  Returns:
+    ``[..., D]`` in ``dtype``.
+  """
+  d = values.shape[-1]
+  nt = scale.shape[-1]
+  x = values.astype(jnp.float32).reshape(*values.shape[:-1], nt, d // nt)
+  if offset is not None:
+    x = x + offset[..., None]
+  x = x * scale[..., None]
+  return x.reshape(values.shape).astype(dtype)
+
+
+def quantize(x, dtype, *, tile=None, per_tensor=False):
+  """Quantizes a float cache (or new cache rows) symmetrically.
+
+  Args:
+    x: ``[..., D]`` float array.
+    dtype: int8, float8_e4m3fn or float8_e5m2.
+    tile: elements per scale along the head dim (must divide D); ``None`` = one scale per
+      row (per token per head). ``tile=128`` gives FlashMLA's 1x128 tiles.
+    per_tensor: one scalar scale for the whole array (overrides ``tile``).
+
+  Returns:
+    ``(values, scale)``: values in ``dtype`` shaped like x; scale float32, a scalar if
+    ``per_tensor`` else ``[..., D // tile]``. ``dequantize(values, scale)`` ~= x.
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype not in QUANT_DTYPES:
+    raise ValueError(f"quantize: dtype must be one of {[str(d) for d in QUANT_DTYPES]}, got {dtype}")
+  x = jnp.asarray(x, jnp.float32)
+  d = x.shape[-1]
+  qmax = _QMAX[dtype]
+  if per_tensor:
+    amax = jnp.max(jnp.abs(x))
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    y = x / scale
+  else:
+    tile = d if tile is None else tile
+    if d % tile:
+      raise ValueError(f"quantize: tile={tile} must divide the head dim D={d} (x.shape={x.shape})")
+    xt = x.reshape(*x.shape[:-1], d // tile, tile)
+    amax = jnp.max(jnp.abs(xt), axis=-1)
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    y = (xt / scale[..., None]).reshape(x.shape)
+  if dtype == jnp.int8:
+    y = jnp.round(y)
+  return jnp.clip(y, -qmax, qmax).astype(dtype), scale
