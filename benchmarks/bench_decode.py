@@ -1,0 +1,164 @@
+"""Decode-attention benchmark: fdecode against its peers and the memory floor, in one run.
+
+For each configuration every contender runs on the same data: fdecode.flash_decode
+(each impl), jax.nn.dot_product_attention (given the cache in its own [B, S, H, D]
+layout), JAX's own Pallas decode kernel (jax.experimental.pallas.ops.gpu.decode_attention.gqa;
+interpret mode on CPU) and the floor: one streaming read of the same K and V bytes
+(their bytes viewed as uint32 and summed). Reported: median ms (compile excluded, reported apart), GB/s of KV bytes, and
+the fraction of the floor (floor time / contender time). Machines are noisy: compare the
+ratios within one run.
+
+  python benchmarks/bench_decode.py            # the issue's shapes (a few minutes on 2 cores)
+  python benchmarks/bench_decode.py --quick    # tiny shapes, seconds (the test suite runs this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fdecode
+from fdecode.quant import quantize
+
+
+def timeit(fn, *args, iters):
+  """(median seconds, compile seconds) of a jitted fn."""
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  compile_s = time.perf_counter() - t0
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times), compile_s
+
+
+def floor_fn(*arrays):
+  """One streaming read of the arrays' bytes: each viewed as uint32 words and summed
+  (wrapping), so no dtype conversion is done and the read is the only cost."""
+  total = jnp.uint32(0)
+  for a in arrays:
+    words = a.reshape(-1, 4 // a.dtype.itemsize) if a.dtype.itemsize < 4 else a.reshape(-1)
+    total = total + jnp.sum(jax.lax.bitcast_convert_type(words, jnp.uint32), dtype=jnp.uint32)
+  return total
+
+
+def contiguous_rows(b, s, hkv, hq, d, dtype, iters, slow_iters, with_slow):
+  """Rows for one contiguous-cache configuration: (name, seconds, compile, bytes)."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (b, hq, d), jnp.float32).astype(dtype)
+  k = jax.random.normal(keys[1], (b, hkv, s, d), jnp.float32).astype(dtype)
+  v = jax.random.normal(keys[2], (b, hkv, s, d), jnp.float32).astype(dtype)
+  lengths = jnp.full((b,), s, jnp.int32)
+  kv_bytes = 2 * k.size * k.dtype.itemsize
+  rows = []
+  add = lambda name, fn, *a, n=iters: rows.append((name, *timeit(jax.jit(fn), *a, iters=n), kv_bytes))
+  add("floor: read K, V", floor_fn, k, v)
+  add("fdecode default (xla)", lambda q, k, v, n: fdecode.flash_decode(q, k, v, n), q, k, v, lengths)
+  # Peers get the cache in their own token-major layout (made outside the timed region).
+  kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+  mask = jnp.ones((b, 1, 1, s), bool)
+  add("jax.nn.dot_product_attention", lambda q, k, v: jax.nn.dot_product_attention(
+      q[:, None], k, v, mask=mask)[:, 0], q, kt, vt)
+  if with_slow:
+    from jax.experimental.pallas.ops.gpu import decode_attention
+    add("fdecode pallas (interpret)", lambda q, k, v, n: fdecode.flash_decode(
+        q, k, v, n, impl="pallas", block_k=512), q, k, v, lengths, n=slow_iters)
+    add("jax pallas gqa (interpret)", lambda q, k, v, n: decode_attention.gqa(
+        q, k, v, kv_seq_len=n, interpret=True, k_splits=16, block_k=512), q, kt, vt, lengths, n=slow_iters)
+    add("fdecode reference (f32)", lambda q, k, v, n: fdecode.flash_decode(
+        q, k, v, n, impl="reference"), q, k, v, lengths, n=slow_iters)
+  return rows
+
+
+def cache_format_rows(b, s, hkv, hq, d, page_size, iters):
+  """Paged and 8-bit caches against the contiguous float32 cache of the same shape."""
+  keys = jax.random.split(jax.random.key(1), 4)
+  q = jax.random.normal(keys[0], (b, hq, d))
+  k = jax.random.normal(keys[1], (b, hkv, s, d))
+  v = jax.random.normal(keys[2], (b, hkv, s, d))
+  lengths = jnp.full((b,), s, jnp.int32)
+  n = s // page_size
+  perm = jax.random.permutation(keys[3], b * n)
+  tables = perm.reshape(b, n).astype(jnp.int32)
+  to_pages = lambda x: x.reshape(b, hkv, n, page_size, d).transpose(1, 0, 2, 3, 4).reshape(hkv, b * n, page_size, d)
+  inv = jnp.argsort(perm)
+  kp, vp = to_pages(k)[:, inv], to_pages(v)[:, inv]  # page perm[i] holds chunk i
+  k8, ks = quantize(k, jnp.int8)
+  v8, vs = quantize(v, jnp.int8)
+  f32_bytes, i8_bytes = 2 * k.size * 4, 2 * k.size + 2 * ks.size * 4
+  rows = []
+  add = lambda name, fn, args, nbytes: rows.append((name, *timeit(jax.jit(fn), *args, iters=iters), nbytes))
+  add("floor f32: read K, V", floor_fn, (k, v), f32_bytes)
+  add("contiguous f32 (xla)", lambda q, k, v, l: fdecode.flash_decode(q, k, v, l), (q, k, v, lengths), f32_bytes)
+  add(f"paged f32, page {page_size} (xla)", lambda q, k, v, l, t: fdecode.flash_decode(
+      q, k, v, l, block_tables=t), (q, kp, vp, lengths, tables), f32_bytes)
+  add("floor int8: read K8, V8, scales", floor_fn, (k8, v8, ks, vs), i8_bytes)
+  add("int8 per-token (xla)", lambda q, k, v, l, a, c: fdecode.flash_decode(
+      q, k, v, l, k_scale=a, v_scale=c), (q, k8, v8, lengths, ks, vs), i8_bytes)
+  return rows
+
+
+def print_table(title, rows, floor_name_prefix="floor"):
+  print(f"\n### {title}\n")
+  print("| contender | median ms | compile s | GB/s | fraction of floor |")
+  print("|---|---:|---:|---:|---:|")
+  floor = None
+  for name, sec, comp, nbytes in rows:
+    if name.startswith(floor_name_prefix):
+      floor = sec
+    frac = f"{floor / sec:.2f}" if floor else "-"
+    print(f"| {name} | {sec * 1e3:.2f} | {comp:.2f} | {nbytes / sec / 1e9:.1f} | {frac} |")
+  sys.stdout.flush()
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--quick", action="store_true", help="tiny shapes, few iterations")
+  p.add_argument("--iters", type=int, default=15)
+  p.add_argument("--sections", default="main,sweep,formats")
+  a = p.parse_args(argv)
+  sections = a.sections.split(",")
+  if a.quick:
+    b, s, hkv, hq, d, iters, slow, sweep, page = 2, 512, 2, 8, 64, 3, 1, [256, 512], 16
+  else:
+    b, s, hkv, hq, d, iters, slow, sweep, page = 4, 16384, 8, 32, 128, a.iters, 3, [1024, 4096, 16384, 65536], 16
+  print(f"# fdecode decode benchmark\n\nmachine: {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, backend {jax.default_backend()} ({jax.devices()[0].device_kind}), "
+        f"jax {jax.__version__}")
+  if "main" in sections:
+    for dtype in (jnp.float32, jnp.bfloat16):
+      rows = contiguous_rows(b, s, hkv, hq, d, dtype, iters, slow, with_slow=True)
+      print_table(f"B={b} S={s} Hkv={hkv} Hq={hq} D={d} {jnp.dtype(dtype).name}", rows)
+  if "sweep" in sections:
+    for dtype in (jnp.float32, jnp.bfloat16):
+      print(f"\n### sweep over S, B={b} Hkv={hkv} Hq={hq} D={d} {jnp.dtype(dtype).name}\n")
+      print("| S | floor ms | fdecode ms | fdecode frac | dot_product_attention ms | speed-up vs dpa |")
+      print("|---:|---:|---:|---:|---:|---:|")
+      for sl in sweep:
+        rows = contiguous_rows(b, sl, hkv, hq, d, dtype, iters, slow, with_slow=False)
+        t = {r[0]: r[1] for r in rows}
+        f, x, dpa = t["floor: read K, V"], t["fdecode default (xla)"], t["jax.nn.dot_product_attention"]
+        print(f"| {sl} | {f * 1e3:.2f} | {x * 1e3:.2f} | {f / x:.2f} | {dpa * 1e3:.2f} | {dpa / x:.1f}x |")
+        sys.stdout.flush()
+  if "formats" in sections:
+    rows = cache_format_rows(b, s, hkv, hq, d, page, iters)
+    print_table(f"cache formats, B={b} S={s} Hkv={hkv} Hq={hq} D={d} (each against the floor above it)", rows)
+    t = {r[0]: r[1] for r in rows}
+    contiguous = t["contiguous f32 (xla)"]
+    print(f"\npaged / contiguous time: {t[f'paged f32, page {page} (xla)'] / contiguous:.2f}x; "
+          f"int8 speed-up over f32 cache: {contiguous / t['int8 per-token (xla)']:.2f}x")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
