@@ -58,3 +58,41 @@ def finalize_state(acc: jnp.ndarray, m: jnp.ndarray, l: jnp.ndarray):
   o = acc / jnp.where(nonempty, l, 1.0)[..., None]
   lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
   return o, lse
+
+
+def combine_across(o: jnp.ndarray, lse: jnp.ndarray, axis_name):
+  """Merges the states held by the devices along mesh axis ``axis_name``.
+
+  Call inside ``jax.shard_map`` (or any context where ``axis_name`` is bound), where
+  each device holds the state of a disjoint part of the keys, e.g. one chunk of a cache
+  whose token axis is split over ``axis_name``. Each device's (o, lse) is all-gathered
+  along the axis and the stack is merged by `merge_states`: the LSE math is not
+  repeated here. Only the states cross devices (``n * (o.size + lse.size)`` values
+  received per device), never keys or values.
+
+  The merge runs in the same order (device 0, 1, ...) on every device, so the result
+  is bitwise identical on all of them and from run to run (deterministic), and it is
+  invariant along ``axis_name`` (an ``out_specs`` may leave that axis out).
+
+  Args:
+    o: ``[..., Dv]`` this device's partial output, normalized over its keys.
+    lse: ``[...]`` (``o.shape[:-1]``) float natural-log LSE of its keys; ``-inf`` for a
+      device whose part is empty.
+    axis_name: a mesh axis name, or a tuple of names (their devices in mesh order).
+
+  Returns:
+    ``(o, lse)`` merged over every device of the axis: o ``[..., Dv]`` in ``o.dtype``,
+    lse float32 ``[...]``; o = 0, lse = -inf where every part is empty.
+  """
+  if o.shape[:-1] != lse.shape:
+    raise ValueError(f"combine_across: o.shape[:-1] must equal lse.shape, got {o.shape=} {lse.shape=}")
+  # all_gather_invariant (not all_gather) types the gathered stack as identical on every
+  # device of the axis, which it is, so shard_map's default check_vma=True accepts an
+  # out_specs without the axis. JAX 0.10 does not re-export it under jax.lax yet.
+  import jax  # pylint: disable=g-import-not-at-top (combine.py is append-only here)
+  all_gather_invariant = getattr(jax.lax, "all_gather_invariant", None)
+  if all_gather_invariant is None:
+    from jax._src.lax.parallel import all_gather_invariant  # pylint: disable=g-import-not-at-top
+  o_all = all_gather_invariant(o, axis_name)  # [n, ..., Dv]
+  lse_all = all_gather_invariant(lse.astype(jnp.float32), axis_name)  # [n, ...]
+  return merge_states(o_all, lse_all, axis=0)

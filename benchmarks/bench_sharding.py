@@ -1,0 +1,103 @@
+"""Sequence-parallel FlashDecode: bytes crossing devices per step, and step time vs devices.
+
+Run: ``.venv/bin/python benchmarks/bench_sharding.py [--context S] [--iters N]``.
+
+1. From the compiled HLO of one `sharded_flash_decode` step (seq_axis over n devices,
+   abstract inputs, nothing allocated): bytes produced by cross-device ops per device,
+   against the cache bytes each device holds. Only the (o, lse) states travel.
+2. Step time at a fixed total cache: single-device `flash_decode` vs the cache split over
+   2 and 8 simulated CPU devices. The devices are simulated
+   (``--xla_force_host_platform_device_count=8``) and share this machine's cores, so the
+   times show overhead, not a speed-up (the machine that produced RESULTS had 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # pylint: disable=g-import-not-at-top,g-bad-import-order
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import fdecode
+from fdecode.sharding import collective_bytes
+
+
+def _comm_table(b, t, hq, hkv, s, d, dtype):
+  print(f"\n### Bytes crossing devices per step (seq_axis; B={b}, T={t}, Hq={hq}, Hkv={hkv}, "
+        f"S={s}, D={d}, {jnp.dtype(dtype).name})\n")
+  print("| devices | collectives (bytes produced per device) | total per device | cache per device | ratio |")
+  print("|---:|---|---:|---:|---:|")
+  q = jax.ShapeDtypeStruct((b, t, hq, d), dtype)
+  k = jax.ShapeDtypeStruct((b, hkv, s, d), dtype)
+  lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+  for n in (2, 8):
+    mesh = jax.make_mesh((n,), ("s",), devices=jax.devices()[:n])
+    step = jax.jit(functools.partial(fdecode.sharded_flash_decode, mesh=mesh, seq_axis="s",
+                                     impl="xla"))
+    sent = collective_bytes(step.lower(q, k, k, lengths).compile().as_text())
+    total = sum(sum(x) for x in sent.values())
+    cache = 2 * b * hkv * s * d * jnp.dtype(dtype).itemsize // n
+    ops = ", ".join(f"{op} {x}" for op, x in sent.items())
+    print(f"| {n} | {ops} | {total / 1024:.1f} KiB | {cache / 2**20:.1f} MiB | {cache / max(total, 1):.0f}x |")
+
+
+def _time(fn, args, iters):
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  compile_s = time.perf_counter() - t0
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return compile_s, statistics.median(times)
+
+
+def _time_table(b, hq, hkv, s, d, dtype, iters):
+  kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(kq, (b, hq, d), dtype)
+  k = jax.random.normal(kk, (b, hkv, s, d), dtype)
+  v = jax.random.normal(kv, (b, hkv, s, d), dtype)
+  lengths = jnp.full((b,), s, jnp.int32)
+  kv_bytes = 2 * k.size * k.dtype.itemsize
+  print(f"\n### Step time at fixed total cache (B={b}, Hq={hq}, Hkv={hkv}, S={s}, D={d}, "
+        f"{jnp.dtype(dtype).name}, {kv_bytes / 2**20:.0f} MiB of KV; {os.cpu_count()} CPU cores, "
+        f"devices simulated on them)\n")
+  print("| devices | compile s | step median ms | GB/s of KV | max abs err vs 1 device |")
+  print("|---:|---:|---:|---:|---:|")
+  single = jax.jit(functools.partial(fdecode.flash_decode, impl="xla"))
+  base = None
+  for n in (1, 2, 8):
+    if n == 1:
+      fn = single
+    else:
+      mesh = jax.make_mesh((n,), ("s",), devices=jax.devices()[:n])
+      fn = jax.jit(functools.partial(fdecode.sharded_flash_decode, mesh=mesh, seq_axis="s",
+                                     impl="xla"))
+    compile_s, med = _time(fn, (q, k, v, lengths), iters)
+    base = fn(q, k, v, lengths) if base is None else base
+    err = float(jnp.max(jnp.abs(fn(q, k, v, lengths).astype(jnp.float32) - base.astype(jnp.float32))))
+    print(f"| {n} | {compile_s:.2f} | {med * 1e3:.2f} | {kv_bytes / med / 1e9:.1f} | {err:.1e} |")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--context", type=int, default=8192, help="S for the timing table")
+  p.add_argument("--iters", type=int, default=10)
+  a = p.parse_args(argv)
+  print(f"fdecode sharding benchmark on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+        f"{jax.device_count()} simulated devices over {os.cpu_count()} cores")
+  _comm_table(b=4, t=1, hq=32, hkv=8, s=32768, d=128, dtype=jnp.bfloat16)
+  _time_table(b=2, hq=8, hkv=2, s=a.context, d=64, dtype=jnp.bfloat16, iters=a.iters)
+
+
+if __name__ == "__main__":
+  main()

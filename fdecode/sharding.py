@@ -1,0 +1,328 @@
+"""Multi-device FlashDecode: `jax.shard_map` wrappers over `flash_decode`.
+
+Legend: B batch, T new tokens per sequence, Hq query heads, Hkv kv heads, G = Hq // Hkv,
+S cache capacity, Dk / Dv head dims; n_b, n_h, n_s the sizes of the batch, head and
+sequence mesh axes.
+
+Three ways to split one decode step, combinable on one mesh:
+
+* batch (``batch_axis``): sequences split across devices; no communication.
+* heads (``head_axis``): kv heads split, each with its G query heads; no communication.
+  If ``Hkv < n_h`` (MQA / few kv heads) and ``n_h % Hkv == 0``, every kv head is
+  replicated on ``n_h / Hkv`` devices and its query group is split among them.
+* sequence (``seq_axis``): the token axis S split in ``n_s`` contiguous chunks. Each
+  device decodes against its chunk only and yields a partial state (o, lse); the states
+  are merged across devices by `fdecode.combine.combine_across` (all-gather of the states,
+  then `merge_states`). Only ``O(B * Hq * Dv)`` values per device cross the network per
+  step, never cache bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from fdecode.api import flash_decode
+from fdecode.combine import combine_across, merge_states
+
+# flash_decode options that describe how to tile the local cache; the tiny tail calls
+# of the causal correction below (S <= T - 1) use the defaults instead.
+_TILING_KWARGS = ("num_splits", "block_k")
+
+
+def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=None,
+                         batch_axis=None, return_lse=False, **flash_decode_kwargs):
+  """`flash_decode` with the work split over the devices of ``mesh``.
+
+  Args:
+    q: ``[B, Hq, Dk]`` or ``[B, T, Hq, Dk]`` float queries (T new tokens per sequence,
+      causal among themselves, as in `flash_decode`).
+    k: ``[B, Hkv, S, Dk]`` head-major key cache.
+    v: ``[B, Hkv, S, Dv]`` value cache.
+    lengths: int ``[B]`` valid tokens per sequence (new ones included), in ``[0, S]``.
+    mesh: a `jax.sharding.Mesh` (e.g. `jax.make_mesh`) with Explicit or Auto axes.
+    head_axis: mesh axis name (or tuple of names) over which the kv heads, and their
+      query heads with them, are split. Needs ``Hkv % n_h == 0``, or else
+      ``n_h % Hkv == 0`` and ``Hq % n_h == 0`` (kv heads replicated, query groups split).
+    seq_axis: mesh axis name(s) over which the cache's token axis is split into
+      contiguous chunks of ``S / n_s`` tokens (needs ``S % n_s == 0``).
+    batch_axis: mesh axis name(s) over which the sequences are split (``B % n_b == 0``).
+    return_lse: also return the float32 LSE, as `flash_decode` does.
+    **flash_decode_kwargs: passed to `flash_decode` on every device (``impl``,
+      ``num_splits``, ``block_k``, ``softmax_scale``, ``interpret``...). ``num_splits``
+      and ``block_k`` apply to each device's local chunk. Array-valued options are
+      passed replicated to every device.
+
+  Inputs may be unsharded (they are resharded to the layout below) or already sharded
+  that way. Mesh axes named by none of the three roles replicate the work.
+
+  Returns:
+    ``out`` shaped like ``q`` with last dim Dv (dtype of q), and with ``return_lse`` the
+    float32 ``lse`` ``[B, Hq]`` / ``[B, T, Hq]``, equal to single-device `flash_decode`
+    within float tolerance. Output sharding: ``NamedSharding(mesh, spec)`` with the
+    batch dim over ``batch_axis`` and the Hq dim over ``head_axis``, i.e.
+    ``P(batch_axis, head_axis, None)`` for ``[B, Hq, Dv]`` and
+    ``P(batch_axis, None, head_axis, None)`` for ``[B, T, Hq, Dv]`` (lse likewise, less
+    the last dim); replicated over ``seq_axis`` and every other mesh axis. With a
+    ``seq_axis`` the cross-device merge is deterministic and bitwise identical on all
+    devices.
+
+  Raises:
+    ValueError: for inconsistent shapes (as `flash_decode`), unknown or repeated mesh
+      axes, or sizes the mesh axes do not divide (the message names the argument and
+      shows the shapes).
+    NotImplementedError: for paged caches (``block_tables``).
+  """
+  if flash_decode_kwargs.get("block_tables") is not None:
+    raise NotImplementedError(
+        "sharded_flash_decode: paged caches (block_tables) are not supported yet; "
+        "pass a contiguous [B, Hkv, S, D] cache")
+  # flash_decode's own validation, on the global shapes (so errors show them) and
+  # without their shardings (explicitly sharded operands would trip its einsums).
+  abstract = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in (q, k, v, lengths)]
+  jax.eval_shape(functools.partial(flash_decode, **flash_decode_kwargs), *abstract)
+  _check_concrete_lengths(lengths, k.shape[2])
+  plan = _plan(q.shape, k.shape, mesh=mesh, head_axis=head_axis, seq_axis=seq_axis,
+               batch_axis=batch_axis)
+
+  static = tuple(sorted((n, x) for n, x in flash_decode_kwargs.items() if not _is_array(x)))
+  arrays = {n: x for n, x in flash_decode_kwargs.items() if _is_array(x)}
+  try:
+    fn = _build(mesh, plan, q.ndim == 3, static, tuple(sorted(arrays)))
+  except TypeError:  # an unhashable option: build without the cache
+    fn = _build.__wrapped__(mesh, plan, q.ndim == 3, static, tuple(sorted(arrays)))
+  out, lse = fn(q, k, v, jnp.asarray(lengths).astype(jnp.int32), arrays)
+  return (out, lse) if return_lse else out
+
+
+@functools.lru_cache(maxsize=64)
+def _build(mesh, plan, single_token, static_kwargs, array_names):
+  """The jitted step: reshard the inputs, then shard_map `_local_decode` over the mesh."""
+  q_spec = plan.q_spec(single_token)
+  k_spec = P(plan.batch, plan.kv_head, plan.seq, None)
+  in_specs = (q_spec, k_spec, k_spec, P(plan.batch), {n: P() for n in array_names})
+  out_specs = (q_spec, P(*q_spec[:-1]))
+  body = functools.partial(_local_decode, plan=plan, single_token=single_token,
+                           kwargs=static_kwargs)
+  # The Pallas kernel's pallas_call declares its outputs without a varying-axes type, which
+  # check_vma=True rejects; only for it is the check off. The collective in
+  # combine_across is invariant by construction either way (all_gather_invariant).
+  impl = dict(static_kwargs).get("impl")
+  pallas = impl == "pallas" or (impl is None and jax.default_backend() != "cpu")
+  mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=not pallas)
+
+  @jax.jit
+  def step(q, k, v, lengths, arrays):
+    args = [_reshard(x, mesh, spec) for x, spec in zip((q, k, v, lengths), in_specs)]
+    arrays = {n: _reshard(x, mesh, P()) for n, x in arrays.items()}
+    return mapped(*args, arrays)
+
+  return step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """How the global problem maps onto the mesh (static and hashable)."""
+
+  batch: Any        # PartitionSpec entry of B: None, a mesh axis name or a tuple of names
+  head: Any         # entry of Hq
+  kv_head: Any      # entry of Hkv (None when kv heads are replicated)
+  seq: Any          # entry of S
+  seq_size: int     # n_s
+  chunk: int        # S / n_s tokens per device
+  kv_replicas: int  # devices sharing one kv head (1: the kv heads are split)
+
+  def q_spec(self, single_token):
+    return P(self.batch, self.head, None) if single_token else P(self.batch, None, self.head, None)
+
+
+def _plan(q_shape, k_shape, *, mesh, head_axis, seq_axis, batch_axis) -> _Plan:
+  b, hkv, s, _ = k_shape
+  hq = q_shape[-2]
+  shapes = f"q.shape={tuple(q_shape)}, k.shape={tuple(k_shape)}, mesh.shape={dict(mesh.shape)}"
+  roles = {"head_axis": _names(head_axis), "seq_axis": _names(seq_axis),
+           "batch_axis": _names(batch_axis)}
+  seen = {}
+  for role, names in roles.items():
+    for name in names:
+      if name not in mesh.shape:
+        raise ValueError(f"sharded_flash_decode: {role}={name!r} is not an axis of the mesh; "
+                         f"mesh axes are {tuple(mesh.axis_names)}")
+      if name in seen:
+        raise ValueError(f"sharded_flash_decode: mesh axis {name!r} is given as both "
+                         f"{seen[name]} and {role}")
+      seen[name] = role
+  size = {role: math.prod(mesh.shape[n] for n in names) for role, names in roles.items()}
+  if b % size["batch_axis"]:
+    raise ValueError(f"sharded_flash_decode: batch_axis of size {size['batch_axis']} must divide "
+                     f"the batch B={b}; got {shapes}")
+  if s % size["seq_axis"]:
+    raise ValueError(f"sharded_flash_decode: seq_axis of size {size['seq_axis']} must divide "
+                     f"the cache capacity S={s}; got {shapes}")
+  n_h = size["head_axis"]
+  if hkv % n_h == 0:
+    kv_replicas = 1
+  elif n_h % hkv == 0 and hq % n_h == 0:
+    kv_replicas = n_h // hkv
+  else:
+    raise ValueError(
+        f"sharded_flash_decode: head_axis of size {n_h} must divide Hkv={hkv}, or be a multiple "
+        f"of Hkv that divides Hq={hq} (kv heads replicated, query groups split); got {shapes}")
+  entry = lambda names: None if not names else names[0] if len(names) == 1 else names
+  return _Plan(batch=entry(roles["batch_axis"]), head=entry(roles["head_axis"]),
+               kv_head=entry(roles["head_axis"]) if kv_replicas == 1 else None,
+               seq=entry(roles["seq_axis"]), seq_size=size["seq_axis"],
+               chunk=s // size["seq_axis"], kv_replicas=kv_replicas)
+
+
+def _local_decode(q, k, v, lengths, arrays, *, plan, single_token, kwargs):
+  """One device's share. q ``[b, (T,) hq, Dk]``, k/v ``[b, hkv, S/n_s, D]``, lengths ``[b]``
+  -> (out like q with Dv, lse f32 ``[b, (T,) hq]``), merged over the seq axis."""
+  kwargs = dict(kwargs, **arrays)
+  if plan.kv_replicas > 1:
+    # k/v hold every kv head; this device's query heads belong to one of them.
+    kv_head = jax.lax.axis_index(plan.head) // plan.kv_replicas
+    k = jax.lax.dynamic_slice_in_dim(k, kv_head, 1, axis=1)
+    v = jax.lax.dynamic_slice_in_dim(v, kv_head, 1, axis=1)
+  if plan.seq is None:
+    return flash_decode(q, k, v, lengths, return_lse=True, **kwargs)
+  q4 = q[:, None] if single_token else q
+  out, lse = _chunk_decode(q4, k, v, lengths, plan=plan, kwargs=kwargs)
+  out, lse = combine_across(out, lse, plan.seq)
+  if single_token:
+    out, lse = out[:, 0], lse[:, 0]
+  return out, lse
+
+
+def _chunk_decode(q, k, v, lengths, *, plan, kwargs):
+  """State of this device's chunk of the token axis.
+
+  Query t of a sequence of global length L sees global positions ``< L - T + t + 1``,
+  i.e. local positions ``< L - off - T + t + 1`` clipped to ``[0, C]`` for the chunk
+  of C tokens starting at ``off``. `flash_decode` derives its limits from lengths in
+  ``[0, C]``, so with the local length ``l = clip(L - off, 0, C)`` it is exact unless
+  the causal window straddles the chunk's end (``C < L - off < C + T - 1``): then
+  query t sees ``[0, C - T + t + 1)`` and misses ``[C - T + t + 1, min(C, L - off - T + t + 1))``,
+  at most ``T - 1 - t`` tokens at the end of the chunk. Those are added by one small
+  `flash_decode` call (the T - 1 first queries as single-token rows, each over its own
+  window of at most T - 1 tokens, so O(T^2) keys, not O(C)), merged by `merge_states`
+  (an empty state, i.e. a no-op, whenever nothing straddles).
+
+  Args:
+    q: ``[b, T, hq, Dk]``; k, v: ``[b, hkv, C, D]``; lengths: int32 ``[b]`` global.
+
+  Returns:
+    (o ``[b, T, hq, Dv]`` in q.dtype, lse float32 ``[b, T, hq]``) of this chunk.
+  """
+  t_new = q.shape[1]
+  c = plan.chunk
+  rel = lengths - jax.lax.axis_index(plan.seq) * c  # L - off, [b]
+  out, lse = flash_decode(q, k, v, jnp.clip(rel, 0, c), return_lse=True, **kwargs)
+  if t_new == 1:
+    return out, lse
+  # One single-token call for the T - 1 first queries, as a batch of b * (T - 1): query t
+  # gets the window [start_t, C) of W = min(T - 1, C) tokens (padded past C with repeats
+  # of token C - 1, never inside its length).
+  w = min(t_new - 1, c)
+  starts = np.maximum(0, c - t_new + 1 + np.arange(t_new - 1))  # [T-1]
+  idx = np.minimum(starts[:, None] + np.arange(w)[None, :], c - 1).reshape(-1)  # [(T-1) * W]
+  def window(x):  # [b, hkv, C, D] -> [b * (T-1), hkv, W, D]
+    x = jnp.take(x, jnp.asarray(idx, jnp.int32), axis=2)
+    x = x.reshape(x.shape[0], x.shape[1], t_new - 1, w, x.shape[-1]).transpose(0, 2, 1, 3, 4)
+    return x.reshape(-1, x.shape[2], w, x.shape[-1])
+  t = np.arange(t_new - 1)
+  n_tail = jnp.clip(rel[:, None] - t_new + 1 + t[None, :] - starts[None, :], 0,
+                    np.minimum(c - starts, w)[None, :])  # [b, T-1]
+  tail_kwargs = {n: x for n, x in kwargs.items() if n not in _TILING_KWARGS}
+  q_tail = q[:, :-1].reshape(-1, *q.shape[2:])  # [b * (T-1), hq, Dk]
+  o_tail, lse_tail = flash_decode(q_tail, window(k), window(v), n_tail.reshape(-1),
+                                  return_lse=True, **tail_kwargs)
+  b, hq = q.shape[0], q.shape[2]
+  o_tail = jnp.concatenate([o_tail.reshape(b, t_new - 1, hq, -1),
+                            jnp.zeros_like(out[:, -1:])], axis=1)  # query T-1: empty
+  lse_tail = jnp.concatenate([lse_tail.reshape(b, t_new - 1, hq),
+                              jnp.full_like(lse[:, -1:], -jnp.inf)], axis=1)
+  o = jnp.stack([out, o_tail])  # [2, b, T, hq, Dv]
+  s = jnp.stack([lse, lse_tail])  # [2, b, T, hq]
+  return merge_states(o, s, axis=0)
+
+
+def _names(axis) -> tuple:
+  if axis is None:
+    return ()
+  names = (axis,) if isinstance(axis, str) else tuple(axis)
+  if not all(isinstance(n, str) for n in names):
+    raise ValueError(f"sharded_flash_decode: mesh axes must be names (str) or tuples of names, got {axis!r}")
+  return names
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _reshard(x, mesh, spec):
+  """Lays x out as ``spec`` on the Explicit axes of ``mesh``; shard_map rejects inputs
+  whose Explicit sharding differs from its in_specs. Auto axes are left to shard_map,
+  which reshards them itself (reshard refuses Auto axes)."""
+  explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+  if not explicit:
+    return x
+  def keep(entry):
+    names = tuple(n for n in _names(entry) if n in explicit)
+    return None if not names else names[0] if len(names) == 1 else names
+  return jax.sharding.reshard(x, NamedSharding(mesh, P(*(keep(e) for e in spec))))
+
+
+def _check_concrete_lengths(lengths, capacity: int) -> None:
+  if isinstance(lengths, jax.core.Tracer):
+    return
+  vals = np.asarray(lengths)
+  bad = np.nonzero((vals < 0) | (vals > capacity))[0]
+  if bad.size:
+    raise ValueError(f"sharded_flash_decode: lengths must lie in [0, S={capacity}]; "
+                     f"sequence {int(bad[0])} has length {int(vals[bad[0]])}")
+
+
+_COLLECTIVE = re.compile(
+    r"=\s*(\([^)]*\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
+    r"(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter|collective-broadcast)"
+    r"(?:-start)?\(")
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+def collective_bytes(hlo_text: str) -> dict:
+  """Bytes each cross-device op of compiled HLO produces, per device.
+
+  Args:
+    hlo_text: ``jax.jit(f).lower(...).compile().as_text()``.
+
+  Returns:
+    ``{op name: [bytes of each instance]}`` over all-gather, all-reduce,
+    collective-permute, all-to-all, reduce-scatter (async ``*-start`` counted once).
+  """
+  out = {}
+  for m in _COLLECTIVE.finditer(hlo_text):
+    total = 0
+    for dtype, dims in _SHAPE.findall(m.group(1)):
+      if dtype in ("token", "u32") and not dims:
+        continue
+      n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+      total += n * _dtype_bytes(dtype)
+    out.setdefault(m.group(2), []).append(total)
+  return out
+
+
+def _dtype_bytes(hlo_dtype: str) -> int:
+  if hlo_dtype == "pred":
+    return 1
+  digits = "".join(c for c in hlo_dtype if c.isdigit())
+  return max(int(digits) // 8, 1) if digits else 4
