@@ -1,20 +1,196 @@
-"""`scripts/demo`: one FlashDecode step over a long cache, timed and checked against the reference."""
+"""`scripts/demo`: greedy generation with a random-weight transformer whose attention is
+FlashDecode sharded over 8 (simulated) devices, timed and checked token for token against
+the same model with the float32 reference attention on one device.
+
+The mesh splits kv heads over "heads" and the cache's token axis over "seq"
+(`fdecode.sharded_flash_decode`). ``python -m fdecode.demo --kernel --help``: the
+single-step kernel benchmark (one FlashDecode call over a 16K-token cache).
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fdecode
+from fdecode.generate import ModelConfig, Transformer, generate
+
+_KERNEL_DOC = "One FlashDecode step over a long cache, timed and checked against the reference."
+_HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+# Tolerance on |logits - reference logits| (float32 model; observed ~1e-5).
+_LOGITS_ATOL = 1e-3
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__)
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--kernel" in argv:
+    return kernel_main([a for a in argv if a != "--kernel"])
+  return generate_main(argv)
+
+
+def _ensure_host_devices(n: int) -> None:
+  """Asks XLA for ``n`` simulated CPU devices. JAX reads XLA_FLAGS when its backend first
+  starts (the first device query or computation, not the import), so this works from
+  ``main`` unless something already started it (then the existing devices are used)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if _HOST_DEVICES_FLAG not in flags:
+    os.environ["XLA_FLAGS"] = f"{flags} {_HOST_DEVICES_FLAG}={n}".strip()
+
+
+def _progress(label: str):
+  """A ``\\r`` text progress bar on stderr: ``on_step(done, total)``."""
+  t0 = time.perf_counter()
+  def on_step(done, total):
+    sys.stdout.flush()  # keep the bar after what was printed before it
+    width = 30
+    fill = width * done // total
+    sys.stderr.write(f"\r  {label:<9} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} tokens "
+                     f"{time.perf_counter() - t0:5.1f}s")
+    if done == total:
+      sys.stderr.write("\n")
+    sys.stderr.flush()
+  return on_step
+
+
+def generate_main(argv) -> int:
+  p = argparse.ArgumentParser(prog="python -m fdecode.demo", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--context", type=int, default=4096, help="cache capacity S (tokens)")
+  p.add_argument("--batch", type=int, default=4, help="sequences B, with different prompt lengths")
+  p.add_argument("--steps", type=int, default=32, help="new tokens per sequence")
+  p.add_argument("--cache", choices=["contiguous"], default="contiguous",
+                 help="KV cache layout (DecodeAttention keeps a contiguous float32 cache)")
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--dim", type=int, default=256, help="model width E")
+  p.add_argument("--heads", type=int, default=None, help="query heads Hq (default E/32)")
+  p.add_argument("--kv-heads", type=int, default=None, help="kv heads Hkv (default Hq/2)")
+  p.add_argument("--vocab", type=int, default=512)
+  p.add_argument("--mesh", default="2x4", help="HEADSxSEQ devices (default 2x4 = 8 devices)")
+  p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+  p.add_argument("--kernel", action="store_true", help="run the single-step kernel benchmark instead")
+  a = p.parse_args(argv)
+
+  try:
+    n_heads_axis, n_seq_axis = (int(x) for x in a.mesh.lower().split("x"))
+  except ValueError:
+    p.error(f"--mesh must be HEADSxSEQ, e.g. 2x4; got {a.mesh!r}")
+  _ensure_host_devices(max(8, n_heads_axis * n_seq_axis))
+
+  hq = a.heads or max(a.dim // 32, 1)
+  hkv = a.kv_heads or max(hq // 2, 1)
+  cfg = ModelConfig(vocab=a.vocab, dim=a.dim, layers=a.layers, num_heads=hq, num_kv_heads=hkv,
+                    head_dim=a.dim // hq, mlp_dim=2 * a.dim)
+  s, b, steps = a.context, a.batch, a.steps
+  if steps < 1 or steps > s:
+    p.error(f"--steps must be in [1, --context={s}], got {steps}")
+
+  # Prompts of different lengths, right-padded; the longest starts mid-cache so that the
+  # sequences sit in different "seq" shards while they decode.
+  max_prompt = max(1, min(s // 2, s - steps + 1))
+  rng = np.random.default_rng(a.seed)
+  prompts = rng.integers(0, cfg.vocab, (b, max_prompt), dtype=np.int32)
+  lengths = rng.integers(max(1, max_prompt // 4), max_prompt + 1, (b,), dtype=np.int32)
+  lengths[0] = max_prompt
+  prompts[np.arange(max_prompt)[None, :] >= lengths[:, None]] = 0  # padding
+
+  devices = jax.devices()
+  need = n_heads_axis * n_seq_axis
+  why_not = None
+  if len(devices) < need:
+    why_not = f"only {len(devices)} device(s), mesh {a.mesh} needs {need}"
+  elif hkv % n_heads_axis and not (n_heads_axis % hkv == 0 and hq % n_heads_axis == 0):
+    why_not = f"Hkv={hkv} does not split over {n_heads_axis} head shards"
+  elif s % n_seq_axis:
+    why_not = f"--context={s} is not a multiple of the {n_seq_axis} seq shards"
+  if why_not is None:
+    # Auto axes: DecodeAttention's cache writes (`.at[...].set`) are not annotated for
+    # Explicit sharding; sharded_flash_decode handles both.
+    mesh = jax.make_mesh((n_heads_axis, n_seq_axis), ("heads", "seq"),
+                         axis_types=(AxisType.Auto,) * 2, devices=devices[:need])
+    decode_fn = functools.partial(fdecode.sharded_flash_decode, mesh=mesh, head_axis="heads",
+                                  seq_axis="seq")
+    cache_sharding = NamedSharding(mesh, P(None, "heads" if hkv % n_heads_axis == 0 else None, "seq", None))
+    where = f"mesh heads={n_heads_axis} x seq={n_seq_axis}"
+  else:
+    decode_fn, cache_sharding, where = fdecode.flash_decode, None, "1 device"
+
+  print(f"fdecode generation demo on {len(devices)} {jax.default_backend()} device(s), {where}")
+  if why_not:
+    print(f"  FALLBACK: single-device flash_decode, not sharded_flash_decode ({why_not})")
+  model = Transformer(cfg, decode_fn=decode_fn, seed=a.seed)
+  n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  model.init_cache(b, s)
+  cache_mib = model.cache_bytes() / 2**20
+  print(f"  model: {cfg.layers} layers, E={cfg.dim}, Hq={hq}, Hkv={hkv}, D={cfg.head_dim}, "
+        f"F={cfg.mlp_dim}, V={cfg.vocab}, float32, {n_params / 1e6:.2f}M random params (seed {a.seed})")
+  print(f"  cache: {a.cache} float32 k+v [B={b}, Hkv={hkv}, S={s}, D={cfg.head_dim}] x {cfg.layers} "
+        f"layers = {cache_mib:.3g} MiB" + (f", sharded {cache_sharding.spec}" if cache_sharding else ""))
+  print(f"  prompts: lengths {lengths.tolist()} (right-padded to {max_prompt}), {steps} new tokens each")
+
+  gen = generate(model, prompts, lengths, steps, cache_sharding=cache_sharding,
+                 on_step=_progress("flash"))
+  ref_model = Transformer(cfg, decode_fn=functools.partial(fdecode.flash_decode, impl="reference"),
+                          seed=a.seed)
+  ref_model.init_cache(b, s)
+  ref = generate(ref_model, prompts, lengths, steps, on_step=_progress("reference"))
+
+  timed = gen.step_s[1:] or gen.step_s  # the first decode step includes compilation
+  ms = statistics.median(timed) * 1e3 if timed else float("nan")
+  ref_ms = statistics.median(ref.step_s[1:] or ref.step_s) * 1e3 if ref.step_s else float("nan")
+  tok_s = b / (ms * 1e-3)
+  first = f", first decode step (compiles) {gen.step_s[0]:.2f}s" if gen.step_s else ""
+  print(f"  flash ({where}): prefill (compiles) {gen.prefill_s:.2f}s{first}; step median "
+        f"{ms:.2f} ms over {len(timed)} = {tok_s:.0f} tokens/s")
+  print(f"  reference (1 device): prefill {ref.prefill_s:.2f}s; step median {ref_ms:.2f} ms")
+  print(f"  sequence 0 tokens: {gen.tokens[0, :16].tolist()}{' ...' if steps > 16 else ''}")
+
+  ok, verdict = _compare(gen, ref)
+  print(f"  vs reference: {verdict}")
+  shape = f"{b}x{steps}"
+  if ok:
+    print(f"OK: generated {shape} tokens ({where}, {ms:.2f} ms/step median, {tok_s:.0f} tokens/s, "
+          f"{cache_mib:.3g} MiB cache), identical to reference")
+    return 0
+  print(f"MISMATCH: generated {shape} tokens ({where}) differ from reference: {verdict}")
+  return 1
+
+
+def _compare(gen, ref) -> tuple[bool, str]:
+  """Tokens must be identical; logits (up to the first divergence, where both runs saw the
+  same tokens) must agree within `_LOGITS_ATOL`. Also reports the smallest top-2 margin of
+  the reference logits, i.e. how close greedy decoding came to an argmax tie."""
+  diverged = np.argwhere(gen.tokens != ref.tokens)
+  # Steps whose inputs were identical in both runs: up to and including the first divergence.
+  upto = int(diverged[:, 1].min()) + 1 if diverged.size else gen.tokens.shape[1]
+  diff = float(np.abs(gen.logits[:, :upto] - ref.logits[:, :upto]).max())
+  top2 = np.sort(ref.logits[:, :upto], axis=-1)[..., -2:]
+  margin = top2[..., 1] - top2[..., 0]  # [B, upto]
+  stats = f"max |logit diff| {diff:.2e} (tol {_LOGITS_ATOL:.0e}), smallest top-2 margin {margin.min():.2e}"
+  if diverged.size:
+    step = upto - 1
+    seq = int(diverged[diverged[:, 1] == step][0, 0])
+    tie = " (a near-tie: within the logits tolerance)" if margin[seq, step] <= _LOGITS_ATOL else ""
+    return False, (f"first divergence at step {step} of sequence {seq}: token "
+                   f"{int(gen.tokens[seq, step])} vs reference {int(ref.tokens[seq, step])}, reference "
+                   f"top-2 margin there {margin[seq, step]:.2e}{tie}; {stats}")
+  if not np.isfinite(diff) or diff > _LOGITS_ATOL:
+    return False, f"tokens identical but logits disagree: {stats}"
+  return True, f"tokens identical ({gen.tokens.shape[0]}x{gen.tokens.shape[1]}); {stats}"
+
+
+def kernel_main(argv=None) -> int:
+  """The single-step kernel benchmark (``--kernel``)."""
+  p = argparse.ArgumentParser(prog="python -m fdecode.demo --kernel", description=_KERNEL_DOC)
   p.add_argument("--batch", type=int, default=4)
   p.add_argument("--context", type=int, default=16384, help="cache capacity S (tokens)")
   p.add_argument("--q-heads", type=int, default=32)

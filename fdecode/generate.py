@@ -1,0 +1,232 @@
+"""Greedy generation with a small decoder-only transformer built from `DecodeAttention`.
+
+Legend: B batch, L padded prompt length, V vocabulary, E model width, F MLP width,
+Hq query heads, Hkv kv heads, D head dim, S cache capacity, N new tokens (``steps``).
+
+The model is a random-weight, Llama-shaped stack (token embedding, ``layers`` blocks of
+RMSNorm -> `fdecode.flax.DecodeAttention` -> residual -> RMSNorm -> SwiGLU MLP ->
+residual, final RMSNorm, separate unembedding). Weights come from a fixed seed; nothing
+is downloaded. It exists to drive `DecodeAttention`'s cache the way a real model does
+(prefill of right-padded prompts, then one token per sequence per step, each sequence
+at its own position), so that attention implementations can be compared end to end:
+
+  model = Transformer(ModelConfig(), decode_fn=partial(fdecode.flash_decode, impl="xla"))
+  model.init_cache(batch=4, max_len=1024)
+  out = generate(model, prompts, prompt_lengths, steps=32)   # out.tokens int32 [B, N]
+
+With a sharded ``decode_fn`` (`fdecode.sharded_flash_decode`) pass ``cache_sharding`` so
+that the caches sit on the mesh while decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fdecode.flax import DecodeAttention
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shapes of `Transformer` (float32 throughout by default)."""
+
+  vocab: int = 512         # V
+  dim: int = 256           # E
+  layers: int = 4
+  num_heads: int = 8       # Hq
+  num_kv_heads: int = 4    # Hkv
+  head_dim: int = 32       # D
+  mlp_dim: int = 512       # F
+  rope_theta: float = 10000.0
+  dtype: Any = jnp.float32
+
+
+class MLP(nnx.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``, ``E -> F -> E``."""
+
+  def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
+    linear = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    self.gate = nnx.Linear(dim, hidden, **linear)
+    self.up = nnx.Linear(dim, hidden, **linear)
+    self.down = nnx.Linear(hidden, dim, **linear)
+
+  def __call__(self, x):
+    return self.down(nnx.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+  def __init__(self, cfg: ModelConfig, *, decode_fn, rngs: nnx.Rngs):
+    self.attn_norm = nnx.RMSNorm(cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
+    self.attn = DecodeAttention(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                rope_theta=cfg.rope_theta, dtype=cfg.dtype,
+                                param_dtype=cfg.dtype, decode_fn=decode_fn, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
+    self.mlp = MLP(cfg.dim, cfg.mlp_dim, dtype=cfg.dtype, rngs=rngs)
+
+  def prefill(self, x, lengths):
+    x = x + self.attn.prefill(self.attn_norm(x), lengths)
+    return x + self.mlp(self.mlp_norm(x))
+
+  def decode(self, x):
+    x = x + self.attn.decode(self.attn_norm(x))
+    return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nnx.Module):
+  """Decoder-only LM whose attention layers are `DecodeAttention` (head-major cache).
+
+  ``decode_fn`` is handed to every `DecodeAttention` (its signature is
+  `fdecode.flash_decode`'s); two models built from the same ``cfg`` and ``seed`` have
+  identical weights whatever their ``decode_fn``.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, decode_fn: Callable[..., jax.Array] | None = None,
+               seed: int = 0):
+    rngs = nnx.Rngs(seed)
+    self.cfg = cfg
+    self.embed = nnx.Embed(cfg.vocab, cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
+    self.blocks = nnx.List([Block(cfg, decode_fn=decode_fn, rngs=rngs) for _ in range(cfg.layers)])
+    self.norm = nnx.RMSNorm(cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
+    self.unembed = nnx.Linear(cfg.dim, cfg.vocab, use_bias=False, dtype=cfg.dtype,
+                              param_dtype=cfg.dtype, rngs=rngs)
+
+  def init_cache(self, batch: int, max_len: int) -> None:
+    """Empty caches ``[B, Hkv, S, D]`` for every layer (float32 with the default config)."""
+    for block in self.blocks:
+      block.attn.init_cache(batch, max_len, self.cfg.dtype)
+
+  def place_cache(self, sharding) -> None:
+    """Moves every layer's k and v cache onto ``sharding``, e.g.
+    ``NamedSharding(mesh, P(None, "heads", "seq", None))`` (kv heads over "heads", tokens
+    over "seq"), so that a sharded ``decode_fn`` finds them already in place."""
+    for block in self.blocks:
+      for name in ("cached_key", "cached_value"):
+        var = getattr(block.attn, name)
+        var.set_value(jax.device_put(var[...], sharding))  # `var[...] =` would keep the old sharding
+
+  def cache_bytes(self) -> int:
+    """Bytes of all layers' k and v caches."""
+    return sum(b.attn.cached_key[...].nbytes + b.attn.cached_value[...].nbytes
+               for b in self.blocks)
+
+  def prefill(self, tokens, lengths):
+    """tokens int ``[B, L]`` right-padded, lengths int ``[B]`` in ``[1, L]`` ->
+    float32 logits ``[B, V]`` at each prompt's last token."""
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block.prefill(x, lengths)
+    last = x[jnp.arange(x.shape[0]), lengths - 1]  # [B, E]
+    return self.unembed(self.norm(last)).astype(jnp.float32)
+
+  def decode(self, tokens):
+    """tokens int ``[B]``, one per sequence at its own position -> logits ``[B, V]``."""
+    x = self.embed(tokens[:, None])
+    for block in self.blocks:
+      x = block.decode(x)
+    return self.unembed(self.norm(x[:, 0])).astype(jnp.float32)
+
+  def _constrain_cache(self, sharding) -> None:
+    """Keeps the caches on ``sharding`` across jitted steps (inside a trace)."""
+    for block in self.blocks:
+      for name in ("cached_key", "cached_value"):
+        var = getattr(block.attn, name)
+        var.set_value(jax.lax.with_sharding_constraint(var[...], sharding))
+
+
+@nnx.jit
+def _prefill_step(model: Transformer, tokens, lengths):
+  logits = model.prefill(tokens, lengths)
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+
+
+@nnx.jit(static_argnames=("cache_sharding",))
+def _decode_step(model: Transformer, tokens, cache_sharding=None):
+  logits = model.decode(tokens)
+  if cache_sharding is not None:
+    model._constrain_cache(cache_sharding)  # pylint: disable=protected-access
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+
+
+@dataclasses.dataclass
+class Generation:
+  """What `generate` returns.
+
+  Attributes:
+    tokens: int32 ``[B, N]`` greedy tokens; token 0 comes from the prefill.
+    logits: float32 ``[B, N, V]`` the logits each token was the argmax of.
+    prefill_s: seconds of the prefill call (includes its compilation on first use) and
+      of placing the caches on ``cache_sharding``.
+    step_s: seconds of each of the N - 1 decode steps (the first includes compilation).
+  """
+
+  tokens: np.ndarray
+  logits: np.ndarray
+  prefill_s: float
+  step_s: list
+
+
+def generate(model: Transformer, prompts, prompt_lengths, steps: int, *,
+             cache_sharding=None, on_step: Callable[[int, int], None] | None = None) -> Generation:
+  """Prefills right-padded prompts, then decodes greedily, every sequence at its own position.
+
+  Args:
+    model: a `Transformer` after ``init_cache(B, S)``; its cache is overwritten.
+    prompts: int ``[B, L]``, row b's prompt in ``prompts[b, :prompt_lengths[b]]``.
+    prompt_lengths: int ``[B]``, each in ``[1, L]``, with ``prompt_lengths + steps - 1 <= S``.
+    steps: N >= 1 new tokens per sequence (1 from the prefill, N - 1 decode steps).
+    cache_sharding: where the caches live while decoding (see `Transformer.place_cache`).
+      The prefill runs where the caches are when called (one device after
+      `Transformer.init_cache`); then they are placed on ``cache_sharding`` and kept there
+      through every decode step. Prefilling on the 8 simulated CPU devices instead, with
+      XLA partitioning the prompt attention and the cache write, took 7x longer on a
+      2-core machine (11.6 s vs 1.6 s for 4 prompts of up to 1024 tokens).
+    on_step: called as ``on_step(done, steps)`` after each token is ready.
+
+  Returns:
+    `Generation` (tokens, logits, timings). Each step waits for its result, so step
+    times are per-step latencies.
+
+  Raises:
+    ValueError: for inconsistent shapes, or prompts that leave no room for ``steps``.
+  """
+  prompts = jnp.asarray(prompts, jnp.int32)
+  lengths = jnp.asarray(prompt_lengths, jnp.int32)
+  if model.blocks[0].attn.cached_key is None:
+    raise ValueError("generate: no cache; call model.init_cache(batch, max_len) first")
+  b, s = model.blocks[0].attn.cached_key.shape[0], model.blocks[0].attn.cached_key.shape[2]
+  if prompts.ndim != 2 or prompts.shape[0] != b or lengths.shape != (b,):
+    raise ValueError(f"generate: prompts must be [B, L] and prompt_lengths [B] with the cache's "
+                     f"B={b}; got prompts.shape={tuple(prompts.shape)}, "
+                     f"prompt_lengths.shape={tuple(lengths.shape)}")
+  lens = np.asarray(lengths)
+  if steps < 1 or lens.min() < 1 or lens.max() > prompts.shape[1] or lens.max() + steps - 1 > s:
+    raise ValueError(f"generate: need steps >= 1, prompt_lengths in [1, L={prompts.shape[1]}] and "
+                     f"prompt_lengths + steps - 1 <= S={s}; got steps={steps}, "
+                     f"prompt_lengths={lens.tolist()}")
+  t0 = time.perf_counter()
+  tok, logits = jax.block_until_ready(_prefill_step(model, prompts, lengths))
+  if cache_sharding is not None:
+    model.place_cache(cache_sharding)
+  prefill_s = time.perf_counter() - t0
+  tokens, all_logits, step_s = [tok], [logits], []
+  if on_step:
+    on_step(1, steps)
+  for i in range(1, steps):
+    t0 = time.perf_counter()
+    tok, logits = jax.block_until_ready(_decode_step(model, tok, cache_sharding))
+    step_s.append(time.perf_counter() - t0)
+    tokens.append(tok)
+    all_logits.append(logits)
+    if on_step:
+      on_step(i + 1, steps)
+  return Generation(tokens=np.stack([np.asarray(t) for t in tokens], axis=1),
+                    logits=np.stack([np.asarray(x) for x in all_logits], axis=1),
+                    prefill_s=prefill_s, step_s=step_s)
