@@ -22,7 +22,7 @@ IMPLS = ("pallas", "xla", "reference")
 
 def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=None,
                  softmax_scale=None, num_splits=None, block_k=None, impl=None,
-                 interpret=None, return_lse=False, k_offset=None, v_offset=None):
+                 interpret=None, return_lse=False, k_offset=None, v_offset=None, kv_offset=None):
   """FlashDecode attention of new tokens over a KV cache.
 
   Legend: B batch, T new tokens per sequence, Hq query heads, Hkv kv heads
@@ -50,6 +50,11 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       (1 = per token per head, D/128 = 1x128 tiles); leading axes of size 1 broadcast.
       Dequantization happens after the load, inside the kernel (see `fdecode.quant`).
     k_offset, v_offset: optional, shaped like the scales: real = (x + offset) * scale.
+    kv_offset: int scalar or int ``[B]``, default 0: the position in the sequence of the
+      cache's first token, for a cache that is a chunk of a longer sequence (sequence
+      parallelism, chunked caches). ``lengths`` then count the whole sequence (they may
+      exceed S) and query t sees the chunk's tokens at positions
+      ``< lengths - T + t + 1``; a sequence that ends before the chunk sees none of it.
     softmax_scale: scores multiplier, default ``1/sqrt(Dk)``.
     num_splits: chunks of the token axis processed in parallel, each yielding a partial
       state merged by `merge_states`. ``None``: `fdecode.config.default_num_splits`.
@@ -77,7 +82,7 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     raise ValueError(f"flash_decode: impl must be one of {IMPLS} or None, got {impl!r}")
   cfg = config_lib.Config(num_splits=num_splits, block_k=block_k)
   capacity = k.shape[2] if block_tables is None else block_tables.shape[1] * k.shape[2]
-  _check_concrete_lengths(lengths, capacity)
+  _check_concrete_lengths(lengths, None if kv_offset is not None else capacity)
   if block_tables is not None:
     _check_concrete_page_ids(block_tables, lengths, k.shape[1], k.shape[2])
   backend = jax.default_backend()
@@ -90,7 +95,16 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   q4 = q[:, None] if single_token else q
   cache = dict(block_tables=None if block_tables is None else jnp.asarray(block_tables, jnp.int32),
                k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset)
-  out, lse = _decode(q4, k, v, jnp.asarray(lengths).astype(jnp.int32), cache, impl=impl,
+  # The kernels take each sequence's end relative to the cache's first token.
+  ends = jnp.asarray(lengths).astype(jnp.int32)
+  if kv_offset is not None:
+    if np.ndim(kv_offset) not in (0, 1) or (np.ndim(kv_offset) == 1 and np.shape(kv_offset) != (q.shape[0],)):
+      raise ValueError(f"flash_decode: kv_offset must be a scalar or [B]=({q.shape[0]},); "
+                       f"got kv_offset.shape={tuple(np.shape(kv_offset))}")
+    if not jnp.issubdtype(jnp.result_type(kv_offset), jnp.integer):
+      raise ValueError(f"flash_decode: kv_offset must be integer, got dtype {jnp.result_type(kv_offset)}")
+    ends = ends - jnp.asarray(kv_offset, jnp.int32)
+  out, lse = _decode(q4, k, v, ends, cache, impl=impl,
                      softmax_scale=scale, cfg=cfg, interpret=bool(interpret), backend=backend)
   if single_token:
     out, lse = out[:, 0], lse[:, 0]
@@ -238,12 +252,13 @@ def _check_concrete_page_ids(block_tables, lengths, num_pages, page_size) -> Non
                      f"[0, P={num_pages}) for a live token of sequence {seq} (length {int(lens[seq])})")
 
 
-def _check_concrete_lengths(lengths, capacity: int) -> None:
-  """Value check when lengths are concrete (not traced)."""
+def _check_concrete_lengths(lengths, capacity) -> None:
+  """Value check when lengths are concrete (not traced); capacity None: no upper bound."""
   if isinstance(lengths, jax.core.Tracer):
     return
   vals = np.asarray(lengths)
-  bad = np.nonzero((vals < 0) | (vals > capacity))[0]
+  upper = np.inf if capacity is None else capacity
+  bad = np.nonzero((vals < 0) | (vals > upper))[0]
   if bad.size:
     raise ValueError(f"flash_decode: lengths must lie in [0, S={capacity}]; "
                      f"sequence {int(bad[0])} has length {int(vals[bad[0]])}")

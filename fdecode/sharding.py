@@ -31,12 +31,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from fdecode.api import flash_decode
-from fdecode.combine import combine_across, merge_states
-
-# flash_decode options that describe how to tile the local cache; the tiny tail calls
-# of the causal correction below (S <= T - 1) use the defaults instead.
-_TILING_KWARGS = ("num_splits", "block_k")
-
+from fdecode.combine import combine_across
 
 def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=None,
                          batch_axis=None, return_lse=False, **flash_decode_kwargs):
@@ -204,18 +199,9 @@ def _local_decode(q, k, v, lengths, arrays, *, plan, single_token, kwargs):
 
 
 def _chunk_decode(q, k, v, lengths, *, plan, kwargs):
-  """State of this device's chunk of the token axis.
-
-  Query t of a sequence of global length L sees global positions ``< L - T + t + 1``,
-  i.e. local positions ``< L - off - T + t + 1`` clipped to ``[0, C]`` for the chunk
-  of C tokens starting at ``off``. `flash_decode` derives its limits from lengths in
-  ``[0, C]``, so with the local length ``l = clip(L - off, 0, C)`` it is exact unless
-  the causal window straddles the chunk's end (``C < L - off < C + T - 1``): then
-  query t sees ``[0, C - T + t + 1)`` and misses ``[C - T + t + 1, min(C, L - off - T + t + 1))``,
-  at most ``T - 1 - t`` tokens at the end of the chunk. Those are added by one small
-  `flash_decode` call (the T - 1 first queries as single-token rows, each over its own
-  window of at most T - 1 tokens, so O(T^2) keys, not O(C)), merged by `merge_states`
-  (an empty state, i.e. a no-op, whenever nothing straddles).
+  """State of this device's chunk of the token axis: the chunk holds global positions
+  ``[off, off + C)`` with ``off = axis_index * C``, which `flash_decode`'s ``kv_offset``
+  expresses exactly (causal T > 1 queries included).
 
   Args:
     q: ``[b, T, hq, Dk]``; k, v: ``[b, hkv, C, D]``; lengths: int32 ``[b]`` global.
@@ -223,37 +209,8 @@ def _chunk_decode(q, k, v, lengths, *, plan, kwargs):
   Returns:
     (o ``[b, T, hq, Dv]`` in q.dtype, lse float32 ``[b, T, hq]``) of this chunk.
   """
-  t_new = q.shape[1]
-  c = plan.chunk
-  rel = lengths - jax.lax.axis_index(plan.seq) * c  # L - off, [b]
-  out, lse = flash_decode(q, k, v, jnp.clip(rel, 0, c), return_lse=True, **kwargs)
-  if t_new == 1:
-    return out, lse
-  # One single-token call for the T - 1 first queries, as a batch of b * (T - 1): query t
-  # gets the window [start_t, C) of W = min(T - 1, C) tokens (padded past C with repeats
-  # of token C - 1, never inside its length).
-  w = min(t_new - 1, c)
-  starts = np.maximum(0, c - t_new + 1 + np.arange(t_new - 1))  # [T-1]
-  idx = np.minimum(starts[:, None] + np.arange(w)[None, :], c - 1).reshape(-1)  # [(T-1) * W]
-  def window(x):  # [b, hkv, C, D] -> [b * (T-1), hkv, W, D]
-    x = jnp.take(x, jnp.asarray(idx, jnp.int32), axis=2)
-    x = x.reshape(x.shape[0], x.shape[1], t_new - 1, w, x.shape[-1]).transpose(0, 2, 1, 3, 4)
-    return x.reshape(-1, x.shape[2], w, x.shape[-1])
-  t = np.arange(t_new - 1)
-  n_tail = jnp.clip(rel[:, None] - t_new + 1 + t[None, :] - starts[None, :], 0,
-                    np.minimum(c - starts, w)[None, :])  # [b, T-1]
-  tail_kwargs = {n: x for n, x in kwargs.items() if n not in _TILING_KWARGS}
-  q_tail = q[:, :-1].reshape(-1, *q.shape[2:])  # [b * (T-1), hq, Dk]
-  o_tail, lse_tail = flash_decode(q_tail, window(k), window(v), n_tail.reshape(-1),
-                                  return_lse=True, **tail_kwargs)
-  b, hq = q.shape[0], q.shape[2]
-  o_tail = jnp.concatenate([o_tail.reshape(b, t_new - 1, hq, -1),
-                            jnp.zeros_like(out[:, -1:])], axis=1)  # query T-1: empty
-  lse_tail = jnp.concatenate([lse_tail.reshape(b, t_new - 1, hq),
-                              jnp.full_like(lse[:, -1:], -jnp.inf)], axis=1)
-  o = jnp.stack([out, o_tail])  # [2, b, T, hq, Dv]
-  s = jnp.stack([lse, lse_tail])  # [2, b, T, hq]
-  return merge_states(o, s, axis=0)
+  offset = jax.lax.axis_index(plan.seq) * plan.chunk
+  return flash_decode(q, k, v, lengths, kv_offset=offset, return_lse=True, **kwargs)
 
 
 def _names(axis) -> tuple:

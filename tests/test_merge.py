@@ -64,3 +64,32 @@ def test_shape_errors():
     fdecode.merge_states(jnp.zeros((2, 3, 4)), jnp.zeros((2, 4)))
   with pytest.raises(ValueError, match="axis=3 out of range"):
     fdecode.merge_states(jnp.zeros((2, 3, 4)), jnp.zeros((2, 3)), axis=3)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("cuts", [(20,), (7, 33, 40)])
+def test_chunks_with_kv_offset_merge_to_whole(impl, cuts):
+  """A cache cut into chunks, each decoded with its kv_offset (causal T > 1 queries whose
+  windows straddle chunk ends included), merges to the whole cache's answer."""
+  q, k, v = make_problem(11, b=4, t=3, hq=4, hkv=2, s=48, dk=32)
+  lengths = jnp.array([48, 21, 34, 2])
+  whole, whole_lse = fdecode.flash_decode(q, k, v, lengths, impl="reference", return_lse=True)
+  bounds = (0, *cuts, 48)
+  parts = [fdecode.flash_decode(q, k[:, :, a:b], v[:, :, a:b], lengths, kv_offset=a, impl=impl,
+                                block_k=8, return_lse=True) for a, b in zip(bounds, bounds[1:])]
+  o, lse = fdecode.merge_states(jnp.stack([p[0] for p in parts]), jnp.stack([p[1] for p in parts]))
+  assert_close(o, whole, atol=3e-5, rtol=3e-5)
+  assert_close(lse, whole_lse, atol=3e-5, rtol=3e-5)
+
+
+def test_kv_offset_per_sequence_and_errors():
+  q, k, v = make_problem(12, b=2, t=None, hq=2, hkv=1, s=16, dk=16)
+  full_k = jnp.concatenate([jnp.zeros_like(k[:, :, :5]), k], axis=2)
+  full_v = jnp.concatenate([jnp.zeros_like(v[:, :, :5]), v], axis=2)
+  lengths = jnp.array([30, 9])  # past the chunk's end / inside it
+  out = fdecode.flash_decode(q, k, v, lengths, kv_offset=jnp.array([5, 5]))
+  # Same as masking positions < 5 of a cache that starts at 0.
+  ref = fdecode.flash_decode(q, full_k[:, :, 5:], full_v[:, :, 5:], jnp.minimum(lengths - 5, 16), impl="reference")
+  assert_close(out, ref, atol=3e-5, rtol=3e-5)
+  with pytest.raises(ValueError, match=r"kv_offset must be a scalar or \[B\]=\(2,\)"):
+    fdecode.flash_decode(q, k, v, lengths, kv_offset=jnp.array([1, 2, 3]))

@@ -78,7 +78,7 @@ def _load_scale(ref, layout, start, page):
 
 def _split_kernel(*refs, layout: _Layout, softmax_scale, blocks_per_split, num_rows, group,
                   num_tokens, seq_len):
-  # refs: lengths i32[1], [table i32[n]], q [Rp, Dk], k, v, [k_scale], [k_offset],
+  # refs: end i32[1] (lengths - kv_offset), [table i32[n]], q [Rp, Dk], k, v, [k_scale], [k_offset],
   #       [v_scale], [v_offset], o f32[Rp, Dv], lse f32[Rp]
   refs = list(refs)
   lengths_ref = refs.pop(0)
@@ -91,17 +91,19 @@ def _split_kernel(*refs, layout: _Layout, softmax_scale, blocks_per_split, num_r
   rows_p = q_ref.shape[0]
   dv = v_ref.shape[-1]
   bk = layout.block
-  length = jnp.clip(lengths_ref[0], 0, seq_len)
+  # The sequence's end relative to this cache (may exceed S when the cache is a chunk of
+  # a longer sequence, or be negative when the sequence ends before the chunk).
+  end = lengths_ref[0]
   q = q_ref[...]
   compute_dtype = q.dtype
 
   # Row r is query token t = r // G: it sees positions < length - T + t + 1.
   rows = lax.broadcasted_iota(jnp.int32, (rows_p, 1), 0)
-  row_limit = jnp.clip(length - num_tokens + 1 + rows // group, 0, seq_len)
+  row_limit = jnp.clip(end - num_tokens + 1 + rows // group, 0, seq_len)
   row_limit = jnp.where(rows < num_rows, row_limit, 0)  # [Rp, 1]
 
   first = split * blocks_per_split
-  last = jnp.minimum(first + blocks_per_split, pl.cdiv(length, bk))
+  last = jnp.minimum(first + blocks_per_split, pl.cdiv(jnp.clip(end, 0, seq_len), bk))
 
   def load(ref, quant, start, page):
     if layout.paged:
