@@ -4,7 +4,7 @@ For each configuration every contender runs on the same data: fdecode.flash_deco
 (each impl), jax.nn.dot_product_attention (given the cache in its own [B, S, H, D]
 layout), JAX's own Pallas decode kernel (jax.experimental.pallas.ops.gpu.decode_attention.gqa;
 interpret mode on CPU) and the floor: one streaming read of the same K and V bytes
-(their bytes viewed as uint32 and summed). Reported: median ms (compile excluded, reported apart), GB/s of KV bytes, and
+(their bytes viewed as float32 words and summed). Reported: median ms (compile excluded, reported apart), GB/s of KV bytes, and
 the fraction of the floor (floor time / contender time). Machines are noisy: compare the
 ratios within one run.
 
@@ -42,14 +42,19 @@ def timeit(fn, *args, iters):
   return statistics.median(times), compile_s
 
 
-def floor_fn(*arrays):
-  """One streaming read of the arrays' bytes: each viewed as uint32 words and summed
-  (wrapping), so no dtype conversion is done and the read is the only cost."""
-  total = jnp.uint32(0)
-  for a in arrays:
-    words = a.reshape(-1, 4 // a.dtype.itemsize) if a.dtype.itemsize < 4 else a.reshape(-1)
-    total = total + jnp.sum(jax.lax.bitcast_convert_type(words, jnp.uint32), dtype=jnp.uint32)
-  return total
+def as_float32_words(a):
+  """The bytes of ``a`` viewed as float32 words, made once outside the timed region."""
+  a = a.reshape(-1)
+  if a.dtype.itemsize < 4:
+    a = a[: a.size // (4 // a.dtype.itemsize) * (4 // a.dtype.itemsize)].reshape(-1, 4 // a.dtype.itemsize)
+  return jax.block_until_ready(jax.lax.bitcast_convert_type(a, jnp.float32))
+
+
+def floor_fn(*words):
+  """The floor: one streaming read of the cache's bytes. XLA's CPU reductions stream
+  float32 fastest (int and bf16 reductions run 2-20x slower here, compute-bound), so the
+  same bytes, viewed as float32 words (`as_float32_words`), are summed as float32."""
+  return sum(jnp.sum(w) for w in words)
 
 
 def contiguous_rows(b, s, hkv, hq, d, dtype, iters, slow_iters, with_slow):
@@ -62,7 +67,7 @@ def contiguous_rows(b, s, hkv, hq, d, dtype, iters, slow_iters, with_slow):
   kv_bytes = 2 * k.size * k.dtype.itemsize
   rows = []
   add = lambda name, fn, *a, n=iters: rows.append((name, *timeit(jax.jit(fn), *a, iters=n), kv_bytes))
-  add("floor: read K, V", floor_fn, k, v)
+  add("floor: read K, V", floor_fn, as_float32_words(k), as_float32_words(v))
   add("fdecode default (xla)", lambda q, k, v, n: fdecode.flash_decode(q, k, v, n), q, k, v, lengths)
   # Peers get the cache in their own token-major layout (made outside the timed region).
   kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -98,14 +103,26 @@ def cache_format_rows(b, s, hkv, hq, d, page_size, iters):
   f32_bytes, i8_bytes = 2 * k.size * 4, 2 * k.size + 2 * ks.size * 4
   rows = []
   add = lambda name, fn, args, nbytes: rows.append((name, *timeit(jax.jit(fn), *args, iters=iters), nbytes))
-  add("floor f32: read K, V", floor_fn, (k, v), f32_bytes)
+  add("floor f32: read K, V", floor_fn, tuple(map(as_float32_words, (k, v))), f32_bytes)
   add("contiguous f32 (xla)", lambda q, k, v, l: fdecode.flash_decode(q, k, v, l), (q, k, v, lengths), f32_bytes)
   add(f"paged f32, page {page_size} (xla)", lambda q, k, v, l, t: fdecode.flash_decode(
       q, k, v, l, block_tables=t), (q, kp, vp, lengths, tables), f32_bytes)
-  add("floor int8: read K8, V8, scales", floor_fn, (k8, v8, ks, vs), i8_bytes)
+  add("floor int8: read K8, V8, scales", floor_fn, tuple(map(as_float32_words, (k8, v8, ks, vs))), i8_bytes)
   add("int8 per-token (xla)", lambda q, k, v, l, a, c: fdecode.flash_decode(
       q, k, v, l, k_scale=a, v_scale=c), (q, k8, v8, lengths, ks, vs), i8_bytes)
   return rows
+
+
+def cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      info = f.read()
+    name = next(l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name"))
+    flags = next(l for l in info.splitlines() if l.startswith("flags")).split()
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({'/'.join(simd)})"
+  except (OSError, StopIteration):
+    return platform.processor() or platform.machine()
 
 
 def print_table(title, rows, floor_name_prefix="floor"):
@@ -132,7 +149,7 @@ def main(argv=None):
     b, s, hkv, hq, d, iters, slow, sweep, page = 2, 512, 2, 8, 64, 3, 1, [256, 512], 16
   else:
     b, s, hkv, hq, d, iters, slow, sweep, page = 4, 16384, 8, 32, 128, a.iters, 3, [1024, 4096, 16384, 65536], 16
-  print(f"# fdecode decode benchmark\n\nmachine: {platform.processor() or platform.machine()}, "
+  print(f"# fdecode decode benchmark\n\nmachine: {cpu_model()}, "
         f"{os.cpu_count()} cores, backend {jax.default_backend()} ({jax.devices()[0].device_kind}), "
         f"jax {jax.__version__}")
   if "main" in sections:

@@ -231,12 +231,16 @@ def _materialize(x, cache, name):
 
 
 def _xla_default_splits(b, hkv, s, cache, backend):
-  """Contiguous float: a divisor of S (a free reshape). Paged / 8-bit: chunks of about
-  `XLA_CHUNK_TOKENS` so that one gathered / dequantized chunk stays cache-sized."""
+  """The XLA path's split count: the parallelism heuristic, raised to chunks of about
+  `config.XLA_CHUNK_TOKENS` tokens (one chunk's scores, or its gathered / dequantized
+  pages, stay cache-sized: 0.50 of the floor at S=16384 on a 2-core CPU vs 0.38 unsplit,
+  benchmarks/RESULTS.md). Contiguous float caches round down to a divisor of S so that
+  the split stays a free reshape."""
   n = config_lib.default_num_splits(b, hkv, max(s, 1), config_lib.num_parallel_units(backend))
+  n = max(n, s // config_lib.XLA_CHUNK_TOKENS)
   if cache["block_tables"] is None and cache["k_scale"] is None and cache["v_scale"] is None:
     return config_lib.largest_divisor_at_most(s, n)
-  return max(n, -(-s // config_lib.XLA_CHUNK_TOKENS))
+  return max(n, 1)
 
 
 def _check_concrete_page_ids(block_tables, lengths, num_pages, page_size) -> None:

@@ -21,7 +21,7 @@ _SPLIT_OCCUPANCY = 0.4
 # than it saves (Tenstorrent's `max_cores_per_head_batch` = 16).
 MAX_SPLITS_PER_HEAD = 16
 DEFAULT_BLOCK_K = 128
-# XLA path over paged / 8-bit caches: tokens gathered or dequantized per loop step.
+# XLA path: about this many tokens per split (per loop step over paged / 8-bit caches).
 XLA_CHUNK_TOKENS = 2048
 
 

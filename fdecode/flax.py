@@ -33,7 +33,9 @@ from flax import nnx
 
 from fdecode import config as config_lib
 from fdecode.api import flash_decode
+from fdecode.cache.write import write_contiguous
 from fdecode.combine import finalize_state, merge_states
+from fdecode.quant import is_quantized
 
 __all__ = ["DecodeAttention", "apply_rope", "attention_fn", "token_major_decode"]
 
@@ -248,7 +250,8 @@ class DecodeAttention(nnx.Module):
     lengths: ``nnx.Cache`` int32 ``[B]``: valid tokens of each sequence.
 
   Sharding: ``decode_fn`` is the extension point. It receives
-  ``(q [B, T, Hq, D], k_cache, v_cache, lengths [B])`` and returns ``[B, T, Hq, D]``,
+  ``(q [B, T, Hq, D], k_cache, v_cache, lengths [B], **scales)`` (``k_scale``/``v_scale``
+  for 8-bit caches) and returns ``[B, T, Hq, D]``,
   i.e. `fdecode.flash_decode`'s signature; bind knobs with ``functools.partial``
   (``impl=``, ``num_splits=``), or pass a multi-device wrapper such as
   ``partial(fdecode.sharding.sharded_flash_decode, mesh=mesh, head_axis="model")``
@@ -299,13 +302,25 @@ class DecodeAttention(nnx.Module):
     self.o_proj = nnx.Linear(num_heads * head_dim, in_features, **linear)
     self.cached_key: nnx.Cache | None = nnx.data(None)
     self.cached_value: nnx.Cache | None = nnx.data(None)
+    self.key_scale: nnx.Cache | None = nnx.data(None)
+    self.value_scale: nnx.Cache | None = nnx.data(None)
     self.lengths: nnx.Cache | None = nnx.data(None)
 
   def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> None:
-    """Allocates an empty cache: k/v ``[batch, Hkv, max_len, D]`` in ``dtype``, lengths 0."""
+    """Allocates an empty cache: k/v ``[batch, Hkv, max_len, D]`` in ``dtype``, lengths 0.
+
+    ``dtype`` int8, float8_e4m3fn or float8_e5m2 makes an 8-bit cache with one float32
+    scale per token per head (``key_scale``/``value_scale`` ``[batch, Hkv, max_len, 1]``):
+    new tokens are quantized as they are written and dequantized inside the kernel.
+    """
     shape = (batch, self.num_kv_heads, max_len, self.head_dim)
     self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+    if is_quantized(dtype):
+      self.key_scale = nnx.Cache(jnp.ones(shape[:3] + (1,), jnp.float32))
+      self.value_scale = nnx.Cache(jnp.ones(shape[:3] + (1,), jnp.float32))
+    else:
+      self.key_scale = self.value_scale = None
     self.lengths = nnx.Cache(jnp.zeros((batch,), jnp.int32))
 
   def prefill(self, x, lengths):
@@ -332,11 +347,8 @@ class DecodeAttention(nnx.Module):
     lengths = lengths.astype(jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
     q, k, v = self._qkv(x, positions)
-    self.cached_key[...] = self.cached_key[...].at[:, :, :seq].set(
-        k.transpose(0, 2, 1, 3).astype(self.cached_key.dtype))
-    self.cached_value[...] = self.cached_value[...].at[:, :, :seq].set(
-        v.transpose(0, 2, 1, 3).astype(self.cached_value.dtype))
-    self.lengths[...] = lengths
+    self._write(k, v, jnp.zeros((b,), jnp.int32))
+    self.lengths.set_value(lengths)
     out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), is_causal=True,
                                        key_value_seq_lengths=lengths)
     out = jnp.where((positions < lengths[:, None])[..., None, None], out, 0)
@@ -357,16 +369,30 @@ class DecodeAttention(nnx.Module):
     lengths = self.lengths[...]
     positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
     q, k, v = self._qkv(x, positions)
-    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-    # cache[rows, :, positions] is [B, T, Hkv, D]: the projections' own layout.
-    self.cached_key[...] = self.cached_key[...].at[rows, :, positions].set(
-        k.astype(self.cached_key.dtype), mode="drop")
-    self.cached_value[...] = self.cached_value[...].at[rows, :, positions].set(
-        v.astype(self.cached_value.dtype), mode="drop")
+    self._write(k, v, lengths)
     lengths = lengths + t
-    self.lengths[...] = lengths
-    out = self.decode_fn(q, self.cached_key[...], self.cached_value[...], lengths)
+    self.lengths.set_value(lengths)
+    scales = {}
+    if self.key_scale is not None:
+      scales = dict(k_scale=self.key_scale[...], v_scale=self.value_scale[...])
+    out = self.decode_fn(q, self.cached_key[...], self.cached_value[...], lengths, **scales)
     return self.o_proj(out.reshape(b, t, -1))
+
+  def _write(self, k, v, positions):
+    """k, v ``[B, T, Hkv, D]`` -> cache slots ``positions[b] + t`` (`write_contiguous`:
+    one scatter per array, quantizing for 8-bit caches, keeping the cache's sharding)."""
+    k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]: only the new tokens
+    if self.key_scale is None:
+      kc, vc = write_contiguous(self.cached_key[...], self.cached_value[...], k_new, v_new, positions)
+    else:
+      kc, vc, ks, vs = write_contiguous(self.cached_key[...], self.cached_value[...], k_new, v_new,
+                                        positions, k_scale=self.key_scale[...],
+                                        v_scale=self.value_scale[...])
+      self.key_scale.set_value(ks)
+      self.value_scale.set_value(vs)
+    # set_value, not [...] =: the new value keeps its own sharding.
+    self.cached_key.set_value(kc)
+    self.cached_value.set_value(vc)
 
   def _check_input(self, method: str, x):
     if self.cached_key is None:

@@ -13,6 +13,7 @@ with it (values clipped to the dtype's range).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from fdecode.quant import _QMAX, canonical_scale, is_quantized, quantize
@@ -32,6 +33,17 @@ def _quantize_new(new, scale, dtype, per_token):
   if jnp.dtype(dtype) == jnp.int8:
     y = jnp.round(y)
   return jnp.clip(y, -qmax, qmax).astype(dtype), None
+
+
+def _scatter(cache, index, values):
+  """``cache.at[index].set(values, mode="drop")`` keeping the cache's sharding. On a mesh
+  with Explicit axes (the `jax.make_mesh` default) JAX cannot infer a scatter's output
+  sharding, so it is stated: the cache keeps its own layout and stays in place."""
+  sharding = jax.typeof(cache).sharding
+  explicit = getattr(sharding, "mesh", None) is not None and any(
+      t == jax.sharding.AxisType.Explicit for t in getattr(sharding.mesh, "axis_types", ()))
+  kwargs = dict(out_sharding=sharding) if explicit else {}
+  return cache.at[index].set(values.astype(cache.dtype), mode="drop", **kwargs)
 
 
 def _as_tokens(new):
@@ -61,15 +73,15 @@ def write_contiguous(k, v, k_new, v_new, positions, *, k_scale=None, v_scale=Non
   def put(cache, new, scale, name):
     new_t = new.transpose(0, 2, 1, 3)  # [B, T, Hkv, D]: k[bi, :, slots] indexes as [B, T, Hkv, D]
     if not is_quantized(cache.dtype):
-      return cache.at[bi, :, slots].set(new_t.astype(cache.dtype), mode="drop"), scale
+      return _scatter(cache, (bi, slice(None), slots), new_t), scale
     if scale is None:
       raise ValueError(f"write_contiguous: {name} has dtype {cache.dtype}; pass {name}_scale")
     sc = canonical_scale(scale, cache.shape, f"{name}_scale")
     values, token_scale = _quantize_new(new.astype(jnp.float32), sc, cache.dtype, sc.shape[2] > 1)
-    cache = cache.at[bi, :, slots].set(values.transpose(0, 2, 1, 3), mode="drop")
+    cache = _scatter(cache, (bi, slice(None), slots), values.transpose(0, 2, 1, 3))
     if token_scale is not None:
       full = jnp.broadcast_to(sc, cache.shape[:3] + sc.shape[-1:])
-      sc = full.at[bi, :, slots].set(token_scale.transpose(0, 2, 1, 3), mode="drop")
+      sc = _scatter(full, (bi, slice(None), slots), token_scale.transpose(0, 2, 1, 3))
     return cache, (sc if scale is not None and jnp.ndim(scale) else scale)
 
   k, k_scale_out = put(k, k_new, k_scale, "k")
@@ -111,7 +123,7 @@ def write_paged(k_pages, v_pages, block_tables, positions, k_new, v_new, *, k_sc
   def put(pool, new, scale, name):
     new_h = new.transpose(1, 0, 2, 3)  # [Hkv, B, T, D]: pool[:, page, slot] indexes as that
     if not is_quantized(pool.dtype):
-      return pool.at[:, page, slot].set(new_h.astype(pool.dtype), mode="drop"), scale
+      return _scatter(pool, (slice(None), page, slot), new_h), scale
     if scale is None:
       raise ValueError(f"write_paged: {name}_pages has dtype {pool.dtype}; pass {name}_scale")
     sc = canonical_scale(scale, pool.shape, f"{name}_scale")  # [Hkv|1, P|1, ps|1, nt]
@@ -122,10 +134,10 @@ def write_paged(k_pages, v_pages, block_tables, positions, k_new, v_new, *, k_sc
     # Fixed scale [Hkv|1, 1, 1, nt] -> [1, Hkv|1, 1, nt] to broadcast over [B, Hkv, T, nt].
     values, token_scale = _quantize_new(new.astype(jnp.float32), sc.transpose(1, 0, 2, 3),
                                         pool.dtype, per_token)
-    pool = pool.at[:, page, slot].set(values.transpose(1, 0, 2, 3), mode="drop")
+    pool = _scatter(pool, (slice(None), page, slot), values.transpose(1, 0, 2, 3))
     if per_token:
       full = jnp.broadcast_to(sc, pool.shape[:3] + sc.shape[-1:])
-      sc = full.at[:, page, slot].set(token_scale.transpose(1, 0, 2, 3), mode="drop")
+      sc = _scatter(full, (slice(None), page, slot), token_scale.transpose(1, 0, 2, 3))
     return pool, (sc if jnp.ndim(scale) else scale)
 
   k_pages, k_scale_out = put(k_pages, k_new, k_scale, "k")

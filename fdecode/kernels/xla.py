@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fdecode.cache.paged import gather_pages, gather_scale
+from fdecode.cache.paged import gather_pages_head_major, gather_scale_head_major
 from fdecode.combine import finalize_state
 from fdecode.quant import dequantize
 
@@ -29,14 +29,19 @@ from fdecode.quant import dequantize
 MASK_VALUE = -1e30
 
 
-def _chunk_states(q_rows, kc, vc, row_limits, first_pos, softmax_scale):
+def _chunk_states(q_rows, kc, vc, row_limits, first_pos, softmax_scale, heads_outer=False):
   """States of chunks: kc ``[B, Hkv, n, C, Dk]``, vc ``[B, Hkv, n, C, Dv]``, chunk i starting
-  at token ``first_pos + i*C`` -> (o f32 ``[B, Hkv, n, R, Dv]``, lse ``[B, Hkv, n, R]``)."""
+  at token ``first_pos + i*C`` -> (o f32 ``[B, Hkv, n, R, Dv]``, lse ``[B, Hkv, n, R]``).
+
+  ``heads_outer``: q_rows, kc, vc and the results have their two batch axes swapped
+  (``[Hkv, B, ...]``, a paged pool's gather order, so the cache chunk is never transposed).
+  """
   n, c = kc.shape[2], kc.shape[3]
   scores = jnp.einsum("bhrd,bhncd->bhnrc", q_rows.astype(kc.dtype), kc,
                       preferred_element_type=jnp.float32) * softmax_scale
   pos = first_pos + jnp.arange(n * c, dtype=jnp.int32).reshape(n, 1, c)
-  valid = pos[None, None] < row_limits[:, None, None, :, None]  # [B, 1, n, R, C]
+  limits = row_limits[None, :, None, :, None] if heads_outer else row_limits[:, None, None, :, None]
+  valid = pos[None, None] < limits  # [B, 1, n, R, C] (or [1, B, n, R, C])
   scores = jnp.where(valid, scores, MASK_VALUE)
   m = jnp.max(scores, axis=-1)
   p = jnp.where(valid, jnp.exp(scores - m[..., None]), 0.0)
@@ -87,12 +92,12 @@ def xla_partials(q_rows, k, v, row_limits, *, softmax_scale: float, num_splits: 
     tables = _pad_tokens(block_tables, pages_per_chunk * n, axis=1)
     chunk = pages_per_chunk * page_size
 
-    def load(i, x, scale, offset):
+    def load(i, x, scale, offset):  # -> [Hkv, B, C, D]: the pool's order, no transpose
       ids = lax.dynamic_slice_in_dim(tables, i * pages_per_chunk, pages_per_chunk, axis=1)
-      x = gather_pages(x, ids)
+      x = gather_pages_head_major(x, ids)
       if scale is not None:
-        sc = gather_scale(scale, ids, page_size)
-        off = None if offset is None else gather_scale(offset, ids, page_size)
+        sc = gather_scale_head_major(scale, ids, page_size)
+        off = None if offset is None else gather_scale_head_major(offset, ids, page_size)
         x = dequantize(x, sc, off, compute_dtype)
       return x
   else:
@@ -109,11 +114,16 @@ def xla_partials(q_rows, k, v, row_limits, *, softmax_scale: float, num_splits: 
         x = dequantize(x, sl(scale), None if offset is None else sl(offset), compute_dtype)
       return x
 
+  heads_outer = block_tables is not None
+  q_loop = q_rows.transpose(1, 0, 2, 3) if heads_outer else q_rows
+
   def one_chunk(i):
     kc = load(i, k, k_scale, k_offset)[:, :, None]
     vc = load(i, v, v_scale, v_offset)[:, :, None]
-    o, lse = _chunk_states(q_rows, kc, vc, row_limits, i * chunk, softmax_scale)
+    o, lse = _chunk_states(q_loop, kc, vc, row_limits, i * chunk, softmax_scale, heads_outer)
     return o[:, :, 0], lse[:, :, 0]
 
-  o, lse = lax.map(one_chunk, jnp.arange(n, dtype=jnp.int32))  # [n, B, Hkv, R, ...]
+  o, lse = lax.map(one_chunk, jnp.arange(n, dtype=jnp.int32))  # [n, B, Hkv, R, ...] (or [n, Hkv, B, ...])
+  if heads_outer:
+    o, lse = o.swapaxes(1, 2), lse.swapaxes(1, 2)
   return jnp.moveaxis(o, 0, 2), jnp.moveaxis(lse, 0, 2)
