@@ -50,8 +50,10 @@ def _chunk_states(q_rows, kc, vc, row_limits, first_pos, softmax_scale, heads_ou
   return finalize_state(acc, m, l)
 
 
-def _pad_tokens(x, total, axis=2):
-  if x.shape[axis] in (1, total):
+def _pad_tokens(x, total, axis=2, broadcast_ok=False):
+  """Zero-pads ``axis`` to ``total``; with ``broadcast_ok`` a size-1 axis (a scale that
+  broadcasts over tokens) is left alone."""
+  if x.shape[axis] == total or (broadcast_ok and x.shape[axis] == 1):
     return x
   pad = [(0, 0)] * x.ndim
   pad[axis] = (0, total - x.shape[axis])
@@ -105,7 +107,8 @@ def xla_partials(q_rows, k, v, row_limits, *, softmax_scale: float, num_splits: 
     chunk = max(-(-s // n), 1)
     k, v = _pad_tokens(k, chunk * n), _pad_tokens(v, chunk * n)
     k_scale, v_scale, k_offset, v_offset = (
-        None if a is None else _pad_tokens(a, chunk * n) for a in (k_scale, v_scale, k_offset, v_offset))
+        None if a is None else _pad_tokens(a, chunk * n, broadcast_ok=True)
+        for a in (k_scale, v_scale, k_offset, v_offset))
 
     def load(i, x, scale, offset):
       x = lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=2)
