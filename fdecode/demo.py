@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fdecode
 from fdecode.generate import ModelConfig, Transformer, generate
@@ -113,10 +113,9 @@ def generate_main(argv) -> int:
   elif s % n_seq_axis:
     why_not = f"--context={s} is not a multiple of the {n_seq_axis} seq shards"
   if why_not is None:
-    # Auto axes: DecodeAttention's cache writes (`.at[...].set`) are not annotated for
-    # Explicit sharding; sharded_flash_decode handles both.
-    mesh = jax.make_mesh((n_heads_axis, n_seq_axis), ("heads", "seq"),
-                         axis_types=(AxisType.Auto,) * 2, devices=devices[:need])
+    # jax.make_mesh's default (Explicit) axes: the cache writes keep the cache's sharding
+    # and sharded_flash_decode reshards its inputs itself.
+    mesh = jax.make_mesh((n_heads_axis, n_seq_axis), ("heads", "seq"), devices=devices[:need])
     decode_fn = functools.partial(fdecode.sharded_flash_decode, mesh=mesh, head_axis="heads",
                                   seq_axis="seq")
     cache_sharding = NamedSharding(mesh, P(None, "heads" if hkv % n_heads_axis == 0 else None, "seq", None))

@@ -204,6 +204,17 @@ def token_major_decode(q, k, v, mask, *, softmax_scale=None, num_splits=None,
 # DecodeAttention: a head-major cache with per-sequence lengths
 
 
+def _replicated(x):
+  """On a mesh with Explicit axes, gathers ``x`` to fully replicated (the projections are
+  not tensor-parallel: with heads sharded, ``o_proj``'s contraction would be ambiguous).
+  For attention outputs ``[B, T, Hq, D]`` this is a small all-gather; no-op otherwise."""
+  sharding = jax.typeof(x).sharding
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+    return x
+  return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
 def apply_rope(x, positions, *, theta: float = 10000.0):
   """Rotary position embedding, rotate-half convention (GPT-NeoX / Llama).
 
@@ -255,7 +266,10 @@ class DecodeAttention(nnx.Module):
   i.e. `fdecode.flash_decode`'s signature; bind knobs with ``functools.partial``
   (``impl=``, ``num_splits=``), or pass a multi-device wrapper such as
   ``partial(fdecode.sharding.sharded_flash_decode, mesh=mesh, head_axis="model")``
-  after placing the cache with ``jax.device_put`` on a matching sharding.
+  after placing the cache with ``jax.device_put`` on a matching sharding. Cache writes
+  keep the cache's sharding (Explicit or Auto meshes); the projections are replicated
+  (not tensor-parallel), so on an Explicit mesh the attention output ``[B, T, Hq, D]``
+  is gathered before ``o_proj``.
 
   Example::
 
@@ -376,7 +390,7 @@ class DecodeAttention(nnx.Module):
     if self.key_scale is not None:
       scales = dict(k_scale=self.key_scale[...], v_scale=self.value_scale[...])
     out = self.decode_fn(q, self.cached_key[...], self.cached_value[...], lengths, **scales)
-    return self.o_proj(out.reshape(b, t, -1))
+    return self.o_proj(_replicated(out).reshape(b, t, -1))
 
   def _write(self, k, v, positions):
     """k, v ``[B, T, Hkv, D]`` -> cache slots ``positions[b] + t`` (`write_contiguous`:

@@ -134,11 +134,15 @@ class Transformer(nnx.Module):
     return self.unembed(self.norm(x[:, 0])).astype(jnp.float32)
 
   def _constrain_cache(self, sharding) -> None:
-    """Keeps the caches on ``sharding`` across jitted steps (inside a trace)."""
+    """Keeps the caches on ``sharding`` across jitted steps (inside a trace). On Explicit
+    mesh axes the sharding is part of the type (reshard: a no-op when it already
+    matches); on Auto axes it is a constraint for the compiler."""
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
+    keep = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
     for block in self.blocks:
       for name in ("cached_key", "cached_value"):
         var = getattr(block.attn, name)
-        var.set_value(jax.lax.with_sharding_constraint(var[...], sharding))
+        var.set_value(keep(var[...], sharding))
 
 
 @nnx.jit

@@ -245,3 +245,51 @@ def test_decode_attention_errors():
     layer.prefill(jnp.zeros((2, 4, 16)), jnp.array([1, 2, 3]))
   with pytest.raises(ValueError, match="num_heads \\(4\\) must be a positive multiple"):
     fflax.DecodeAttention(16, num_heads=4, num_kv_heads=3, rngs=nnx.Rngs(0))
+
+
+def _decode_steps(layer, prompts, prompt_lens, steps, seed=3):
+  """Prefill then `steps` single-token decode steps; returns the stacked outputs."""
+  _prefill(layer, prompts, prompt_lens)
+  xs = jax.random.normal(jax.random.key(seed), (steps, prompts.shape[0], 1, prompts.shape[-1]))
+  return jnp.stack([_decode(layer, x) for x in xs])
+
+
+@pytest.mark.parametrize("cache_dtype,atol", [(jnp.int8, 0.03), (jnp.float8_e4m3fn, 0.1)])
+def test_decode_attention_8bit_cache_close_to_float_cache(cache_dtype, atol):
+  """An 8-bit cache (per-token scales, quantized on write, dequantized in the kernel)
+  tracks the float cache within quantization error."""
+  e, b, max_len = 32, 2, 40
+  prompts = jax.random.normal(jax.random.key(0), (b, 16, e))
+  lens = jnp.array([16, 7], jnp.int32)
+  outs = {}
+  for dtype in (jnp.float32, cache_dtype):
+    layer = fflax.DecodeAttention(e, num_heads=4, num_kv_heads=2, head_dim=8, rngs=nnx.Rngs(1))
+    layer.init_cache(b, max_len, dtype)
+    outs[dtype] = _decode_steps(layer, prompts, lens, steps=4)
+    assert layer.cached_key.dtype == dtype
+  assert layer.key_scale is not None and layer.key_scale.shape == (b, 2, max_len, 1)
+  err = float(jnp.max(jnp.abs(outs[cache_dtype] - outs[jnp.float32])))
+  assert 0 < err < atol, err
+
+
+def test_decode_attention_on_explicit_mesh():
+  """A cache placed on a jax.make_mesh mesh (Explicit axes, the default) decodes through
+  sharded_flash_decode and matches the single-device layer."""
+  mesh = jax.make_mesh((2, 4), ("heads", "seq"))
+  e, b, max_len = 32, 2, 32
+  prompts = jax.random.normal(jax.random.key(4), (b, 8, e))
+  lens = jnp.array([8, 3], jnp.int32)
+  sharded_fn = functools.partial(fdecode.sharded_flash_decode, mesh=mesh, head_axis="heads", seq_axis="seq")
+  results = []
+  for decode_fn in (None, sharded_fn):
+    layer = fflax.DecodeAttention(e, num_heads=4, num_kv_heads=2, head_dim=8, decode_fn=decode_fn,
+                                  rngs=nnx.Rngs(2))
+    layer.init_cache(b, max_len)
+    if decode_fn is not None:
+      spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "heads", "seq", None))
+      layer.cached_key.set_value(jax.device_put(layer.cached_key[...], spec))
+      layer.cached_value.set_value(jax.device_put(layer.cached_value[...], spec))
+    results.append(_decode_steps(layer, prompts, lens, steps=3))
+    if decode_fn is not None:
+      assert layer.cached_key[...].sharding.spec == jax.sharding.PartitionSpec(None, "heads", "seq", None)
+  assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
