@@ -32,6 +32,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from fdecode.api import flash_decode
 from fdecode.combine import combine_across
+from fdecode.quant import canonical_scale
+
+# Options laid out like the cache ([B|1, Hkv|1, S|1, n_tiles]): split with it.
+_CACHE_SHAPED = ("k_scale", "v_scale", "k_offset", "v_offset")
 
 def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=None,
                          batch_axis=None, return_lse=False, **flash_decode_kwargs):
@@ -53,8 +57,9 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
     return_lse: also return the float32 LSE, as `flash_decode` does.
     **flash_decode_kwargs: passed to `flash_decode` on every device (``impl``,
       ``num_splits``, ``block_k``, ``softmax_scale``, ``interpret``...). ``num_splits``
-      and ``block_k`` apply to each device's local chunk. Array-valued options are
-      passed replicated to every device.
+      and ``block_k`` apply to each device's local chunk. 8-bit caches: ``k_scale`` /
+      ``v_scale`` / offsets of every granularity are split like the cache on their
+      non-broadcast axes (per token: with the tokens). Other array options are replicated.
 
   Inputs may be unsharded (they are resharded to the layout below) or already sharded
   that way. Mesh axes named by none of the three roles replicate the work.
@@ -88,22 +93,28 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
   plan = _plan(q.shape, k.shape, mesh=mesh, head_axis=head_axis, seq_axis=seq_axis,
                batch_axis=batch_axis)
 
-  static = tuple(sorted((n, x) for n, x in flash_decode_kwargs.items() if not _is_array(x)))
-  arrays = {n: x for n, x in flash_decode_kwargs.items() if _is_array(x)}
+  kwargs = dict(flash_decode_kwargs)
+  for name in _CACHE_SHAPED:  # 8-bit scales / offsets: rank 4, split like the cache
+    if kwargs.get(name) is not None:
+      kwargs[name] = canonical_scale(kwargs[name], (k if name[0] == "k" else v).shape, name)
+  static = tuple(sorted((n, x) for n, x in kwargs.items() if not _is_array(x)))
+  arrays = {n: x for n, x in kwargs.items() if _is_array(x)}
+  array_specs = tuple(sorted((n, _array_spec(n, x, plan)) for n, x in arrays.items()))
   try:
-    fn = _build(mesh, plan, q.ndim == 3, static, tuple(sorted(arrays)))
+    fn = _build(mesh, plan, q.ndim == 3, static, array_specs)
   except TypeError:  # an unhashable option: build without the cache
-    fn = _build.__wrapped__(mesh, plan, q.ndim == 3, static, tuple(sorted(arrays)))
+    fn = _build.__wrapped__(mesh, plan, q.ndim == 3, static, array_specs)
   out, lse = fn(q, k, v, jnp.asarray(lengths).astype(jnp.int32), arrays)
   return (out, lse) if return_lse else out
 
 
 @functools.lru_cache(maxsize=64)
-def _build(mesh, plan, single_token, static_kwargs, array_names):
+def _build(mesh, plan, single_token, static_kwargs, array_specs):
   """The jitted step: reshard the inputs, then shard_map `_local_decode` over the mesh."""
   q_spec = plan.q_spec(single_token)
   k_spec = P(plan.batch, plan.kv_head, plan.seq, None)
-  in_specs = (q_spec, k_spec, k_spec, P(plan.batch), {n: P() for n in array_names})
+  array_specs = dict(array_specs)
+  in_specs = (q_spec, k_spec, k_spec, P(plan.batch), array_specs)
   out_specs = (q_spec, P(*q_spec[:-1]))
   body = functools.partial(_local_decode, plan=plan, single_token=single_token,
                            kwargs=static_kwargs)
@@ -118,7 +129,7 @@ def _build(mesh, plan, single_token, static_kwargs, array_names):
   @jax.jit
   def step(q, k, v, lengths, arrays):
     args = [_reshard(x, mesh, spec) for x, spec in zip((q, k, v, lengths), in_specs)]
-    arrays = {n: _reshard(x, mesh, P()) for n, x in arrays.items()}
+    arrays = {n: _reshard(x, mesh, array_specs[n]) for n, x in arrays.items()}
     return mapped(*args, arrays)
 
   return step
@@ -188,6 +199,9 @@ def _local_decode(q, k, v, lengths, arrays, *, plan, single_token, kwargs):
     kv_head = jax.lax.axis_index(plan.head) // plan.kv_replicas
     k = jax.lax.dynamic_slice_in_dim(k, kv_head, 1, axis=1)
     v = jax.lax.dynamic_slice_in_dim(v, kv_head, 1, axis=1)
+    for name in _CACHE_SHAPED:
+      if name in kwargs and kwargs[name].shape[1] > 1:
+        kwargs[name] = jax.lax.dynamic_slice_in_dim(kwargs[name], kv_head, 1, axis=1)
   if plan.seq is None:
     return flash_decode(q, k, v, lengths, return_lse=True, **kwargs)
   q4 = q[:, None] if single_token else q
@@ -211,6 +225,15 @@ def _chunk_decode(q, k, v, lengths, *, plan, kwargs):
   """
   offset = jax.lax.axis_index(plan.seq) * plan.chunk
   return flash_decode(q, k, v, lengths, kv_offset=offset, return_lse=True, **kwargs)
+
+
+def _array_spec(name, x, plan):
+  """Cache-shaped scales / offsets follow the cache's split on their non-broadcast axes;
+  any other array option is replicated."""
+  if name not in _CACHE_SHAPED:
+    return P()
+  return P(*(axis if size > 1 else None
+             for axis, size in zip((plan.batch, plan.kv_head, plan.seq), x.shape[:3])), None)
 
 
 def _names(axis) -> tuple:

@@ -62,8 +62,9 @@ def test_matches_single_device(mesh_shape, names, roles, t, axis_types):
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, want), out.ndim), out.sharding
 
 
-def test_causal_straddle_needs_the_tail_correction():
-  """Every length that straddles a chunk end, for every query: T=5 on 4 chunks of 8."""
+def test_causal_windows_straddling_chunk_ends():
+  """Every length whose causal window straddles a chunk end (kv_offset gives each device
+  its exact share), for every query: T=5 on 4 chunks of 8."""
   q, k, v = make_problem(2, b=8, t=5, hq=2, hkv=1, s=32, dk=16)
   mesh = _mesh((4,), ("s",))
   for lengths in ([9, 10, 11, 12, 13, 8, 7, 32], [25, 26, 27, 28, 17, 18, 19, 20]):
@@ -80,6 +81,24 @@ def test_pallas_seq_and_heads():
   out, lse = fdecode.sharded_flash_decode(q, k, v, lengths, mesh=mesh, head_axis="h", seq_axis="s",
                                           impl="pallas", block_k=16, return_lse=True)
   _check(q, k, v, lengths, out, lse)
+
+
+@pytest.mark.parametrize("gran", [dict(tile=None), dict(tile=8), dict(per_tensor=True)],
+                         ids=["per-token", "tile8", "per-tensor"])
+@pytest.mark.parametrize("roles,shape", [(dict(head_axis="h", seq_axis="s"), (2, 4)),
+                                         (dict(head_axis="h"), (8,))], ids=["h2-s4", "h8-replicated-kv"])
+def test_quantized_cache_scales_split_with_the_cache(gran, roles, shape):
+  """int8 cache with scales of every granularity: the scales follow the cache's split."""
+  from fdecode.quant import quantize
+  q, k, v = make_problem(9, b=2, t=2, hq=8, hkv=2, s=32, dk=16)
+  kq, ks = quantize(k, jnp.int8, **gran)
+  vq, vs = quantize(v, jnp.int8, **gran)
+  lengths = jnp.array([32, 11], jnp.int32)
+  mesh = _mesh(shape, tuple(roles.values()) if len(shape) == 2 else ("h",))
+  out = fdecode.sharded_flash_decode(q, kq, vq, lengths, mesh=mesh, impl="xla", k_scale=ks,
+                                     v_scale=vs, **roles)
+  single = fdecode.flash_decode(q, kq, vq, lengths, k_scale=ks, v_scale=vs, impl="xla")
+  assert_close(out, single, atol=3e-5, rtol=3e-5)
 
 
 def test_few_kv_heads_are_replicated_and_query_groups_split():
