@@ -23,6 +23,7 @@ Import as ``import fdecode.flax`` (this module is not re-exported by ``fdecode``
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -33,7 +34,7 @@ from flax import nnx
 
 from fdecode import config as config_lib
 from fdecode.api import flash_decode
-from fdecode.cache.write import write_contiguous
+from fdecode.cache.write import write_contiguous, write_paged
 from fdecode.combine import finalize_state, merge_states
 from fdecode.quant import is_quantized
 
@@ -256,8 +257,8 @@ class DecodeAttention(nnx.Module):
   Attributes:
     q_proj, k_proj, v_proj, o_proj: ``nnx.Linear`` ``E -> Hq*D``, ``E -> Hkv*D`` (twice),
       ``Hq*D -> E``.
-    cached_key, cached_value: ``nnx.Cache`` ``[B, Hkv, S, D]`` head-major, after
-      `init_cache`.
+    cached_key, cached_value: ``nnx.Cache`` ``[B, Hkv, S, D]`` head-major, or a page
+      pool ``[Hkv, P, page_size, D]`` with ``block_tables`` ``[B, n]``, after `init_cache`.
     lengths: ``nnx.Cache`` int32 ``[B]``: valid tokens of each sequence.
 
   Sharding: ``decode_fn`` is the extension point. It receives
@@ -318,16 +319,30 @@ class DecodeAttention(nnx.Module):
     self.cached_value: nnx.Cache | None = nnx.data(None)
     self.key_scale: nnx.Cache | None = nnx.data(None)
     self.value_scale: nnx.Cache | None = nnx.data(None)
+    self.block_tables: nnx.Cache | None = nnx.data(None)
     self.lengths: nnx.Cache | None = nnx.data(None)
 
-  def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> None:
-    """Allocates an empty cache: k/v ``[batch, Hkv, max_len, D]`` in ``dtype``, lengths 0.
+  def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32, *,
+                 page_size: int | None = None) -> None:
+    """Allocates an empty cache, lengths 0.
 
+    Contiguous (default): k/v ``[batch, Hkv, max_len, D]`` in ``dtype``.
+    Paged (``page_size``): a pool ``[Hkv, P, page_size, D]`` with
+    ``P = batch * ceil(max_len / page_size)`` and ``block_tables`` int32
+    ``[batch, ceil(max_len / page_size)]`` giving sequence b the pages
+    ``b * n .. b * n + n - 1``; replace it (``layer.block_tables.set_value(...)``) with a
+    table from `fdecode.cache.PageAllocator` to share one pool between requests.
     ``dtype`` int8, float8_e4m3fn or float8_e5m2 makes an 8-bit cache with one float32
-    scale per token per head (``key_scale``/``value_scale`` ``[batch, Hkv, max_len, 1]``):
-    new tokens are quantized as they are written and dequantized inside the kernel.
+    scale per token per head (``key_scale``/``value_scale``, the cache's shape with last
+    axis 1): new tokens are quantized as they are written, dequantized inside the kernel.
     """
-    shape = (batch, self.num_kv_heads, max_len, self.head_dim)
+    if page_size is None:
+      shape = (batch, self.num_kv_heads, max_len, self.head_dim)
+      self.block_tables = None
+    else:
+      pages = -(-max_len // page_size)
+      shape = (self.num_kv_heads, batch * pages, page_size, self.head_dim)
+      self.block_tables = nnx.Cache(jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages))
     self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
     if is_quantized(dtype):
@@ -354,7 +369,7 @@ class DecodeAttention(nnx.Module):
       raise ValueError(f"DecodeAttention.prefill: lengths must be int [B]=({b},); got "
                        f"lengths.shape={tuple(lengths.shape)} dtype={lengths.dtype}, "
                        f"x.shape={tuple(x.shape)}")
-    capacity = self.cached_key.shape[2]
+    capacity = self._capacity()
     if seq > capacity:
       raise ValueError(f"DecodeAttention.prefill: x.shape={tuple(x.shape)} has L={seq} > "
                        f"cache capacity S={capacity}")
@@ -386,36 +401,49 @@ class DecodeAttention(nnx.Module):
     self._write(k, v, lengths)
     lengths = lengths + t
     self.lengths.set_value(lengths)
-    scales = {}
+    extra = {}
     if self.key_scale is not None:
-      scales = dict(k_scale=self.key_scale[...], v_scale=self.value_scale[...])
-    out = self.decode_fn(q, self.cached_key[...], self.cached_value[...], lengths, **scales)
+      extra.update(k_scale=self.key_scale[...], v_scale=self.value_scale[...])
+    if self.block_tables is not None:
+      extra.update(block_tables=self.block_tables[...])
+    out = self.decode_fn(q, self.cached_key[...], self.cached_value[...], lengths, **extra)
     return self.o_proj(_replicated(out).reshape(b, t, -1))
 
   def _write(self, k, v, positions):
     """k, v ``[B, T, Hkv, D]`` -> cache slots ``positions[b] + t`` (`write_contiguous`:
     one scatter per array, quantizing for 8-bit caches, keeping the cache's sharding)."""
     k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]: only the new tokens
-    if self.key_scale is None:
-      kc, vc = write_contiguous(self.cached_key[...], self.cached_value[...], k_new, v_new, positions)
+    if self.block_tables is None:
+      write = write_contiguous
     else:
-      kc, vc, ks, vs = write_contiguous(self.cached_key[...], self.cached_value[...], k_new, v_new,
-                                        positions, k_scale=self.key_scale[...],
-                                        v_scale=self.value_scale[...])
+      write = functools.partial(write_paged, block_tables=self.block_tables[...])
+    if self.key_scale is None:
+      kc, vc = write(self.cached_key[...], self.cached_value[...], k_new=k_new, v_new=v_new,
+                     positions=positions)
+    else:
+      kc, vc, ks, vs = write(self.cached_key[...], self.cached_value[...], k_new=k_new, v_new=v_new,
+                             positions=positions, k_scale=self.key_scale[...],
+                             v_scale=self.value_scale[...])
       self.key_scale.set_value(ks)
       self.value_scale.set_value(vs)
     # set_value, not [...] =: the new value keeps its own sharding.
     self.cached_key.set_value(kc)
     self.cached_value.set_value(vc)
 
+  def _capacity(self) -> int:
+    """S: tokens each sequence's cache can hold."""
+    if self.block_tables is None:
+      return self.cached_key.shape[2]
+    return self.block_tables.shape[1] * self.cached_key.shape[2]
+
   def _check_input(self, method: str, x):
     if self.cached_key is None:
       raise ValueError(f"DecodeAttention.{method}: no cache; call init_cache(batch, max_len) first")
-    cache_shape = tuple(self.cached_key.shape)
-    if x.ndim != 3 or x.shape[-1] != self.in_features or x.shape[0] != cache_shape[0]:
-      raise ValueError(f"DecodeAttention.{method}: x must be [B, T, E]=[{cache_shape[0]}, T, "
+    batch = self.lengths.shape[0]
+    if x.ndim != 3 or x.shape[-1] != self.in_features or x.shape[0] != batch:
+      raise ValueError(f"DecodeAttention.{method}: x must be [B, T, E]=[{batch}, T, "
                        f"{self.in_features}]; got x.shape={tuple(x.shape)}, "
-                       f"cache [B, Hkv, S, D]={cache_shape}")
+                       f"cache shape {tuple(self.cached_key.shape)}")
     return x.shape
 
   def _qkv(self, x, positions):

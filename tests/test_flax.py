@@ -293,3 +293,22 @@ def test_decode_attention_on_explicit_mesh():
     if decode_fn is not None:
       assert layer.cached_key[...].sharding.spec == jax.sharding.PartitionSpec(None, "heads", "seq", None)
   assert_close(results[1], results[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("page_size,dtype", [(4, jnp.float32), (1, jnp.float32), (8, jnp.int8)])
+def test_decode_attention_paged_cache_matches_contiguous(page_size, dtype):
+  """The same layer over a paged pool (shuffled block table) and a contiguous cache."""
+  e, b, max_len = 32, 2, 24
+  prompts = jax.random.normal(jax.random.key(5), (b, 10, e))
+  lens = jnp.array([10, 4], jnp.int32)
+  outs = []
+  for paged in (False, True):
+    layer = fflax.DecodeAttention(e, num_heads=4, num_kv_heads=2, head_dim=8, rngs=nnx.Rngs(3))
+    layer.init_cache(b, max_len, dtype, page_size=page_size if paged else None)
+    if paged:
+      n = layer.block_tables.shape[1]
+      assert layer.cached_key.shape == (2, b * n, page_size, 8)
+      perm = np.random.default_rng(0).permutation(b * n).reshape(b, n).astype(np.int32)
+      layer.block_tables.set_value(jnp.asarray(perm))
+    outs.append(_decode_steps(layer, prompts, lens, steps=3))
+  assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
