@@ -17,29 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import fdecode
 from fdecode.quant import quantize
-
-
-def timeit(fn, *args, iters):
-  """(median seconds, compile seconds) of a jitted fn."""
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  compile_s = time.perf_counter() - t0
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), compile_s
+from _timing import timeit  # benchmarks/ is on sys.path when a script here runs
 
 
 def as_float32_words(a):

@@ -13,7 +13,6 @@ Prints compile time apart, the median of --iters runs, and GB/s of KV read.
 
 import argparse
 import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from flax import nnx
 
 import fdecode
 import fdecode.flax as fflax
+from _timing import timeit  # benchmarks/ is on sys.path when a script here runs
 
 
 def _einsum_token_major(q, k, v, mask):
@@ -32,19 +32,6 @@ def _einsum_token_major(q, k, v, mask):
   s = jnp.where(mask[:, :, None], s, -1e30)
   p = jax.nn.softmax(s, axis=-1)
   return jnp.einsum("bhgs,bshd->bhgd", p.astype(v.dtype), v).reshape(b, hq, d)
-
-
-def _time(fn, *args, iters):
-  fn = jax.jit(fn)
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  compile_s = time.perf_counter() - t0
-  runs = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    runs.append(time.perf_counter() - t0)
-  return compile_s, float(np.median(runs))
 
 
 def main():
@@ -85,7 +72,7 @@ def main():
   print(f"B={b} S={s} Hkv={hkv} G={a.g} D={d} {dtype.name}, KV {kv_gb * 1e3:.0f} MB, "
         f"backend {jax.default_backend()}")
   for name, (fn, args) in peers.items():
-    compile_s, run_s = _time(fn, *args, iters=a.iters)
+    run_s, compile_s = timeit(jax.jit(fn), *args, iters=a.iters)
     print(f"{name:30s} {run_s * 1e3:8.2f} ms  {kv_gb / run_s:6.1f} GB/s  (compile {compile_s:.2f} s)")
 
 

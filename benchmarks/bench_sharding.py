@@ -20,14 +20,13 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 
 import argparse  # pylint: disable=g-import-not-at-top,g-bad-import-order
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import fdecode
 from fdecode.sharding import collective_bytes
+from _timing import timeit  # benchmarks/ is on sys.path when a script here runs
 
 
 def _comm_table(b, t, hq, hkv, s, d, dtype):
@@ -47,18 +46,6 @@ def _comm_table(b, t, hq, hkv, s, d, dtype):
     cache = 2 * b * hkv * s * d * jnp.dtype(dtype).itemsize // n
     ops = ", ".join(f"{op} {x}" for op, x in sent.items())
     print(f"| {n} | {ops} | {total / 1024:.1f} KiB | {cache / 2**20:.1f} MiB | {cache / max(total, 1):.0f}x |")
-
-
-def _time(fn, args, iters):
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  compile_s = time.perf_counter() - t0
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return compile_s, statistics.median(times)
 
 
 def _time_table(b, hq, hkv, s, d, dtype, iters):
@@ -82,7 +69,7 @@ def _time_table(b, hq, hkv, s, d, dtype, iters):
       mesh = jax.make_mesh((n,), ("s",), devices=jax.devices()[:n])
       fn = jax.jit(functools.partial(fdecode.sharded_flash_decode, mesh=mesh, seq_axis="s",
                                      impl="xla"))
-    compile_s, med = _time(fn, (q, k, v, lengths), iters)
+    med, compile_s = timeit(fn, q, k, v, lengths, iters=iters)
     base = fn(q, k, v, lengths) if base is None else base
     err = float(jnp.max(jnp.abs(fn(q, k, v, lengths).astype(jnp.float32) - base.astype(jnp.float32))))
     print(f"| {n} | {compile_s:.2f} | {med * 1e3:.2f} | {kv_bytes / med / 1e9:.1f} | {err:.1e} |")

@@ -18,7 +18,6 @@ The real value is ``(values + offset) * scale`` (Ascend's antiquant; offset 0 if
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import fdecode
-from fdecode.reference import reference_decode
 from conftest import assert_close, make_problem
 
 

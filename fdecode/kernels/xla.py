@@ -17,7 +17,6 @@ kernel is the one that skips blocks past each sequence's length.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
