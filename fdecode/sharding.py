@@ -79,19 +79,31 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
     ValueError: for inconsistent shapes (as `flash_decode`), unknown or repeated mesh
       axes, or sizes the mesh axes do not divide (the message names the argument and
       shows the shapes).
-    NotImplementedError: for paged caches (``block_tables``).
+  Paged caches (``block_tables=`` int ``[B, n]``, k/v pools ``[Hkv, P, page_size, D]``):
+  the pool is split over kv heads on ``head_axis`` and over pages on ``seq_axis``
+  (``P % n_s == 0``), the table by rows over ``batch_axis`` and by columns over
+  ``seq_axis`` (``n % n_s == 0``). Each device owns the pages of its token range: table
+  columns ``[d*n/n_s, (d+1)*n/n_s)`` (tokens of sequence shard d) must name pages of pool
+  shard d, ``[d*P/n_s, (d+1)*P/n_s)`` (checked when the table is concrete). The pool is
+  replicated over ``batch_axis`` (sequences of every batch shard may use any page).
   """
-  if flash_decode_kwargs.get("block_tables") is not None:
-    raise NotImplementedError(
-        "sharded_flash_decode: paged caches (block_tables) are not supported yet; "
-        "pass a contiguous [B, Hkv, S, D] cache")
   # flash_decode's own validation, on the global shapes (so errors show them) and
   # without their shardings (explicitly sharded operands would trip its einsums).
   abstract = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in (q, k, v, lengths)]
   jax.eval_shape(functools.partial(flash_decode, **flash_decode_kwargs), *abstract)
-  _check_concrete_lengths(lengths, k.shape[2])
-  plan = _plan(q.shape, k.shape, mesh=mesh, head_axis=head_axis, seq_axis=seq_axis,
-               batch_axis=batch_axis)
+  tables = flash_decode_kwargs.get("block_tables")
+  if tables is None:
+    b, hkv, s, _ = k.shape
+    pool_pages = None
+  else:
+    b, (hkv, pool_pages, page_size, _) = q.shape[0], k.shape
+    s = np.shape(tables)[1] * page_size
+  _check_concrete_lengths(lengths, s)
+  plan = _plan(q.shape, (b, hkv, s), mesh=mesh, head_axis=head_axis, seq_axis=seq_axis,
+               batch_axis=batch_axis, pool_pages=pool_pages,
+               table_cols=0 if tables is None else np.shape(tables)[1], shapes_of=(q, k))
+  if tables is not None:
+    _check_page_ownership(tables, lengths, pool_pages, plan)
 
   kwargs = dict(flash_decode_kwargs)
   for name in _CACHE_SHAPED:  # 8-bit scales / offsets: rank 4, split like the cache
@@ -112,7 +124,7 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
 def _build(mesh, plan, single_token, static_kwargs, array_specs):
   """The jitted step: reshard the inputs, then shard_map `_local_decode` over the mesh."""
   q_spec = plan.q_spec(single_token)
-  k_spec = P(plan.batch, plan.kv_head, plan.seq, None)
+  k_spec = P(plan.kv_head, plan.seq, None, None) if plan.paged else P(plan.batch, plan.kv_head, plan.seq, None)
   array_specs = dict(array_specs)
   in_specs = (q_spec, k_spec, k_spec, P(plan.batch), array_specs)
   out_specs = (q_spec, P(*q_spec[:-1]))
@@ -146,15 +158,20 @@ class _Plan:
   seq_size: int     # n_s
   chunk: int        # S / n_s tokens per device
   kv_replicas: int  # devices sharing one kv head (1: the kv heads are split)
+  paged: bool = False
+  pages_per_shard: int = 0  # paged: P / n_s pool pages per sequence shard
 
   def q_spec(self, single_token):
     return P(self.batch, self.head, None) if single_token else P(self.batch, None, self.head, None)
 
 
-def _plan(q_shape, k_shape, *, mesh, head_axis, seq_axis, batch_axis) -> _Plan:
-  b, hkv, s, _ = k_shape
+def _plan(q_shape, bhs, *, mesh, head_axis, seq_axis, batch_axis, pool_pages=None,
+          table_cols=0, shapes_of=()) -> _Plan:
+  """bhs: (B, Hkv, S); pool_pages, table_cols: P and n for a paged cache (else None, 0)."""
+  b, hkv, s = bhs
   hq = q_shape[-2]
-  shapes = f"q.shape={tuple(q_shape)}, k.shape={tuple(k_shape)}, mesh.shape={dict(mesh.shape)}"
+  shapes = ", ".join(f"{n}.shape={tuple(x.shape)}" for n, x in zip("qk", shapes_of))
+  shapes += f", mesh.shape={dict(mesh.shape)}"
   roles = {"head_axis": _names(head_axis), "seq_axis": _names(seq_axis),
            "batch_axis": _names(batch_axis)}
   seen = {}
@@ -174,6 +191,11 @@ def _plan(q_shape, k_shape, *, mesh, head_axis, seq_axis, batch_axis) -> _Plan:
   if s % size["seq_axis"]:
     raise ValueError(f"sharded_flash_decode: seq_axis of size {size['seq_axis']} must divide "
                      f"the cache capacity S={s}; got {shapes}")
+  if pool_pages is not None:
+    if pool_pages % size["seq_axis"] or table_cols % size["seq_axis"]:
+      raise ValueError(f"sharded_flash_decode: seq_axis of size {size['seq_axis']} must divide the "
+                       f"pool's page count P={pool_pages} and the block table's width n={table_cols}; "
+                       f"got {shapes}")
   n_h = size["head_axis"]
   if hkv % n_h == 0:
     kv_replicas = 1
@@ -187,7 +209,9 @@ def _plan(q_shape, k_shape, *, mesh, head_axis, seq_axis, batch_axis) -> _Plan:
   return _Plan(batch=entry(roles["batch_axis"]), head=entry(roles["head_axis"]),
                kv_head=entry(roles["head_axis"]) if kv_replicas == 1 else None,
                seq=entry(roles["seq_axis"]), seq_size=size["seq_axis"],
-               chunk=s // size["seq_axis"], kv_replicas=kv_replicas)
+               chunk=s // size["seq_axis"], kv_replicas=kv_replicas,
+               paged=pool_pages is not None,
+               pages_per_shard=0 if pool_pages is None else pool_pages // size["seq_axis"])
 
 
 def _local_decode(q, k, v, lengths, arrays, *, plan, single_token, kwargs):
@@ -197,11 +221,15 @@ def _local_decode(q, k, v, lengths, arrays, *, plan, single_token, kwargs):
   if plan.kv_replicas > 1:
     # k/v hold every kv head; this device's query heads belong to one of them.
     kv_head = jax.lax.axis_index(plan.head) // plan.kv_replicas
-    k = jax.lax.dynamic_slice_in_dim(k, kv_head, 1, axis=1)
-    v = jax.lax.dynamic_slice_in_dim(v, kv_head, 1, axis=1)
+    head_dim_axis = 0 if plan.paged else 1
+    k = jax.lax.dynamic_slice_in_dim(k, kv_head, 1, axis=head_dim_axis)
+    v = jax.lax.dynamic_slice_in_dim(v, kv_head, 1, axis=head_dim_axis)
     for name in _CACHE_SHAPED:
-      if name in kwargs and kwargs[name].shape[1] > 1:
-        kwargs[name] = jax.lax.dynamic_slice_in_dim(kwargs[name], kv_head, 1, axis=1)
+      if name in kwargs and kwargs[name].shape[head_dim_axis] > 1:
+        kwargs[name] = jax.lax.dynamic_slice_in_dim(kwargs[name], kv_head, 1, axis=head_dim_axis)
+  if plan.paged and plan.seq is not None:
+    # This shard's table columns name pages of this shard's pool slice: make them local.
+    kwargs["block_tables"] = kwargs["block_tables"] - jax.lax.axis_index(plan.seq) * plan.pages_per_shard
   if plan.seq is None:
     return flash_decode(q, k, v, lengths, return_lse=True, **kwargs)
   q4 = q[:, None] if single_token else q
@@ -230,10 +258,12 @@ def _chunk_decode(q, k, v, lengths, *, plan, kwargs):
 def _array_spec(name, x, plan):
   """Cache-shaped scales / offsets follow the cache's split on their non-broadcast axes;
   any other array option is replicated."""
+  if name == "block_tables":
+    return P(plan.batch, plan.seq)
   if name not in _CACHE_SHAPED:
     return P()
-  return P(*(axis if size > 1 else None
-             for axis, size in zip((plan.batch, plan.kv_head, plan.seq), x.shape[:3])), None)
+  axes = (plan.kv_head, plan.seq, None) if plan.paged else (plan.batch, plan.kv_head, plan.seq)
+  return P(*(axis if size > 1 else None for axis, size in zip(axes, x.shape[:3])), None)
 
 
 def _names(axis) -> tuple:
@@ -260,6 +290,26 @@ def _reshard(x, mesh, spec):
     names = tuple(n for n in _names(entry) if n in explicit)
     return None if not names else names[0] if len(names) == 1 else names
   return jax.sharding.reshard(x, NamedSharding(mesh, P(*(keep(e) for e in spec))))
+
+
+def _check_page_ownership(tables, lengths, pool_pages, plan) -> None:
+  """Concrete table: the pages a live token of sequence shard d needs lie in pool shard d."""
+  if plan.seq is None or isinstance(tables, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
+    return
+  tables, lens = np.asarray(tables), np.asarray(lengths)
+  n = tables.shape[1]
+  page_size = plan.chunk * plan.seq_size // n
+  live = np.arange(n)[None, :] < -(-lens[:, None] // page_size)
+  shard = np.arange(n)[None, :] // (n // plan.seq_size)
+  owner = tables // plan.pages_per_shard
+  bad = live & (owner != shard)
+  if bad.any():
+    i, j = map(int, np.argwhere(bad)[0])
+    raise ValueError(
+        f"sharded_flash_decode: block_tables[{i}, {j}] = {int(tables[i, j])} must be a page of pool "
+        f"shard {int(shard[i, j])} (pages [{int(shard[i, j]) * plan.pages_per_shard}, "
+        f"{(int(shard[i, j]) + 1) * plan.pages_per_shard})): with seq_axis each device owns the "
+        f"pages of its token range")
 
 
 def _check_concrete_lengths(lengths, capacity: int) -> None:

@@ -204,3 +204,47 @@ def test_errors_shapes_and_values():
   with pytest.raises(ValueError, match=r"Hq \(4\) must be a multiple of Hkv \(3\)"):  # flash_decode's own check
     fdecode.sharded_flash_decode(q, k[:, :1].repeat(3, 1), v[:, :1].repeat(3, 1), jnp.array([3, 4]),
                                  mesh=mesh, seq_axis="x")
+
+
+def _paged_shards(k, n_s, page_size, seed):
+  """Contiguous [B, Hkv, S, D] -> a pool [Hkv, P, ps, D] and table [B, n] in which the pages
+  of token range d (columns d*n/n_s...) sit, shuffled, in pool shard d."""
+  b, hkv, s, d = k.shape
+  n = s // page_size
+  per = b * n // n_s  # pages per pool shard
+  rng = np.random.default_rng(seed)
+  table = np.zeros((b, n), np.int32)
+  cols = n // n_s
+  for shard in range(n_s):
+    ids = shard * per + rng.permutation(per)
+    table[:, shard * cols:(shard + 1) * cols] = ids.reshape(b, cols)
+  return table
+
+
+@pytest.mark.parametrize("roles,shape,names", [
+    (dict(seq_axis="s"), (4,), ("s",)),
+    (dict(batch_axis="b", head_axis="h", seq_axis="s"), (2, 2, 2), ("b", "h", "s")),
+    (dict(head_axis="h"), (8,), ("h",)),  # kv heads replicated
+], ids=["seq4", "b-h-s", "h8-replicated"])
+def test_paged_cache_sharded(roles, shape, names):
+  page_size = 4
+  q, k, v = make_problem(10, b=2, t=2, hq=8, hkv=2, s=32, dk=16)
+  n_s = dict(zip(names, shape)).get(roles.get("seq_axis"), 1)
+  table = _paged_shards(k, n_s, page_size, seed=0)
+  hkv, b, n = 2, 2, 32 // page_size
+  to_pool = lambda x: x.reshape(b, hkv, n, page_size, 16).transpose(1, 0, 2, 3, 4).reshape(hkv, b * n, page_size, 16)
+  inv = np.argsort(table.reshape(-1))
+  kp, vp = to_pool(k)[:, inv], to_pool(v)[:, inv]  # page table[i, j] holds chunk (i, j)
+  lengths = jnp.array([32, 13], jnp.int32)
+  out = fdecode.sharded_flash_decode(q, kp, vp, lengths, mesh=_mesh(shape, names), impl="xla",
+                                     block_tables=table, **roles)
+  single = fdecode.flash_decode(q, k, v, lengths, impl="xla")
+  assert_close(out, single, atol=3e-5, rtol=3e-5)
+
+
+def test_paged_seq_axis_page_ownership_error():
+  q, k, v = make_problem(11, b=2, t=None, hq=4, hkv=2, s=16, dk=16)
+  kp = jnp.zeros((2, 8, 4, 16)); table = np.arange(8, dtype=np.int32).reshape(2, 4)  # row-major: wrong shards
+  with pytest.raises(ValueError, match=r"block_tables\[0, 2\] = 2 must be a page of pool shard 1"):
+    fdecode.sharded_flash_decode(q, kp, kp, jnp.array([16, 16]), mesh=_mesh((2,), ("s",)), seq_axis="s",
+                                 block_tables=table)
