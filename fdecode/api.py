@@ -12,7 +12,7 @@ import numpy as np
 from fdecode import config as config_lib
 from fdecode.cache.paged import gather_pages, gather_scale
 from fdecode.combine import merge_states
-from fdecode.kernels.pallas import pallas_partials
+from fdecode.kernels.pallas import gpu_lowerable, pallas_partials
 from fdecode.kernels.xla import xla_partials
 from fdecode.quant import canonical_scale, dequantize, is_quantized
 from fdecode.reference import query_limits, reference_decode
@@ -61,7 +61,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       Any positive value gives the same result within float tolerance.
     block_k: tokens per block of the Pallas kernel's inner loop (default 128).
     impl: ``"pallas"``, ``"xla"``, ``"reference"`` or ``None`` (XLA path on CPU,
-      Pallas elsewhere).
+      Pallas elsewhere; on GPU the Triton lowering needs power-of-two Dk, Dv and
+      block/page size, so ``None`` picks the XLA path otherwise).
     interpret: run the Pallas kernel in interpret mode; ``None`` = True on CPU.
     return_lse: also return the log-sum-exp of the scores.
 
@@ -88,6 +89,9 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   backend = jax.default_backend()
   if impl is None:
     impl = "xla" if backend == "cpu" else "pallas"
+    block = k.shape[2] if block_tables is not None else (block_k or config_lib.DEFAULT_BLOCK_K)
+    if backend == "gpu" and not gpu_lowerable(q.shape[-1], v.shape[-1], block):
+      impl = "xla"  # Triton needs power-of-two tiles (e.g. Dk=80, page_size=12)
   if interpret is None:
     interpret = backend == "cpu"
   dk = q.shape[-1]

@@ -41,6 +41,17 @@ MASK_VALUE = -1e30
 class _BackendSpec:
   row_multiple: int  # pad the R query rows to a multiple of this (tensor-core M tile)
   compiler_params: Any
+  pow2_blocks: bool = False  # every block dim must be a power of two (Triton)
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def gpu_lowerable(dk: int, dv: int, block: int) -> bool:
+  """Whether the Triton lowering accepts these head dims and block (page) size: Triton
+  tensors must have power-of-two sizes (checked by lowering from CPU, tests/test_gpu_lowering.py)."""
+  return _is_pow2(dk) and _is_pow2(dv) and _is_pow2(block)
 
 
 def _backend_spec(backend: str, interpret: bool) -> _BackendSpec:
@@ -49,7 +60,8 @@ def _backend_spec(backend: str, interpret: bool) -> _BackendSpec:
     return _BackendSpec(row_multiple=1, compiler_params=None)
   if backend == "gpu":
     from jax.experimental.pallas import triton as plgpu
-    return _BackendSpec(row_multiple=16, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2))
+    return _BackendSpec(row_multiple=16, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+                        pow2_blocks=True)
   if backend == "tpu":
     from jax.experimental.pallas import tpu as pltpu
     return _BackendSpec(row_multiple=8, compiler_params=pltpu.CompilerParams(
@@ -194,6 +206,11 @@ def pallas_partials(q_rows, k, v, lengths, *, num_tokens: int, softmax_scale: fl
           a if a is None or a.shape[2] == 1 else jnp.pad(a, pad)
           for a in (k_scale, v_scale, k_offset, v_offset))
     rows = k.shape[2]
+  if spec.pow2_blocks and not gpu_lowerable(dk, dv, block):
+    raise ValueError(
+        f"flash_decode: impl='pallas' on GPU needs power-of-two head dims and block size "
+        f"(Triton); got Dk={dk}, Dv={dv}, {'page_size' if paged else 'block_k'}={block}. "
+        "Use impl='xla' (impl=None picks it for such shapes) or pad the head dims")
   rows_p = -(-r // spec.row_multiple) * spec.row_multiple
   if rows_p != r:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, rows_p - r), (0, 0)])
