@@ -62,14 +62,23 @@ def _progress(label: str):
   return on_step
 
 
+# --cache kinds: DecodeAttention.init_cache options.
+_CACHE_KINDS = {
+    "contiguous": dict(cache_dtype=None, page_size=None),
+    "paged": dict(cache_dtype=None, page_size=16),
+    "int8": dict(cache_dtype=jnp.int8, page_size=None),
+}
+
+
 def generate_main(argv) -> int:
   p = argparse.ArgumentParser(prog="python -m fdecode.demo", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--context", type=int, default=4096, help="cache capacity S (tokens)")
   p.add_argument("--batch", type=int, default=4, help="sequences B, with different prompt lengths")
   p.add_argument("--steps", type=int, default=32, help="new tokens per sequence")
-  p.add_argument("--cache", choices=["contiguous"], default="contiguous",
-                 help="KV cache layout (DecodeAttention keeps a contiguous float32 cache)")
+  p.add_argument("--cache", choices=sorted(_CACHE_KINDS), default="contiguous",
+                 help="KV cache: contiguous float32, paged float32 (pages of 16), or contiguous int8 "
+                      "with per-token scales")
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--dim", type=int, default=256, help="model width E")
   p.add_argument("--heads", type=int, default=None, help="query heads Hq (default E/32)")
@@ -118,7 +127,11 @@ def generate_main(argv) -> int:
     mesh = jax.make_mesh((n_heads_axis, n_seq_axis), ("heads", "seq"), devices=devices[:need])
     decode_fn = functools.partial(fdecode.sharded_flash_decode, mesh=mesh, head_axis="heads",
                                   seq_axis="seq")
-    cache_sharding = NamedSharding(mesh, P(None, "heads" if hkv % n_heads_axis == 0 else None, "seq", None))
+    heads = "heads" if hkv % n_heads_axis == 0 else None
+    # Contiguous [B, Hkv, S, D] (and its scales) or a page pool [Hkv, P, page_size, D]:
+    # kv heads over "heads", tokens (pages) over "seq".
+    spec = P(heads, "seq", None, None) if _CACHE_KINDS[a.cache]["page_size"] else P(None, heads, "seq", None)
+    cache_sharding = NamedSharding(mesh, spec)
     where = f"mesh heads={n_heads_axis} x seq={n_seq_axis}"
   else:
     decode_fn, cache_sharding, where = fdecode.flash_decode, None, "1 device"
@@ -128,11 +141,11 @@ def generate_main(argv) -> int:
     print(f"  FALLBACK: single-device flash_decode, not sharded_flash_decode ({why_not})")
   model = Transformer(cfg, decode_fn=decode_fn, seed=a.seed)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  model.init_cache(b, s)
+  model.init_cache(b, s, **_CACHE_KINDS[a.cache])
   cache_mib = model.cache_bytes() / 2**20
   print(f"  model: {cfg.layers} layers, E={cfg.dim}, Hq={hq}, Hkv={hkv}, D={cfg.head_dim}, "
         f"F={cfg.mlp_dim}, V={cfg.vocab}, float32, {n_params / 1e6:.2f}M random params (seed {a.seed})")
-  print(f"  cache: {a.cache} float32 k+v [B={b}, Hkv={hkv}, S={s}, D={cfg.head_dim}] x {cfg.layers} "
+  print(f"  cache: {a.cache} k+v [B={b}, Hkv={hkv}, S={s}, D={cfg.head_dim}] x {cfg.layers} "
         f"layers = {cache_mib:.3g} MiB" + (f", sharded {cache_sharding.spec}" if cache_sharding else ""))
   print(f"  prompts: lengths {lengths.tolist()} (right-padded to {max_prompt}), {steps} new tokens each")
 
@@ -140,7 +153,7 @@ def generate_main(argv) -> int:
                  on_step=_progress("flash"))
   ref_model = Transformer(cfg, decode_fn=functools.partial(fdecode.flash_decode, impl="reference"),
                           seed=a.seed)
-  ref_model.init_cache(b, s)
+  ref_model.init_cache(b, s, **_CACHE_KINDS[a.cache])  # the same cache, read by the reference
   ref = generate(ref_model, prompts, lengths, steps, on_step=_progress("reference"))
 
   timed = gen.step_s[1:] or gen.step_s  # the first decode step includes compilation

@@ -329,8 +329,9 @@ class DecodeAttention(nnx.Module):
     Contiguous (default): k/v ``[batch, Hkv, max_len, D]`` in ``dtype``.
     Paged (``page_size``): a pool ``[Hkv, P, page_size, D]`` with
     ``P = batch * ceil(max_len / page_size)`` and ``block_tables`` int32
-    ``[batch, ceil(max_len / page_size)]`` giving sequence b the pages
-    ``b * n .. b * n + n - 1``; replace it (``layer.block_tables.set_value(...)``) with a
+    ``[batch, n = ceil(max_len / page_size)]`` giving column j of sequence b the page
+    ``j * batch + b`` (so a pool split in contiguous page ranges over a sequence-parallel
+    mesh axis holds exactly the token ranges of that axis); replace it (``layer.block_tables.set_value(...)``) with a
     table from `fdecode.cache.PageAllocator` to share one pool between requests.
     ``dtype`` int8, float8_e4m3fn or float8_e5m2 makes an 8-bit cache with one float32
     scale per token per head (``key_scale``/``value_scale``, the cache's shape with last
@@ -342,7 +343,10 @@ class DecodeAttention(nnx.Module):
     else:
       pages = -(-max_len // page_size)
       shape = (self.num_kv_heads, batch * pages, page_size, self.head_dim)
-      self.block_tables = nnx.Cache(jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages))
+      # Column-major ids (page of sequence b, column j = j * batch + b): pool shard d of
+      # any n_s dividing `pages` then holds exactly the columns of token range d, as
+      # sharded_flash_decode's seq_axis needs.
+      self.block_tables = nnx.Cache(jnp.arange(batch * pages, dtype=jnp.int32).reshape(pages, batch).T)
     self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
     if is_quantized(dtype):
@@ -430,8 +434,18 @@ class DecodeAttention(nnx.Module):
     self.cached_key.set_value(kc)
     self.cached_value.set_value(vc)
 
-  def _capacity(self) -> int:
+  @property
+  def cache_arrays(self) -> tuple[str, ...]:
+    """Names of the cache's arrays laid out like the cache (k, v, and 8-bit scales)."""
+    names = ("cached_key", "cached_value")
+    return names + (("key_scale", "value_scale") if self.key_scale is not None else ())
+
+  @property
+  def capacity(self) -> int:
     """S: tokens each sequence's cache can hold."""
+    return self._capacity()
+
+  def _capacity(self) -> int:
     if self.block_tables is None:
       return self.cached_key.shape[2]
     return self.block_tables.shape[1] * self.cached_key.shape[2]

@@ -98,24 +98,25 @@ class Transformer(nnx.Module):
     self.unembed = nnx.Linear(cfg.dim, cfg.vocab, use_bias=False, dtype=cfg.dtype,
                               param_dtype=cfg.dtype, rngs=rngs)
 
-  def init_cache(self, batch: int, max_len: int) -> None:
-    """Empty caches ``[B, Hkv, S, D]`` for every layer (float32 with the default config)."""
+  def init_cache(self, batch: int, max_len: int, *, cache_dtype=None, page_size=None) -> None:
+    """Empty caches for every layer: ``[B, Hkv, S, D]``, or with ``page_size`` a page pool
+    ``[Hkv, P, page_size, D]``; ``cache_dtype`` (default the model dtype) may be int8 / fp8
+    (per-token scales). See `fdecode.flax.DecodeAttention.init_cache`."""
     for block in self.blocks:
-      block.attn.init_cache(batch, max_len, self.cfg.dtype)
+      block.attn.init_cache(batch, max_len, cache_dtype or self.cfg.dtype, page_size=page_size)
 
   def place_cache(self, sharding) -> None:
     """Moves every layer's k and v cache onto ``sharding``, e.g.
     ``NamedSharding(mesh, P(None, "heads", "seq", None))`` (kv heads over "heads", tokens
     over "seq"), so that a sharded ``decode_fn`` finds them already in place."""
     for block in self.blocks:
-      for name in ("cached_key", "cached_value"):
+      for name in block.attn.cache_arrays:
         var = getattr(block.attn, name)
         var.set_value(jax.device_put(var[...], sharding))  # `var[...] =` would keep the old sharding
 
   def cache_bytes(self) -> int:
     """Bytes of all layers' k and v caches."""
-    return sum(b.attn.cached_key[...].nbytes + b.attn.cached_value[...].nbytes
-               for b in self.blocks)
+    return sum(getattr(b.attn, name)[...].nbytes for b in self.blocks for name in b.attn.cache_arrays)
 
   def prefill(self, tokens, lengths):
     """tokens int ``[B, L]`` right-padded, lengths int ``[B]`` in ``[1, L]`` ->
@@ -140,7 +141,7 @@ class Transformer(nnx.Module):
     explicit = any(t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
     keep = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
     for block in self.blocks:
-      for name in ("cached_key", "cached_value"):
+      for name in block.attn.cache_arrays:
         var = getattr(block.attn, name)
         var.set_value(keep(var[...], sharding))
 
@@ -205,7 +206,7 @@ def generate(model: Transformer, prompts, prompt_lengths, steps: int, *,
   lengths = jnp.asarray(prompt_lengths, jnp.int32)
   if model.blocks[0].attn.cached_key is None:
     raise ValueError("generate: no cache; call model.init_cache(batch, max_len) first")
-  b, s = model.blocks[0].attn.cached_key.shape[0], model.blocks[0].attn.cached_key.shape[2]
+  b, s = model.blocks[0].attn.lengths.shape[0], model.blocks[0].attn.capacity
   if prompts.ndim != 2 or prompts.shape[0] != b or lengths.shape != (b,):
     raise ValueError(f"generate: prompts must be [B, L] and prompt_lengths [B] with the cache's "
                      f"B={b}; got prompts.shape={tuple(prompts.shape)}, "

@@ -89,8 +89,13 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
   """
   # flash_decode's own validation, on the global shapes (so errors show them) and
   # without their shardings (explicitly sharded operands would trip its einsums).
-  abstract = [jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) for x in (q, k, v, lengths)]
-  jax.eval_shape(functools.partial(flash_decode, **flash_decode_kwargs), *abstract)
+  # Array options (block tables, scales) are abstracted too, shardings dropped.
+  plain = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) if _is_array(x) else x
+  abstract = [plain(x) for x in (q, k, v, lengths)]
+  array_opts = {n: plain(x) for n, x in flash_decode_kwargs.items() if _is_array(x)}
+  static_opts = {n: x for n, x in flash_decode_kwargs.items() if not _is_array(x)}
+  jax.eval_shape(lambda q, k, v, n, arrs: flash_decode(q, k, v, n, **arrs, **static_opts),
+                 *abstract, array_opts)
   tables = flash_decode_kwargs.get("block_tables")
   if tables is None:
     b, hkv, s, _ = k.shape

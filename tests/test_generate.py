@@ -3,6 +3,7 @@
 import functools
 
 import numpy as np
+import pytest
 
 import fdecode
 from fdecode import demo
@@ -43,11 +44,13 @@ def test_compare_reports_the_first_divergence():
   assert not ok and "first divergence at step 2 of sequence 1" in msg, msg
 
 
-def test_demo_main_runs_sharded(capsys):
+@pytest.mark.parametrize("cache", ["contiguous", "paged", "int8"])
+def test_demo_main_runs_sharded(capsys, cache):
   rc = demo.main(["--context", "64", "--batch", "2", "--steps", "4", "--layers", "1",
-                  "--dim", "32", "--heads", "4", "--kv-heads", "2", "--vocab", "64"])
+                  "--dim", "32", "--heads", "4", "--kv-heads", "2", "--vocab", "64", "--cache", cache])
   out = capsys.readouterr().out
   assert rc == 0, out
   assert "FALLBACK" not in out, out
+  assert f"cache: {cache} k+v" in out, out
   last = out.strip().splitlines()[-1]
   assert last.startswith("OK: generated 2x4 tokens (mesh heads=2 x seq=4"), out
