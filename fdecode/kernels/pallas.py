@@ -75,8 +75,8 @@ class _Layout:
   paged: bool
   block: int        # tokens per block (page_size when paged)
   rows: int         # k_ref rows (contiguous: >= block) or pool pages (paged)
-  k_quant: tuple    # (has_scale, has_offset, scale_rows) for K; scale_rows = scale's token/page extent
-  v_quant: tuple
+  k_quant: tuple    # (has_scale, has_offset) for K
+  v_quant: tuple    # (has_scale, has_offset) for V
 
 
 def _load_scale(ref, layout, start, page):
