@@ -83,7 +83,7 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     raise ValueError(f"flash_decode: impl must be one of {IMPLS} or None, got {impl!r}")
   cfg = config_lib.Config(num_splits=num_splits, block_k=block_k)
   capacity = k.shape[2] if block_tables is None else block_tables.shape[1] * k.shape[2]
-  _check_concrete_lengths(lengths, None if kv_offset is not None else capacity)
+  check_concrete_lengths(lengths, None if kv_offset is not None else capacity)
   if block_tables is not None:
     _check_concrete_page_ids(block_tables, lengths, k.shape[1], k.shape[2])
   backend = jax.default_backend()
@@ -260,7 +260,7 @@ def _check_concrete_page_ids(block_tables, lengths, num_pages, page_size) -> Non
                      f"[0, P={num_pages}) for a live token of sequence {seq} (length {int(lens[seq])})")
 
 
-def _check_concrete_lengths(lengths, capacity) -> None:
+def check_concrete_lengths(lengths, capacity, caller: str = "flash_decode") -> None:
   """Value check when lengths are concrete (not traced); capacity None: no upper bound."""
   if isinstance(lengths, jax.core.Tracer):
     return
@@ -268,5 +268,5 @@ def _check_concrete_lengths(lengths, capacity) -> None:
   upper = np.inf if capacity is None else capacity
   bad = np.nonzero((vals < 0) | (vals > upper))[0]
   if bad.size:
-    raise ValueError(f"flash_decode: lengths must lie in [0, S={capacity}]; "
+    raise ValueError(f"{caller}: lengths must lie in [0, S={capacity}]; "
                      f"sequence {int(bad[0])} has length {int(vals[bad[0]])}")

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+# Finite "minus infinity" for masked scores inside kernels, so that max / exp never see
+# inf - inf; rows with no valid key are detected by l == 0 (see `finalize_state`).
+MASK_VALUE = -1e30
+
 
 def merge_states(o: jnp.ndarray, lse: jnp.ndarray, axis: int = 0):
   """Merges partial attention states stacked along ``axis``.

@@ -35,13 +35,12 @@ from flax import nnx
 from fdecode import config as config_lib
 from fdecode.api import flash_decode
 from fdecode.cache.write import write_contiguous, write_paged
-from fdecode.combine import finalize_state, merge_states
+from fdecode.combine import MASK_VALUE, finalize_state, merge_states
+from fdecode.meshes import replicated
 from fdecode.quant import is_quantized
 
 __all__ = ["DecodeAttention", "apply_rope", "attention_fn", "token_major_decode"]
 
-# Finite "minus infinity" for masked scores (max/exp never see inf - inf).
-_MASK_VALUE = -1e30
 
 
 # --------------------------------------------------------------------------------------
@@ -191,7 +190,7 @@ def token_major_decode(q, k, v, mask, *, softmax_scale=None, num_splits=None,
     valid = mask.reshape(b, hkv, g, n, c).transpose(0, 3, 4, 1, 2)
   qf = q.reshape(b, 1, 1, hkv, g, dk).astype(jnp.float32) * scale
   scores = jnp.sum(qf * kc, axis=-1)  # [B, n, C, Hkv, G] float32
-  scores = jnp.where(valid, scores, _MASK_VALUE)
+  scores = jnp.where(valid, scores, MASK_VALUE)
   mx = jnp.max(scores, axis=2)  # [B, n, Hkv, G]
   p = jnp.where(valid, jnp.exp(scores - mx[:, :, None]), 0.0)
   l = jnp.sum(p, axis=2)
@@ -203,17 +202,6 @@ def token_major_decode(q, k, v, mask, *, softmax_scale=None, num_splits=None,
 
 # --------------------------------------------------------------------------------------
 # DecodeAttention: a head-major cache with per-sequence lengths
-
-
-def _replicated(x):
-  """On a mesh with Explicit axes, gathers ``x`` to fully replicated (the projections are
-  not tensor-parallel: with heads sharded, ``o_proj``'s contraction would be ambiguous).
-  For attention outputs ``[B, T, Hq, D]`` this is a small all-gather; no-op otherwise."""
-  sharding = jax.typeof(x).sharding
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or not any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-    return x
-  return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def apply_rope(x, positions, *, theta: float = 10000.0):
@@ -411,7 +399,9 @@ class DecodeAttention(nnx.Module):
     if self.block_tables is not None:
       extra.update(block_tables=self.block_tables[...])
     out = self.decode_fn(q, self.cached_key[...], self.cached_value[...], lengths, **extra)
-    return self.o_proj(_replicated(out).reshape(b, t, -1))
+    # Projections are replicated (not tensor-parallel): gather the small attention output
+    # on Explicit meshes, where o_proj's contraction over sharded heads is ambiguous.
+    return self.o_proj(replicated(out).reshape(b, t, -1))
 
   def _write(self, k, v, positions):
     """k, v ``[B, T, Hkv, D]`` -> cache slots ``positions[b] + t`` (`write_contiguous`:

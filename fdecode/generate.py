@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from fdecode.flax import DecodeAttention
+from fdecode.meshes import is_explicit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +139,7 @@ class Transformer(nnx.Module):
     """Keeps the caches on ``sharding`` across jitted steps (inside a trace). On Explicit
     mesh axes the sharding is part of the type (reshard: a no-op when it already
     matches); on Auto axes it is a constraint for the compiler."""
-    explicit = any(t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types)
-    keep = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+    keep = jax.sharding.reshard if is_explicit(sharding.mesh) else jax.lax.with_sharding_constraint
     for block in self.blocks:
       for name in block.attn.cache_arrays:
         var = getattr(block.attn, name)

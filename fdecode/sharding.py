@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from fdecode.api import flash_decode
+from fdecode.api import check_concrete_lengths, flash_decode
 from fdecode.combine import combine_across
 from fdecode.quant import canonical_scale
 
@@ -103,7 +103,7 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
   else:
     b, (hkv, pool_pages, page_size, _) = q.shape[0], k.shape
     s = np.shape(tables)[1] * page_size
-  _check_concrete_lengths(lengths, s)
+  check_concrete_lengths(lengths, s, "sharded_flash_decode")
   plan = _plan(q.shape, (b, hkv, s), mesh=mesh, head_axis=head_axis, seq_axis=seq_axis,
                batch_axis=batch_axis, pool_pages=pool_pages,
                table_cols=0 if tables is None else np.shape(tables)[1], shapes_of=(q, k))
@@ -315,16 +315,6 @@ def _check_page_ownership(tables, lengths, pool_pages, plan) -> None:
         f"shard {int(shard[i, j])} (pages [{int(shard[i, j]) * plan.pages_per_shard}, "
         f"{(int(shard[i, j]) + 1) * plan.pages_per_shard})): with seq_axis each device owns the "
         f"pages of its token range")
-
-
-def _check_concrete_lengths(lengths, capacity: int) -> None:
-  if isinstance(lengths, jax.core.Tracer):
-    return
-  vals = np.asarray(lengths)
-  bad = np.nonzero((vals < 0) | (vals > capacity))[0]
-  if bad.size:
-    raise ValueError(f"sharded_flash_decode: lengths must lie in [0, S={capacity}]; "
-                     f"sequence {int(bad[0])} has length {int(vals[bad[0]])}")
 
 
 _COLLECTIVE = re.compile(

@@ -13,9 +13,9 @@ with it (values clipped to the dtype's range).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
+from fdecode.meshes import explicit_sharding, replicated
 from fdecode.quant import _QMAX, canonical_scale, is_quantized, quantize
 
 
@@ -35,29 +35,11 @@ def _quantize_new(new, scale, dtype, per_token):
   return jnp.clip(y, -qmax, qmax).astype(dtype), None
 
 
-def _explicit_sharding(x):
-  """x's NamedSharding if it is typed on Explicit mesh axes, else None."""
-  sharding = jax.typeof(x).sharding
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-    return sharding
-  return None
-
-
-def _replicated(x):
-  """A small index array (block table, positions) gathered to every device on Explicit
-  meshes, where JAX will not infer the sharding of a gather from a sharded table."""
-  sharding = _explicit_sharding(x)
-  if sharding is None:
-    return x
-  return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
-
-
 def _scatter(cache, index, values):
   """``cache.at[index].set(values, mode="drop")`` keeping the cache's sharding. On a mesh
   with Explicit axes (the `jax.make_mesh` default) JAX cannot infer a scatter's output
   sharding, so it is stated: the cache keeps its own layout and stays in place."""
-  sharding = _explicit_sharding(cache)
+  sharding = explicit_sharding(cache)
   kwargs = dict(out_sharding=sharding) if sharding is not None else {}
   return cache.at[index].set(values.astype(cache.dtype), mode="drop", **kwargs)
 
@@ -128,8 +110,9 @@ def write_paged(k_pages, v_pages, block_tables, positions, k_new, v_new, *, k_sc
   _, num_pages, ps, _ = k_pages.shape
   k_new, v_new = _as_tokens(k_new), _as_tokens(v_new)
   t = k_new.shape[2]
-  tables = _replicated(jnp.asarray(block_tables, jnp.int32))
-  pos = _replicated(jnp.asarray(positions, jnp.int32))[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
+  # Small index arrays: replicated, so the page lookup's sharding is unambiguous.
+  tables = replicated(jnp.asarray(block_tables, jnp.int32))
+  pos = replicated(jnp.asarray(positions, jnp.int32))[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
   j = pos // ps
   in_table = (pos >= 0) & (j < tables.shape[1])
   page = jnp.take_along_axis(tables, jnp.clip(j, 0, tables.shape[1] - 1), axis=1)

@@ -31,10 +31,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fdecode.combine import finalize_state
+from fdecode.combine import MASK_VALUE, finalize_state
 from fdecode.quant import dequantize
 
-MASK_VALUE = -1e30
 
 
 @dataclasses.dataclass(frozen=True)

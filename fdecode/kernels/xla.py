@@ -21,11 +21,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from fdecode.cache.paged import gather_pages_head_major, gather_scale_head_major
-from fdecode.combine import finalize_state
+from fdecode.combine import MASK_VALUE, finalize_state
 from fdecode.quant import dequantize
 
-# Finite "minus infinity" for masked scores, so that max/exp never see inf - inf.
-MASK_VALUE = -1e30
 
 
 def _chunk_states(q_rows, kc, vc, row_limits, first_pos, softmax_scale, heads_outer=False):
