@@ -8,11 +8,14 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
 
 from fdecode import config as config_lib
 from fdecode.cache.paged import gather_pages, gather_scale
 from fdecode.combine import merge_states
-from fdecode.kernels.pallas import gpu_lowerable, pallas_partials
+from fdecode.kernels.mosaic_tpu import mosaic_partials, plan as mosaic_plan
+from fdecode.kernels.triton import block_size as triton_block_size, triton_partials, triton_unsupported
 from fdecode.kernels.xla import xla_partials
 from fdecode.quant import canonical_scale, dequantize, is_quantized
 from fdecode.reference import query_limits, reference_decode
@@ -55,47 +58,65 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       parallelism, chunked caches). ``lengths`` then count the whole sequence (they may
       exceed S) and query t sees the chunk's tokens at positions
       ``< lengths - T + t + 1``; a sequence that ends before the chunk sees none of it.
-    softmax_scale: scores multiplier, default ``1/sqrt(Dk)``.
+    softmax_scale: scores multiplier, default ``1/sqrt(Dk)``. Static: a Python or numpy
+      real number, compiled into the kernel (a traced value raises ValueError).
     num_splits: chunks of the token axis processed in parallel, each yielding a partial
       state merged by `merge_states`. ``None``: `fdecode.config.default_num_splits`.
       Any positive value gives the same result within float tolerance.
-    block_k: tokens per block of the Pallas kernel's inner loop (default 128).
-    impl: ``"pallas"``, ``"xla"``, ``"reference"`` or ``None`` (XLA path on CPU,
-      Pallas elsewhere; on GPU the Triton lowering needs power-of-two Dk, Dv and
-      block/page size, so ``None`` picks the XLA path otherwise).
-    interpret: run the Pallas kernel in interpret mode; ``None`` = True on CPU.
+    block_k: tokens per block of the Pallas kernels' inner loop. Triton: rounded up to a
+      power of two, at least 16 (default 128). Mosaic: rounded up to the cache dtype's
+      sublane tiling, whole pages when paged (default: about 512 KiB of K+V per step).
+    impl: ``"pallas"``, ``"xla"``, ``"reference"`` or ``None``. ``None`` chooses by the
+      platform being lowered for: XLA on CPU, the Triton kernel on GPU, the Mosaic
+      kernel on TPU. On GPU it falls back to XLA only where Triton's ``tl.dot`` cannot
+      tile: a head dim, or an 8-bit scale tile, that is not a multiple of 16.
+    interpret: with ``impl="pallas"``: ``None`` / ``False`` compile the kernel for the
+      lowering platform (Triton on GPU, Mosaic on TPU; CPU has only the interpreter and
+      runs the Triton kernel interpreted); ``True`` runs the Triton kernel in Pallas'
+      interpreter anywhere; a ``jax.experimental.pallas.tpu.InterpretParams`` runs the
+      Mosaic (TPU) kernel under the TPU-semantics interpreter (simulated VMEM / SMEM,
+      DMAs, semaphores, optional race detection), mirroring ``pallas_call``'s own
+      ``interpret=``.
     return_lse: also return the log-sum-exp of the scores.
+
+  Dtypes: the matmuls read q's dtype promoted with every float cache's dtype (8-bit
+  caches are dequantized to q's dtype); softmax and accumulation are float32. So a
+  float32 query on a bfloat16 cache is never rounded to bfloat16, on any impl.
+
+  Dead slots: a cache slot no query may see (past a length, the tail of a sequence's
+  last page, table entries past its length, their 8-bit scales and offsets) never
+  influences the result, whatever it holds (inf and NaN included): every impl selects
+  it away rather than multiplying it by 0.
 
   Returns:
     ``out`` shaped like ``q`` with last dim Dv, dtype ``q.dtype``; with ``return_lse``
     also ``lse``: float32 natural-log ``[B, Hq]`` or ``[B, T, Hq]``. A query that sees
-    no key (length 0) gives out 0 and lse -inf.
+    no key (length 0) gives out 0 and lse -inf. B = 0 or T = 0 gives empty results.
 
   Raises:
     ValueError: at trace time, for inconsistent shapes or dtypes (the message names the
-      argument and shows the shapes), or concrete lengths out of range.
-    NotImplementedError: for ``block_tables``, ``k_scale`` or ``v_scale``.
+      argument and shows the shapes), a zero head dim, a bad option, or concrete lengths /
+      page ids out of range; with ``impl="pallas"`` compiled for GPU, for head dims the
+      Triton kernel cannot tile (see ``impl``).
   """
+  if isinstance(lengths, (list, tuple)):
+    lengths = np.asarray(lengths)
   single_token = _validate(q, k, v, lengths, block_tables)
   k_scale, k_offset = _validate_quant("k", k, k_scale, k_offset)
   v_scale, v_offset = _validate_quant("v", v, v_scale, v_offset)
   if impl is not None and impl not in IMPLS:
     raise ValueError(f"flash_decode: impl must be one of {IMPLS} or None, got {impl!r}")
+  if not (interpret is None or isinstance(interpret, (bool, np.bool_, pltpu.InterpretParams))):
+    raise ValueError("flash_decode: interpret must be None, a bool or a "
+                     f"jax.experimental.pallas.tpu.InterpretParams, got {interpret!r}")
+  if isinstance(interpret, pltpu.InterpretParams) and impl != "pallas":
+    raise ValueError(f"flash_decode: interpret=InterpretParams(...) runs the TPU Pallas kernel: "
+                     f"pass impl='pallas' (got impl={impl!r})")
   cfg = config_lib.Config(num_splits=num_splits, block_k=block_k)
-  capacity = k.shape[2] if block_tables is None else block_tables.shape[1] * k.shape[2]
-  check_concrete_lengths(lengths, None if kv_offset is not None else capacity)
+  scale = _static_scale(softmax_scale, q.shape[-1])
+  check_concrete_lengths(lengths, None if kv_offset is not None else _seq_capacity(k, block_tables))
   if block_tables is not None:
     _check_concrete_page_ids(block_tables, lengths, k.shape[1], k.shape[2])
-  backend = jax.default_backend()
-  if impl is None:
-    impl = "xla" if backend == "cpu" else "pallas"
-    block = k.shape[2] if block_tables is not None else (block_k or config_lib.DEFAULT_BLOCK_K)
-    if backend == "gpu" and not gpu_lowerable(q.shape[-1], v.shape[-1], block):
-      impl = "xla"  # Triton needs power-of-two tiles (e.g. Dk=80, page_size=12)
-  if interpret is None:
-    interpret = backend == "cpu"
-  dk = q.shape[-1]
-  scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(dk)
   q4 = q[:, None] if single_token else q
   cache = dict(block_tables=None if block_tables is None else jnp.asarray(block_tables, jnp.int32),
                k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset)
@@ -108,18 +129,33 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     if not jnp.issubdtype(jnp.result_type(kv_offset), jnp.integer):
       raise ValueError(f"flash_decode: kv_offset must be integer, got dtype {jnp.result_type(kv_offset)}")
     ends = ends - jnp.asarray(kv_offset, jnp.int32)
-  out, lse = _decode(q4, k, v, ends, cache, impl=impl,
-                     softmax_scale=scale, cfg=cfg, interpret=bool(interpret), backend=backend)
+  if q4.shape[0] == 0 or q4.shape[1] == 0:  # no sequence or no new token: nothing to attend
+    out = jnp.zeros(q4.shape[:-1] + (v.shape[-1],), q.dtype)
+    lse = jnp.full(q4.shape[:-1], -jnp.inf, jnp.float32)
+  else:
+    out, lse = _decode(q4, k, v, ends, cache, impl=impl, softmax_scale=scale, cfg=cfg,
+                       interpret=None if interpret is None else
+                       (interpret if isinstance(interpret, pltpu.InterpretParams) else bool(interpret)))
   if single_token:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "softmax_scale", "cfg", "interpret", "backend"))
-def _decode(q, k, v, lengths, cache, *, impl, softmax_scale, cfg, interpret, backend):
+def compute_dtype(q_dtype, k_dtype, v_dtype):
+  """The dtype the matmuls read: q's dtype promoted with every float cache's dtype (an
+  8-bit cache contributes nothing: it is dequantized to q's dtype). A float32 query on a
+  bfloat16 cache computes in float32; a bfloat16 query on a float32 cache too."""
+  dtypes = [q_dtype] + [d for d in (k_dtype, v_dtype) if not is_quantized(d)]
+  return jnp.result_type(*dtypes)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "softmax_scale", "cfg", "interpret"))
+def _decode(q, k, v, ends, cache, *, impl, softmax_scale, cfg, interpret):
   """q ``[B, T, Hq, Dk]`` -> (out ``[B, T, Hq, Dv]`` in q.dtype, lse f32 ``[B, T, Hq]``).
 
   ``cache``: dict of block_tables and canonical scales / offsets (None when absent).
+  The one dispatch: by the platform being *lowered for* (`jax.lax.platform_dependent`),
+  so exporting for TPU or CUDA from a CPU host embeds that platform's kernel.
   """
   b, t, hq, dk = q.shape
   paged = cache["block_tables"] is not None
@@ -130,28 +166,92 @@ def _decode(q, k, v, lengths, cache, *, impl, softmax_scale, cfg, interpret, bac
   g = hq // hkv
   if impl == "reference":
     kf, vf = _materialize(k, cache, "k"), _materialize(v, cache, "v")
-    out, lse = reference_decode(q, kf, vf, lengths, softmax_scale=softmax_scale)
+    out, lse = reference_decode(q, kf, vf, ends, softmax_scale=softmax_scale)
     return out.astype(q.dtype), lse
-  # Rows of one kv head: r = t * G + g.
-  q_rows = q.reshape(b, t, hkv, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dk)
+  # Rows of one kv head: r = t * G + g, in the compute dtype.
+  cd = compute_dtype(q.dtype, k.dtype, v.dtype)
+  q_rows = q.reshape(b, t, hkv, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dk).astype(cd)
+  kw = dict(num_tokens=t, softmax_scale=softmax_scale, cfg=cfg, **cache)
+
+  # Each path yields per-split states, merged in-branch (the branches' split counts differ).
+  merged = lambda states: merge_states(*states, axis=2)  # [B, Hkv, R, Dv], [B, Hkv, R]
+  xla = lambda platform: merged(_xla(q_rows, k, v, ends, platform=platform, **kw))
+  triton = lambda platform, interp: merged(
+      _triton(q_rows, k, v, ends, platform=platform, interpret=interp, **kw))
+  mosaic = lambda interp: merged(_mosaic(q_rows, k, v, ends, interpret=interp, **kw))
   if impl == "xla":
-    splits = cfg.num_splits or _xla_default_splits(b, hkv, s, cache, backend)
-    row_limits = jnp.repeat(query_limits(lengths, t, s), g, axis=1)  # [B, R]
-    o, lse = xla_partials(q_rows, k, v, row_limits, softmax_scale=softmax_scale,
-                          num_splits=splits, **cache)
-  else:
-    block_k = cfg.block_k or config_lib.DEFAULT_BLOCK_K
-    num_blocks = max(-(-s // (k.shape[2] if paged else block_k)), 1)
-    splits = cfg.num_splits or config_lib.default_num_splits(
-        b, hkv, num_blocks, config_lib.num_parallel_units(backend))
-    o, lse = pallas_partials(q_rows, k, v, lengths, num_tokens=t, softmax_scale=softmax_scale,
-                             num_splits=splits, block_k=block_k, interpret=interpret,
-                             backend=backend, **cache)
-  o, lse = merge_states(o, lse, axis=2)  # [B, Hkv, R, Dv], [B, Hkv, R]
+    o, lse = xla("cpu")
+  elif isinstance(interpret, pltpu.InterpretParams):
+    o, lse = mosaic(interpret)
+  elif impl == "pallas" and interpret:
+    o, lse = triton("cpu", True)
+  elif impl == "pallas":  # compiled for the lowering platform; CPU has only the interpreter
+    o, lse = lax.platform_dependent(
+        cpu=lambda: triton("cpu", True), cuda=lambda: triton("gpu", False),
+        rocm=lambda: triton("gpu", False), tpu=lambda: mosaic(False))
+  else:  # impl=None: XLA on CPU, Triton on GPU, Mosaic on TPU (XLA for shapes they cannot take)
+    gpu = (lambda: triton("gpu", False)) if triton_supports(q_rows, k, v, cache) else (lambda: xla("gpu"))
+    o, lse = lax.platform_dependent(cpu=lambda: xla("cpu"), cuda=gpu, rocm=gpu,
+                                    tpu=lambda: mosaic(False))
   dv = o.shape[-1]
   out = o.reshape(b, hkv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, dv)
   lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
   return out.astype(q.dtype), lse
+
+
+def _seq_capacity(k, block_tables):
+  return k.shape[2] if block_tables is None else block_tables.shape[1] * k.shape[2]
+
+
+def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, **cache):
+  b, hkv, r, _ = q_rows.shape
+  s = _seq_capacity(k, cache["block_tables"])
+  splits = cfg.num_splits or _xla_default_splits(b, hkv, s, cache, platform)
+  row_limits = jnp.repeat(query_limits(ends, num_tokens, s), r // num_tokens, axis=1)  # [B, R]
+  return xla_partials(q_rows, k, v, row_limits, softmax_scale=softmax_scale, num_splits=splits,
+                      live_ends=jnp.clip(ends, 0, s), **cache)
+
+
+def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, interpret, **cache):
+  b, hkv = q_rows.shape[:2]
+  bk = triton_block_size(cfg.block_k or config_lib.DEFAULT_BLOCK_K)
+  num_blocks = max(-(-_seq_capacity(k, cache["block_tables"]) // bk), 1)
+  splits = cfg.num_splits or config_lib.default_num_splits(
+      b, hkv, num_blocks, config_lib.num_parallel_units(platform))
+  return triton_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                         num_splits=splits, block_k=bk, interpret=interpret, **cache)
+
+
+def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, **cache):
+  b, hkv = q_rows.shape[:2]
+  p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, **cache)
+  num_blocks = max(-(-_seq_capacity(k, cache["block_tables"]) // p.block), 1)
+  splits = cfg.num_splits or config_lib.default_num_splits(
+      b, hkv, num_blocks, config_lib.num_parallel_units("tpu"))
+  return mosaic_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                         num_splits=splits, block_k=cfg.block_k, interpret=interpret, **cache)
+
+
+def triton_supports(q_rows, k, v, cache) -> bool:
+  """Whether the compiled Triton kernel takes these shapes (see `triton_unsupported`)."""
+  tiles = lambda sc: 1 if sc is None else sc.shape[-1]
+  return triton_unsupported(q_rows.shape[-1], v.shape[-1], tiles(cache["k_scale"]),
+                            tiles(cache["v_scale"])) is None
+
+
+def _static_scale(softmax_scale, dk) -> float:
+  """softmax_scale is static (a Python / numpy real number): it is baked into the kernel."""
+  if softmax_scale is None:
+    return 1.0 / math.sqrt(dk)
+  if isinstance(softmax_scale, jax.core.Tracer):
+    raise ValueError("flash_decode: softmax_scale must be a static real number (it is compiled "
+                     "into the kernel), got a traced value; mark it static or fold it into q")
+  if isinstance(softmax_scale, (bool, np.bool_)) or np.ndim(softmax_scale) != 0 or not np.isrealobj(softmax_scale):
+    raise ValueError(f"flash_decode: softmax_scale must be a real number, got {softmax_scale!r}")
+  value = float(softmax_scale)
+  if not math.isfinite(value):
+    raise ValueError(f"flash_decode: softmax_scale must be finite, got {value}")
+  return value
 
 
 def _validate(q, k, v, lengths, block_tables) -> bool:
@@ -183,6 +283,8 @@ def _validate(q, k, v, lengths, block_tables) -> bool:
     if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
       raise ValueError(f"flash_decode: k and v must have the same [B, Hkv, S]; got {shapes}")
     hkv = k.shape[1]
+  if dk == 0 or v.shape[-1] == 0:
+    raise ValueError(f"flash_decode: head dims Dk and Dv must be positive; got {shapes}")
   if kdk != dk:
     raise ValueError(f"flash_decode: head dim Dk of q ({dk}) and k ({kdk}) must agree; got {shapes}")
   if hkv == 0 or hq % hkv != 0:

@@ -41,9 +41,15 @@ def merge_states(o: jnp.ndarray, lse: jnp.ndarray, axis: int = 0):
   ref = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
   w = jnp.exp(lse - ref)  # [..., n, ...]; 0 for empty parts
   total = jnp.sum(w, axis=axis)
-  acc = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=axis)
+  # An empty part's o is selected away, never multiplied by its 0 weight (0 * NaN = NaN).
+  weighted = jnp.where((w > 0)[..., None], w[..., None] * o.astype(jnp.float32), 0.0)
+  acc = jnp.sum(weighted, axis=axis)
   out = acc / jnp.where(total > 0, total, 1.0)[..., None]
   out_lse = jnp.where(total > 0, jnp.squeeze(ref, axis) + jnp.log(total), -jnp.inf)
+  # A NaN lse is not "empty": it propagates to the merged o and lse.
+  nan = jnp.any(jnp.isnan(lse), axis=axis)
+  out = jnp.where(nan[..., None], jnp.nan, out)
+  out_lse = jnp.where(nan, jnp.nan, out_lse)
   return out.astype(o.dtype), out_lse
 
 

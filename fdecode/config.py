@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 
 import jax
+import numpy as np
 
 # Split the cache only while batch*kv_heads leaves the machine idle: the Ascend
 # IncreFlashAttention rule (split when B*Hkv < 0.4 * cores).
@@ -23,6 +25,9 @@ MAX_SPLITS_PER_HEAD = 16
 DEFAULT_BLOCK_K = 128
 # XLA path: about this many tokens per split (per loop step over paged / 8-bit caches).
 XLA_CHUNK_TOKENS = 2048
+# Parallel units assumed when lowering for a platform with no device here: an H100's
+# 132 SMs; one TensorCore per TPU chip (v5e / v6e).
+_DEFAULT_UNITS = {"gpu": 132, "cuda": 132, "rocm": 132, "tpu": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +47,11 @@ class Config:
   def __post_init__(self):
     for name in ("num_splits", "block_k"):
       value = getattr(self, name)
-      if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+      if value is None:
+        continue
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+      object.__setattr__(self, name, int(value))  # numpy integers become plain ints
 
 
 def num_parallel_units(backend: str | None = None) -> int:
@@ -51,8 +59,11 @@ def num_parallel_units(backend: str | None = None) -> int:
   backend = backend or jax.default_backend()
   if backend == "cpu":
     return os.cpu_count() or 1
-  device = jax.devices(backend)[0]
-  return int(getattr(device, "core_count", None) or 1)
+  try:
+    device = jax.devices(backend)[0]
+  except RuntimeError:  # lowering for a platform this host lacks (jax.export)
+    return _DEFAULT_UNITS.get(backend, 1)
+  return int(getattr(device, "core_count", None) or _DEFAULT_UNITS.get(backend, 1))
 
 
 def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int, num_units: int) -> int:

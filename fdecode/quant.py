@@ -58,6 +58,11 @@ def dequantize(values, scale, offset=None, dtype=jnp.float32):
   """
   d = values.shape[-1]
   nt = scale.shape[-1]
+  if nt == 1:  # one tile: plain broadcasting (no rank-raising reshape inside kernels)
+    x = values.astype(jnp.float32)
+    if offset is not None:
+      x = x + offset
+    return (x * scale).astype(dtype)
   x = values.astype(jnp.float32).reshape(*values.shape[:-1], nt, d // nt)
   if offset is not None:
     x = x + offset[..., None]

@@ -30,7 +30,8 @@ def reference_decode(q, k, v, lengths, *, softmax_scale=None):
 
   Returns:
     ``(out, lse)``: float32 ``[B, T, Hq, Dv]`` and float32 ``[B, T, Hq]`` (natural log).
-    Rows with no valid key give out 0 and lse -inf.
+    Rows with no valid key give out 0 and lse -inf. Slots past a length never influence
+    the result, whatever they hold (inf / NaN included).
   """
   b, t, hq, dk = q.shape
   _, hkv, s, _ = k.shape
@@ -38,7 +39,9 @@ def reference_decode(q, k, v, lengths, *, softmax_scale=None):
   scale = 1.0 / math.sqrt(dk) if softmax_scale is None else softmax_scale
   qf = q.astype(jnp.float32).reshape(b, t, hkv, g, dk)
   kf = k.astype(jnp.float32)
-  vf = v.astype(jnp.float32)
+  # Slots past a sequence's length are dead and may hold anything: select them away.
+  live = jnp.arange(s)[None, :] < jnp.clip(lengths, 0, s)[:, None]  # [B, S]
+  vf = jnp.where(live[:, None, :, None], v.astype(jnp.float32), 0.0)
   scores = jnp.einsum("bthgd,bhsd->bthgs", qf, kf, precision="highest") * scale
   limits = query_limits(lengths, t, s)  # [B, T]
   valid = jnp.arange(s)[None, None, :] < limits[:, :, None]  # [B, T, S]

@@ -26,15 +26,17 @@ from fdecode.quant import dequantize
 
 
 
-def _chunk_states(q_rows, kc, vc, row_limits, first_pos, softmax_scale, heads_outer=False):
+def _chunk_states(q_rows, kc, vc, row_limits, live_ends, first_pos, softmax_scale, heads_outer=False):
   """States of chunks: kc ``[B, Hkv, n, C, Dk]``, vc ``[B, Hkv, n, C, Dv]``, chunk i starting
   at token ``first_pos + i*C`` -> (o f32 ``[B, Hkv, n, R, Dv]``, lse ``[B, Hkv, n, R]``).
+  Slots at or past ``live_ends`` ``[B]`` are dead: their scores and value rows are
+  selected away (they may hold inf / NaN).
 
   ``heads_outer``: q_rows, kc, vc and the results have their two batch axes swapped
   (``[Hkv, B, ...]``, a paged pool's gather order, so the cache chunk is never transposed).
   """
   n, c = kc.shape[2], kc.shape[3]
-  scores = jnp.einsum("bhrd,bhncd->bhnrc", q_rows.astype(kc.dtype), kc,
+  scores = jnp.einsum("bhrd,bhncd->bhnrc", q_rows, kc.astype(q_rows.dtype),
                       preferred_element_type=jnp.float32) * softmax_scale
   pos = first_pos + jnp.arange(n * c, dtype=jnp.int32).reshape(n, 1, c)
   limits = row_limits[None, :, None, :, None] if heads_outer else row_limits[:, None, None, :, None]
@@ -43,6 +45,9 @@ def _chunk_states(q_rows, kc, vc, row_limits, first_pos, softmax_scale, heads_ou
   m = jnp.max(scores, axis=-1)
   p = jnp.where(valid, jnp.exp(scores - m[..., None]), 0.0)
   l = jnp.sum(p, axis=-1)
+  ends = live_ends[None, :, None, None] if heads_outer else live_ends[:, None, None, None]
+  live = (pos[:, 0][None, None] < ends)[..., None]  # [B, 1, n, C, 1] (or [1, B, ...])
+  vc = jnp.where(live, vc, jnp.zeros((), vc.dtype))
   acc = jnp.einsum("bhnrc,bhncd->bhnrd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
   return finalize_state(acc, m, l)
 
@@ -57,16 +62,18 @@ def _pad_tokens(x, total, axis=2, broadcast_ok=False):
   return jnp.pad(x, pad)
 
 
-def xla_partials(q_rows, k, v, row_limits, *, softmax_scale: float, num_splits: int,
+def xla_partials(q_rows, k, v, row_limits, *, softmax_scale: float, num_splits: int, live_ends,
                  block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None):
   """Per-split partial states.
 
   Args:
-    q_rows: ``[B, Hkv, R, Dk]`` queries, the G heads (times T tokens) of a kv head as rows.
+    q_rows: ``[B, Hkv, R, Dk]`` queries in the compute dtype, the G heads (times T tokens)
+      of a kv head as rows; cache blocks are cast to it after the load.
     k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables [B, n]``, paged
       ``[Hkv, P, page_size, D]``; float, or 8-bit with canonical rank-4 scales
       (`fdecode.quant.canonical_scale`) and optional offsets.
     row_limits: int32 ``[B, R]``: row r attends to key positions ``< row_limits[b, r]``.
+    live_ends: int32 ``[B]``: slots at or past it are dead (never read as values).
     softmax_scale: multiplies the scores (in float32).
     num_splits: ``n`` chunks. A contiguous float cache that ``n`` does not divide is
       padded (a copy); the heuristic only picks divisors.
@@ -82,9 +89,9 @@ def xla_partials(q_rows, k, v, row_limits, *, softmax_scale: float, num_splits: 
     k, v = _pad_tokens(k, chunk * n), _pad_tokens(v, chunk * n)
     kc = k.reshape(b, hkv, n, chunk, dk)
     vc = v.reshape(b, hkv, n, chunk, v.shape[-1])
-    return _chunk_states(q_rows, kc, vc, row_limits, 0, softmax_scale)
+    return _chunk_states(q_rows, kc, vc.astype(q_rows.dtype), row_limits, live_ends, 0, softmax_scale)
 
-  compute_dtype = jnp.bfloat16 if q_rows.dtype == jnp.bfloat16 else jnp.float32
+  compute_dtype = q_rows.dtype
   if block_tables is not None:
     page_size = k.shape[2]
     pages_per_chunk = -(-block_tables.shape[1] // n)
@@ -120,7 +127,8 @@ def xla_partials(q_rows, k, v, row_limits, *, softmax_scale: float, num_splits: 
   def one_chunk(i):
     kc = load(i, k, k_scale, k_offset)[:, :, None]
     vc = load(i, v, v_scale, v_offset)[:, :, None]
-    o, lse = _chunk_states(q_loop, kc, vc, row_limits, i * chunk, softmax_scale, heads_outer)
+    o, lse = _chunk_states(q_loop, kc, vc.astype(compute_dtype), row_limits, live_ends, i * chunk,
+                           softmax_scale, heads_outer)
     return o[:, :, 0], lse[:, :, 0]
 
   o, lse = lax.map(one_chunk, jnp.arange(n, dtype=jnp.int32))  # [n, B, Hkv, R, ...] (or [n, Hkv, B, ...])

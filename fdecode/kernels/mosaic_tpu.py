@@ -1,0 +1,437 @@
+"""FlashDecode split-KV kernels for TPUs (Pallas Mosaic).
+
+The block math is `fdecode.kernels.block`, shared with the Triton kernel; what differs
+is how blocks reach VMEM, the way Mosaic wants it:
+
+* **Contiguous cache** ``[B, Hkv, S, D]``: grid ``(B, Hkv, n_splits, steps)`` with the
+  kv-step axis "arbitrary" and the others "parallel". ``ends`` (each sequence's end
+  relative to the cache) is scalar-prefetched into SMEM. K / V blocks of ``bk`` tokens
+  arrive through BlockSpecs whose index_map clamps to the sequence's last live block, so
+  a step past the end repeats the previous block index (Pallas issues no DMA) and
+  `pl.when` skips its compute. m, l and acc live in float32 VMEM scratch.
+* **Paged cache** ``[Hkv, P, page_size, D]``: grid ``(B, Hkv, n_splits)``; the pools
+  stay in HBM (``memory_space=pl.ANY``) and each step DMAs ``pages_per_step`` pages (the
+  block table is scalar-prefetched, ids clipped into the pool) into one slot of a
+  two-slot VMEM buffer while the other slot computes, as JAX's TPU ``paged_attention``
+  and ``ragged_paged_attention`` do. Only live pages are copied.
+* **8-bit caches**: per-token scales / offsets travel with their block (BlockSpec or DMA);
+  per-head / per-tensor ones are one small resident block. Dequantization happens after
+  the load, per scale tile (`fdecode.kernels.block.head_pieces`).
+* **Any head dim**: blocks span the full head dim (legal for Mosaic at any size);
+  query rows are padded to the dtype's sublane tiling.
+
+The VMEM footprint (double-buffered blocks plus scratch) is computed by `plan`, which
+also sets ``vmem_limit_bytes``; it depends on the block sizes only, never on S.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from fdecode.kernels import block as blk
+
+_LANES = 128
+# Default bytes of K + V one grid step moves: large enough to amortize the ~0.35 us
+# per-step overhead (hundreds of KiB), small enough that double buffering stays far
+# under the smallest scoped-VMEM default (16 MiB on v5e).
+_STEP_BYTES = 512 * 1024
+_MAX_STEP_TOKENS = 2048
+_MAX_PAGES_PER_STEP = 64
+# Headroom above the computed footprint for Mosaic's internal scratch.
+_VMEM_HEADROOM = 4 * 1024 * 1024
+
+
+def _sublanes(dtype) -> int:
+  """Rows of one native VMEM tile: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit dtypes."""
+  return 32 // jnp.dtype(dtype).itemsize
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _tile_bytes(shape, dtype) -> int:
+  """VMEM bytes of an array of ``shape``, padded to (sublane, 128-lane) tiles."""
+  *lead, rows, cols = (1,) * max(0, 2 - len(shape)) + tuple(shape)
+  return (math.prod(lead) * _round_up(rows, _sublanes(dtype)) * _round_up(cols, _LANES)
+          * jnp.dtype(dtype).itemsize)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Static sizes of one Mosaic kernel launch.
+
+  Attributes:
+    paged: paged (manual DMA) or contiguous (BlockSpec) kernel.
+    block: tokens per grid / loop step (contiguous ``bk``; paged pages_per_step * page_size).
+    pages_per_step: pages DMA'd per step (paged only).
+    rows_p: query rows padded to the sublane tiling.
+    vmem_bytes: footprint of the double-buffered blocks and scratch.
+    vmem_limit_bytes: what the kernel asks Mosaic for.
+  """
+  paged: bool
+  block: int
+  pages_per_step: int
+  rows_p: int
+  vmem_bytes: int
+  vmem_limit_bytes: int
+
+
+def _default_step_tokens(dk, dv, k_dtype, v_dtype) -> int:
+  per_token = dk * jnp.dtype(k_dtype).itemsize + dv * jnp.dtype(v_dtype).itemsize
+  tokens = 1 << max(_STEP_BYTES // per_token, 1).bit_length() - 1
+  return max(_LANES, min(tokens, _MAX_STEP_TOKENS))
+
+
+def _per_token(scale) -> bool:
+  """Whether a canonical scale / offset has a token axis (streamed with its block)."""
+  return scale is not None and (scale.shape[-2] > 1 or scale.ndim == 4 and scale.shape[1] > 1)
+
+
+def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offset=None,
+         v_offset=None, block_k: int | None = None) -> Plan:
+  """Block sizes and VMEM footprint for these operands (arrays or ShapeDtypeStructs).
+
+  ``block_k``: tokens per step; ``None`` picks about `_STEP_BYTES` of K + V per step.
+  It is rounded up to the cache dtype's sublane tiling (paged: to whole pages).
+  """
+  r, dk = q_rows.shape[-2:]
+  dv = v.shape[-1]
+  paged = block_tables is not None
+  rows_p = _round_up(r, _sublanes(q_rows.dtype))
+  tokens = block_k or _default_step_tokens(dk, dv, k.dtype, v.dtype)
+  quant = [a for a in (k_scale, k_offset, v_scale, v_offset) if a is not None]
+  if paged:
+    page_size, table_len = k.shape[2], block_tables.shape[1]
+    pages = max(1, min(-(-tokens // page_size), _MAX_PAGES_PER_STEP, table_len))
+    block = pages * page_size
+  else:
+    pages = 0
+    seq_len = k.shape[2]
+    align = max(_sublanes(k.dtype), _sublanes(v.dtype))
+    block = seq_len if seq_len <= tokens else _round_up(tokens, align)
+  # Streams (K, V and per-token scales): two buffers each, blocks of `block` rows.
+  streams = _tile_bytes((block, dk), k.dtype) + _tile_bytes((block, dv), v.dtype)
+  streams += sum(_tile_bytes((block if _per_token(a) else 1, a.shape[-1]), jnp.float32)
+                 for a in quant)
+  io = (_tile_bytes((rows_p, dk), q_rows.dtype) + _tile_bytes((rows_p, dv), jnp.float32)
+        + _tile_bytes((rows_p, 1), jnp.float32))
+  scratch = _tile_bytes((rows_p, dv), jnp.float32) + 2 * _tile_bytes((rows_p, 1), jnp.float32)
+  # In-flight block values (scores / probabilities, a dequantized block) held in VMEM.
+  work = 2 * _tile_bytes((rows_p, block), jnp.float32) + _tile_bytes((block, max(dk, dv)), jnp.float32)
+  vmem = 2 * streams + 2 * io + scratch + work
+  limit = _round_up(vmem + _VMEM_HEADROOM, 1024 * 1024)
+  return Plan(paged=paged, block=block, pages_per_step=pages, rows_p=rows_p,
+              vmem_bytes=vmem, vmem_limit_bytes=limit)
+
+
+def _pieces(d, scale):
+  return blk.head_pieces(d, 1 if scale is None else scale.shape[-1], pow2=False)
+
+
+def _dequant_pieces(x, pieces, scale, offset, dtype):
+  """A loaded block ``[bk, D]`` -> its pieces, dequantized with ``scale`` ``[bk|1, nt]``."""
+  out = []
+  for p in pieces:
+    xp = x if len(pieces) == 1 else x[:, p.offset:p.offset + p.width]
+    col = lambda a: None if a is None else a[:, p.tile:p.tile + 1]
+    out.append(blk.dequantize_piece(xp, col(scale), col(offset), dtype))
+  return out
+
+
+# --------------------------------------------------------------------------------------
+# Contiguous cache: BlockSpec pipeline over a kv-step grid axis.
+
+
+def _contiguous_kernel(ends_ref, q_ref, k_ref, v_ref, *refs, has_quant, softmax_scale,
+                       steps_per_split, seq_len, num_rows, group, num_tokens, k_pieces, v_pieces):
+  # refs: [k_scale], [k_offset], [v_scale], [v_offset] ([bk|1, nt]), o [R_p, Dv], lse [R_p, 1],
+  #       scratch m [R_p, 1], l [R_p, 1], acc [R_p, w] per value piece.
+  refs = list(refs)
+  quant = [refs.pop(0) if present else None for present in has_quant]
+  o_ref, lse_ref, m_ref, l_ref, *acc_refs = refs
+  b, split, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  rows_p, bk = q_ref.shape[0], k_ref.shape[0]
+  end = ends_ref[b]
+  live_end = jnp.clip(end, 0, seq_len)
+  start = (split * steps_per_split + step) * bk
+
+  @pl.when(step == 0)
+  def _init():
+    acc, m, l = blk.init_state(rows_p, v_pieces)
+    m_ref[...], l_ref[...] = m, l
+    for ref, a in zip(acc_refs, acc):
+      ref[...] = a
+
+  @pl.when(start < live_end)
+  def _compute():
+    dtype = q_ref.dtype
+    q = q_ref[...]
+    q_pieces = [q if len(k_pieces) == 1 else q[:, p.offset:p.offset + p.width] for p in k_pieces]
+    load = lambda ref: None if ref is None else ref[...]
+    kb = _dequant_pieces(k_ref[...], k_pieces, load(quant[0]), load(quant[1]), dtype)
+    vb = _dequant_pieces(v_ref[...], v_pieces, load(quant[2]), load(quant[3]), dtype)
+    limit = blk.row_limits(end, num_rows, rows_p, group, num_tokens, seq_len)
+    visible, live = blk.block_masks(limit, start, start, live_end, bk)
+    s = blk.block_scores(q_pieces, kb, softmax_scale)
+    state = (tuple(ref[...] for ref in acc_refs), m_ref[...], l_ref[...])
+    acc, m, l = blk.online_update(state, s, visible, live, vb)
+    m_ref[...], l_ref[...] = m, l
+    for ref, a in zip(acc_refs, acc):
+      ref[...] = a
+
+  @pl.when(step == steps_per_split - 1)
+  def _finish():
+    o_pieces, lse = blk.finalize((tuple(ref[...] for ref in acc_refs), m_ref[...], l_ref[...]))
+    _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse)
+
+
+def _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse):
+  if len(v_pieces) == 1:
+    o_ref[...] = o_pieces[0]
+  else:
+    for p, o in zip(v_pieces, o_pieces):
+      o_ref[:, p.offset:p.offset + p.width] = o
+  lse_ref[...] = lse
+
+
+def _contiguous_call(q_rows, ends, k, v, quant, p: Plan, *, num_tokens, softmax_scale,
+                     num_splits, interpret):
+  b, hkv, r, dk = q_rows.shape
+  seq_len, dv = k.shape[2], v.shape[-1]
+  bk = p.block
+  num_blocks = pl.cdiv(max(seq_len, 1), bk)
+  steps = pl.cdiv(num_blocks, num_splits)
+
+  def kv_block(i, h, split, step, ends_ref):
+    live_blocks = pl.cdiv(jnp.clip(ends_ref[i], 0, seq_len), bk)
+    return jnp.minimum(split * steps + step, jnp.maximum(live_blocks - 1, 0))
+
+  def cache_spec(d):
+    return pl.BlockSpec((None, None, bk, d), lambda i, h, s, t, e: (i, h, kv_block(i, h, s, t, e), 0))
+
+  def quant_spec(a):
+    d0, d1, d2, nt = a.shape
+    tok = d2 > 1
+    return pl.BlockSpec((None, None, bk if tok else 1, nt), lambda i, h, s, t, e: (
+        i if d0 > 1 else 0, h if d1 > 1 else 0, kv_block(i, h, s, t, e) if tok else 0, 0))
+
+  present = [a for a in quant if a is not None]
+  k_pieces, v_pieces = _pieces(dk, quant[0]), _pieces(dv, quant[2])
+  kernel = functools.partial(
+      _contiguous_kernel, has_quant=tuple(a is not None for a in quant),
+      softmax_scale=softmax_scale, steps_per_split=steps, seq_len=seq_len, num_rows=r,
+      group=r // num_tokens, num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=1,
+      grid=(b, hkv, num_splits, steps),
+      in_specs=[pl.BlockSpec((None, None, p.rows_p, dk), lambda i, h, s, t, e: (i, h, 0, 0)),
+                cache_spec(dk), cache_spec(dv)] + [quant_spec(a) for a in present],
+      out_specs=_out_specs(p.rows_p, dv, lambda i, h, s, t, e: (i, h, s, 0, 0)),
+      scratch_shapes=[pltpu.VMEM((p.rows_p, 1), jnp.float32), pltpu.VMEM((p.rows_p, 1), jnp.float32)]
+      + [pltpu.VMEM((p.rows_p, vp.width), jnp.float32) for vp in v_pieces],
+  )
+  return pl.pallas_call(
+      kernel, grid_spec=grid_spec, out_shape=_out_shape(b, hkv, num_splits, p.rows_p, dv),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=p.vmem_limit_bytes),
+      interpret=interpret, name="fdecode_split_kv_mosaic",
+  )(ends, q_rows, k, v, *present)
+
+
+def _out_specs(rows_p, dv, index_map):
+  return [pl.BlockSpec((None, None, None, rows_p, dv), index_map),
+          pl.BlockSpec((None, None, None, rows_p, 1), index_map)]
+
+
+def _out_shape(b, hkv, n, rows_p, dv):
+  return [jax.ShapeDtypeStruct((b, hkv, n, rows_p, dv), jnp.float32),
+          jax.ShapeDtypeStruct((b, hkv, n, rows_p, 1), jnp.float32)]
+
+
+# --------------------------------------------------------------------------------------
+# Paged cache: pools in HBM, pages DMA'd into a two-slot VMEM buffer.
+
+
+def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, streamed, softmax_scale, steps_per_split,
+                  pages_per_step, page_size, num_pages, table_len, num_rows, group, num_tokens,
+                  k_pieces, v_pieces):
+  # refs: one HBM ref (streamed) or resident VMEM block [1, nt] (not) per present stream of
+  #       (k, v, k_scale, k_offset, v_scale, v_offset); o, lse; then per streamed operand a
+  #       VMEM buffer [2, block, D|nt]; then DMA semaphores [n_streamed, 2].
+  n_present = len(streamed)
+  srcs, refs = refs[:n_present], refs[n_present:]
+  o_ref, lse_ref, *refs = refs
+  bufs, sems = refs[:-1], refs[-1]
+  b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows_p = q_ref.shape[0]
+  block = pages_per_step * page_size
+  seq_len = table_len * page_size
+  end = ends_ref[b]
+  live_end = jnp.clip(end, 0, seq_len)
+  live_pages = pl.cdiv(live_end, page_size)
+  first = split * steps_per_split
+  last = jnp.minimum(first + steps_per_split, pl.cdiv(live_end, block))
+  stream_ids = [i for i, s in enumerate(streamed) if s]
+
+  def page_copies(step, slot):
+    """(live?, descriptor) for every page of every streamed operand in ``step``."""
+    for p in range(pages_per_step):
+      index = step * pages_per_step + p
+      page = jnp.clip(tables_ref[b * table_len + jnp.minimum(index, table_len - 1)], 0, num_pages - 1)
+      for n, i in enumerate(stream_ids):
+        src = srcs[i]
+        head = h if src.shape[0] > 1 else 0
+        copy = pltpu.make_async_copy(src.at[head, page], bufs[n].at[slot, pl.ds(p * page_size, page_size)],
+                                     sems.at[n, slot])
+        yield index < live_pages, copy
+
+  def start(step, slot):
+    for live, copy in page_copies(step, slot):
+      pl.when(live)(copy.start)
+
+  def wait(step, slot):
+    for live, copy in page_copies(step, slot):
+      pl.when(live)(copy.wait)
+
+  dtype = q_ref.dtype
+  q = q_ref[...]
+  q_pieces = [q if len(k_pieces) == 1 else q[:, p.offset:p.offset + p.width] for p in k_pieces]
+  limit = blk.row_limits(end, num_rows, rows_p, group, num_tokens, seq_len)
+
+  def body(step, state):
+    slot = (step - first) % 2
+
+    @pl.when(step + 1 < last)
+    def _prefetch():
+      start(step + 1, 1 - slot)
+
+    wait(step, slot)
+    loaded, n = [], 0
+    for i, s in enumerate(streamed):
+      if s:
+        loaded.append(bufs[n][slot])
+        n += 1
+      else:
+        loaded.append(srcs[i][...] if srcs[i] is not None else None)
+    kb, vb, ks, ko, vs, vo = (loaded + [None] * 6)[:6]
+    kb = _dequant_pieces(kb, k_pieces, ks, ko, dtype)
+    vb = _dequant_pieces(vb, v_pieces, vs, vo, dtype)
+    token0 = step * block
+    visible, live = blk.block_masks(limit, token0, token0, live_end, block)
+    s = blk.block_scores(q_pieces, kb, softmax_scale)
+    return blk.online_update(state, s, visible, live, vb)
+
+  @pl.when(first < last)
+  def _first_fetch():
+    start(first, 0)
+
+  state = lax.fori_loop(first, last, body, blk.init_state(rows_p, v_pieces))
+  o_pieces, lse = blk.finalize(state)
+  _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse)
+
+
+def _paged_call(q_rows, ends, k, v, tables, quant, p: Plan, *, num_tokens, softmax_scale,
+                num_splits, interpret):
+  b, hkv, r, dk = q_rows.shape
+  _, num_pages, page_size, _ = k.shape
+  dv = v.shape[-1]
+  table_len = tables.shape[1]
+  steps = pl.cdiv(pl.cdiv(table_len, p.pages_per_step), num_splits)
+  k_scale, k_offset, v_scale, v_offset = quant
+  # Order: k, v, k_scale, k_offset, v_scale, v_offset (absent ones dropped below).
+  operands, streamed, in_specs, bufs = [], [], [], []
+  for a in (k, v, k_scale, k_offset, v_scale, v_offset):
+    if a is None:
+      operands.append(None)
+      streamed.append(False)
+      continue
+    if a is k or a is v or _per_token(a):
+      if a is not k and a is not v:  # per-token / per-page scale: [Hkv|1, P, ps, nt]
+        a = jnp.broadcast_to(a, (a.shape[0], num_pages, page_size, a.shape[-1]))
+      operands.append(a)
+      streamed.append(True)
+      in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+      bufs.append(pltpu.VMEM((2, p.block, a.shape[-1]), a.dtype))
+    else:  # per head / per tensor: one resident [1, nt] block
+      d0, nt = a.shape[0], a.shape[-1]
+      a = a.reshape(d0, 1, nt)
+      operands.append(a)
+      streamed.append(False)
+      in_specs.append(pl.BlockSpec((None, 1, nt), lambda i, h, s, e, t, d0=d0: (h if d0 > 1 else 0, 0, 0)))
+  present = [a for a in operands if a is not None]
+  keep = [i for i, a in enumerate(operands) if a is not None]
+  streamed = tuple(streamed[i] for i in keep)
+  # Positions of k, v, scales among the present operands, for the kernel's unpacking.
+  k_pieces, v_pieces = _pieces(dk, k_scale), _pieces(dv, v_scale)
+  kernel = functools.partial(
+      _paged_kernel_unpack, order=tuple(keep), streamed=streamed, softmax_scale=softmax_scale,
+      steps_per_split=steps, pages_per_step=p.pages_per_step, page_size=page_size,
+      num_pages=num_pages, table_len=table_len, num_rows=r, group=r // num_tokens,
+      num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2,
+      grid=(b, hkv, num_splits),
+      in_specs=[pl.BlockSpec((None, None, p.rows_p, dk), lambda i, h, s, e, t: (i, h, 0, 0))] + in_specs,
+      out_specs=_out_specs(p.rows_p, dv, lambda i, h, s, e, t: (i, h, s, 0, 0)),
+      scratch_shapes=bufs + [pltpu.SemaphoreType.DMA((max(len(bufs), 1), 2))],
+  )
+  return pl.pallas_call(
+      kernel, grid_spec=grid_spec, out_shape=_out_shape(b, hkv, num_splits, p.rows_p, dv),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel"),
+          vmem_limit_bytes=p.vmem_limit_bytes),
+      interpret=interpret, name="fdecode_split_kv_mosaic_paged",
+  )(ends, tables.reshape(-1), q_rows, *present)
+
+
+def _paged_kernel_unpack(ends_ref, tables_ref, q_ref, *refs, order, streamed, **kw):
+  """Re-slots the present operands into the fixed 6-stream order the kernel expects."""
+  n = len(order)
+  srcs = [None] * 6
+  flags = [False] * 6
+  for pos, (i, s) in enumerate(zip(order, streamed)):
+    srcs[i], flags[i] = refs[pos], s
+  _paged_kernel(ends_ref, tables_ref, q_ref, *srcs, *refs[n:], streamed=tuple(flags), **kw)
+
+
+def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float,
+                    num_splits: int, block_k: int | None, interpret,
+                    block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None):
+  """Per-split partial states from the Mosaic (TPU) kernels.
+
+  Args:
+    q_rows: ``[B, Hkv, R, Dk]`` queries in the compute dtype, row r = t * G + g.
+    ends: int32 ``[B]``: each sequence's end relative to the cache's first token.
+    k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables`` int32 ``[B, n]``, paged
+      ``[Hkv, P, page_size, D]``; float or 8-bit with canonical rank-4 scales / offsets.
+    block_k: tokens per step (None: `plan`'s default).
+    interpret: False (compile for TPU) or a ``pltpu.InterpretParams`` (TPU semantics on
+      CPU: simulated HBM / VMEM / SMEM, DMAs and semaphores).
+
+  Returns:
+    ``(o, lse)``: float32 ``[B, Hkv, n_splits, R, Dv]`` and ``[B, Hkv, n_splits, R]``.
+  """
+  r = q_rows.shape[2]
+  quant = (k_scale, k_offset, v_scale, v_offset)
+  p = plan(q_rows, k, v, block_tables=block_tables, k_scale=k_scale, v_scale=v_scale,
+           k_offset=k_offset, v_offset=v_offset, block_k=block_k)
+  if p.rows_p != r:
+    q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, p.rows_p - r), (0, 0)])
+  kw = dict(num_tokens=num_tokens, softmax_scale=softmax_scale, num_splits=num_splits,
+            interpret=interpret)
+  ends = ends.astype(jnp.int32)
+  if block_tables is None:
+    o, lse = _contiguous_call(q_rows, ends, k, v, quant, p, **kw)
+  else:
+    o, lse = _paged_call(q_rows, ends, k, v, block_tables.astype(jnp.int32), quant, p, **kw)
+  return o[:, :, :, :r], lse[:, :, :, :r, 0]

@@ -1,0 +1,253 @@
+"""FlashDecode split-KV kernel for GPUs (Pallas Triton), also the interpret-mode kernel.
+
+Grid ``(B, Hkv, n_splits)``. One program owns one kv head of one sequence and one
+contiguous range of ``block_k``-token blocks; the R = T*G query rows of that kv head are
+the rows of its matmuls (heads packed into the row dimension, as in Tenstorrent's
+sdpa_decode), so every cache byte is read once. Inside a split the program runs an
+online softmax over blocks (`fdecode.kernels.block`) and writes one normalized partial
+state (o, lse) per row; `merge_states` combines the splits. The loop runs only over
+blocks below the sequence's end: splits and blocks past it do no work and load nothing.
+
+How blocks are read (always in place: no per-call copy or transpose of the cache):
+
+* contiguous ``[B, Hkv, S, D]``: block j covers tokens ``[j*bk, (j+1)*bk)`` but is loaded
+  from ``min(j*bk, S - bk)``; slots before ``j*bk`` are masked, so a tail needs no padding.
+* paged ``[Hkv, P, page_size, D]``: the pool is viewed as ``[Hkv, P*page_size, D]`` (a free
+  reshape) and a block *gathers* its ``bk`` token rows through the block table (ids
+  clipped into the pool). A block spans several pages of any size, page size 1 included.
+* head dims in power-of-two column pieces (`fdecode.kernels.block.head_pieces`), so every
+  Triton tensor has power-of-two sizes for Dk, Dv in {64, 80, 96, 112, 128, 192, 256, 576}.
+* 8-bit caches: each piece is dequantized right after its load with its tile's scale.
+
+Compiled for GPU, Triton additionally needs: pieces at least 16 wide (``tl.dot``), so
+head dims and 8-bit scale tiles must be multiples of 16; `triton_unsupported` names
+the shapes it cannot take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from fdecode.kernels import block as blk
+
+# tl.dot needs every dimension >= 16; rows are padded to it, pieces must reach it.
+_MIN_DOT = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Static description of what the kernel reads."""
+  paged: bool
+  block: int                  # bk, tokens per block (a power of two)
+  seq_len: int                # S, tokens addressable per sequence
+  rows: int                   # contiguous: cache rows (>= block); paged: P * page_size
+  page_size: int              # paged only
+  num_pages: int              # paged only: P
+  table_len: int              # paged only: n
+  k_pieces: tuple
+  v_pieces: tuple
+  quant: tuple                # per stream (k_scale, k_offset, v_scale, v_offset): None or
+                              # its (pages|1, page_size|1) (paged) / (S|1,) (contiguous) dims
+
+
+def block_size(block_k: int) -> int:
+  """The kernel's ``bk``: ``block_k`` rounded up to a power of two, at least 16."""
+  return max(_MIN_DOT, 1 << max(block_k - 1, 0).bit_length())
+
+
+def triton_unsupported(dk: int, dv: int, k_tiles: int = 1, v_tiles: int = 1) -> str | None:
+  """Why the compiled Triton kernel cannot take these head dims / scale tiles, or None."""
+  for name, d, nt in (("Dk", dk, k_tiles), ("Dv", dv, v_tiles)):
+    narrow = [p.width for p in blk.head_pieces(d, nt, pow2=True) if p.width < _MIN_DOT]
+    if narrow:
+      return (f"{name}={d} with {nt} scale tile(s) has a column piece {narrow[0]} wide; "
+              f"Triton's dot needs head dims and scale tiles that are multiples of {_MIN_DOT}")
+  return None
+
+
+def _load_piece(ref, index, piece, quant_refs, quant_index, dtype):
+  """Loads one column piece ``[bk, w]`` of a cache block and dequantizes it."""
+  x = ref[index, pl.ds(piece.offset, piece.width)]
+  scale_ref, offset_ref = quant_refs
+  if scale_ref is None:
+    return x.astype(dtype)
+  col = pl.ds(piece.tile, 1)
+  scale = scale_ref[quant_index[0], col]
+  offset = None if offset_ref is None else offset_ref[quant_index[1], col]
+  return blk.dequantize_piece(x, scale, offset, dtype)
+
+
+def _kernel(*refs, plan: _Plan, softmax_scale, blocks_per_split, num_rows, group, num_tokens):
+  # refs: end i32[1] (lengths - kv_offset), [table i32[n]], q [R_p, Dk], k, v,
+  #       [k_scale], [k_offset], [v_scale], [v_offset], o f32[R_p, Dv], lse f32[R_p]
+  refs = list(refs)
+  end_ref = refs.pop(0)
+  table_ref = refs.pop(0) if plan.paged else None
+  q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+  quant = [refs.pop(0) if dims is not None else None for dims in plan.quant]
+  o_ref, lse_ref = refs
+  rows_p = q_ref.shape[0]
+  bk = plan.block
+  dtype = q_ref.dtype  # the compute dtype (the wrapper casts q to it)
+  end = end_ref[0]
+  live_end = jnp.clip(end, 0, plan.seq_len)
+  limit = blk.row_limits(end, num_rows, rows_p, group, num_tokens, plan.seq_len)
+  q_pieces = [q_ref[:, pl.ds(p.offset, p.width)] for p in plan.k_pieces]
+  first = pl.program_id(2) * blocks_per_split
+  last = jnp.minimum(first + blocks_per_split, pl.cdiv(live_end, bk))
+
+  def quant_index(dims, start, page, slot):
+    """Row index into a scale / offset ref for this block."""
+    if dims is None:
+      return None
+    if plan.paged:
+      pages, slots = dims
+      if pages == 1 and slots == 1:
+        return pl.ds(0, 1)
+      return (page if pages > 1 else 0) * slots + (slot if slots > 1 else 0)
+    return pl.ds(0, 1) if dims[0] == 1 else pl.ds(start, bk)
+
+  def body(j, state):
+    start = j * bk
+    if plan.paged:
+      pos = start + lax.iota(jnp.int32, bk)
+      page = jnp.clip(table_ref[jnp.minimum(pos // plan.page_size, plan.table_len - 1)],
+                      0, plan.num_pages - 1)
+      slot = pos % plan.page_size
+      load_start, index = start, page * plan.page_size + slot
+    else:
+      page = slot = None
+      load_start = jnp.minimum(start, plan.rows - bk)
+      index = pl.ds(load_start, bk)
+    qi = [quant_index(d, load_start, page, slot) for d in plan.quant]
+    k_pieces = [_load_piece(k_ref, index, p, quant[0:2], qi[0:2], dtype) for p in plan.k_pieces]
+    v_pieces = [_load_piece(v_ref, index, p, quant[2:4], qi[2:4], dtype) for p in plan.v_pieces]
+    s = blk.block_scores(q_pieces, k_pieces, softmax_scale)
+    visible, live = blk.block_masks(limit, load_start, start, live_end, bk)
+    return blk.online_update(state, s, visible, live, v_pieces)
+
+  state = lax.fori_loop(first, last, body, blk.init_state(rows_p, plan.v_pieces))
+  o_pieces, lse = blk.finalize(state)
+  for p, o in zip(plan.v_pieces, o_pieces):
+    o_ref[:, pl.ds(p.offset, p.width)] = o
+  lse_ref[...] = lse[:, 0]
+
+
+def _quant_operand(x, paged):
+  """A canonical rank-4 scale / offset -> (operand, its BlockSpec, its static dims)."""
+  d0, d1, d2, nt = x.shape
+  if paged:  # [Hkv|1, P|1, ps|1, nt] -> [Hkv|1, P|1 * ps|1, nt]
+    flat = x.reshape(d0, d1 * d2, nt)
+    spec = pl.BlockSpec((None, d1 * d2, nt), lambda i, h, j: (h if d0 > 1 else 0, 0, 0))
+    return flat, spec, (d1, d2)
+  spec = pl.BlockSpec((None, None, d2, nt),
+                      lambda i, h, j: (i if d0 > 1 else 0, h if d1 > 1 else 0, 0, 0))
+  return x, spec, (d2,)
+
+
+def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float,
+                    num_splits: int, block_k: int, interpret: bool,
+                    block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None):
+  """Per-split partial states from the Triton kernel (``interpret``: Pallas' interpreter).
+
+  Args:
+    q_rows: ``[B, Hkv, R, Dk]`` queries in the compute dtype, row r = t * G + g.
+    ends: int32 ``[B]``: each sequence's end relative to the cache's first token.
+    k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables`` int32 ``[B, n]``, paged
+      ``[Hkv, P, page_size, D]``; float or 8-bit with canonical rank-4 scales / offsets.
+    num_tokens: T (rows are T groups of G).
+    block_k: tokens per block (rounded by `block_size`).
+
+  Returns:
+    ``(o, lse)``: float32 ``[B, Hkv, n_splits, R, Dv]`` and ``[B, Hkv, n_splits, R]``.
+
+  Raises:
+    ValueError: compiled (not ``interpret``) for shapes `triton_unsupported` names.
+  """
+  b, hkv, r, dk = q_rows.shape
+  dv = v.shape[-1]
+  paged = block_tables is not None
+  quant_arrays = (k_scale, k_offset, v_scale, v_offset)
+  k_tiles = 1 if k_scale is None else k_scale.shape[-1]
+  v_tiles = 1 if v_scale is None else v_scale.shape[-1]
+  if not interpret:
+    reason = triton_unsupported(dk, dv, k_tiles, v_tiles)
+    if reason:
+      raise ValueError(f"flash_decode: impl='pallas' on GPU cannot take this shape: {reason}. "
+                       "Use impl='xla' (impl=None picks it for such shapes)")
+  bk = block_size(block_k)
+  if paged:
+    hkv_pool, num_pages, page_size, _ = k.shape
+    table_len = block_tables.shape[1]
+    seq_len = table_len * page_size
+    rows = num_pages * page_size
+    k = k.reshape(hkv_pool, rows, dk)  # free: merges contiguous axes
+    v = v.reshape(hkv_pool, rows, dv)
+  else:
+    num_pages = page_size = table_len = 0
+    seq_len = k.shape[2]
+    if seq_len < bk:  # a cache shorter than one block: pad it (cheap: < bk tokens)
+      pad = [(0, 0), (0, 0), (0, bk - seq_len), (0, 0)]
+      k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+      quant_arrays = tuple(a if a is None or a.shape[2] == 1 else jnp.pad(a, pad) for a in quant_arrays)
+    rows = k.shape[2]
+  rows_p = r if interpret else -(-r // _MIN_DOT) * _MIN_DOT
+  if rows_p != r:
+    q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, rows_p - r), (0, 0)])
+  num_blocks = pl.cdiv(max(seq_len, 1), bk)
+
+  operands = [ends.astype(jnp.int32)]
+  in_specs = [pl.BlockSpec((1,), lambda i, h, j: (i,))]
+  if paged:
+    operands.append(block_tables.astype(jnp.int32))
+    in_specs.append(pl.BlockSpec((None, table_len), lambda i, h, j: (i, 0)))
+    cache_spec = lambda d: pl.BlockSpec((None, rows, d), lambda i, h, j: (h, 0, 0))
+  else:
+    cache_spec = lambda d: pl.BlockSpec((None, None, rows, d), lambda i, h, j: (i, h, 0, 0))
+  operands += [q_rows, k, v]
+  in_specs += [pl.BlockSpec((None, None, rows_p, dk), lambda i, h, j: (i, h, 0, 0)),
+               cache_spec(dk), cache_spec(dv)]
+  quant_dims = []
+  for a in quant_arrays:
+    if a is None:
+      quant_dims.append(None)
+      continue
+    operand, spec, dims = _quant_operand(a, paged)
+    operands.append(operand)
+    in_specs.append(spec)
+    quant_dims.append(dims)
+  plan = _Plan(paged=paged, block=bk, seq_len=seq_len, rows=rows, page_size=page_size,
+               num_pages=num_pages, table_len=table_len,
+               k_pieces=blk.head_pieces(dk, k_tiles, pow2=True),
+               v_pieces=blk.head_pieces(dv, v_tiles, pow2=True), quant=tuple(quant_dims))
+  kernel = functools.partial(
+      _kernel, plan=plan, softmax_scale=softmax_scale,
+      blocks_per_split=pl.cdiv(num_blocks, num_splits), num_rows=r, group=r // num_tokens,
+      num_tokens=num_tokens)
+  compiler_params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+    compiler_params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+  o, lse = pl.pallas_call(
+      kernel,
+      grid=(b, hkv, num_splits),
+      in_specs=in_specs,
+      out_specs=[
+          pl.BlockSpec((None, None, None, rows_p, dv), lambda i, h, j: (i, h, j, 0, 0)),
+          pl.BlockSpec((None, None, None, rows_p), lambda i, h, j: (i, h, j, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((b, hkv, num_splits, rows_p, dv), jnp.float32),
+          jax.ShapeDtypeStruct((b, hkv, num_splits, rows_p), jnp.float32),
+      ],
+      compiler_params=compiler_params,
+      interpret=interpret,
+      name="fdecode_split_kv_triton",
+  )(*operands)
+  return o[:, :, :, :r], lse[:, :, :, :r]
