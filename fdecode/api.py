@@ -69,14 +69,17 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     impl: ``"pallas"``, ``"xla"``, ``"reference"`` or ``None``. ``None`` chooses by the
       platform being lowered for: XLA on CPU, the Triton kernel on GPU, the Mosaic
       kernel on TPU. On GPU it falls back to XLA only where Triton's ``tl.dot`` cannot
-      tile: a head dim, or an 8-bit scale tile, that is not a multiple of 16.
+      tile: a head dim, or an 8-bit scale tile, that is not a multiple of 16 (then
+      ``impl="pallas"`` raises ValueError when traced on a GPU host, and a cross-platform
+      export from another host embeds the XLA path for CUDA).
     interpret: with ``impl="pallas"``: ``None`` / ``False`` compile the kernel for the
       lowering platform (Triton on GPU, Mosaic on TPU; CPU has only the interpreter and
       runs the Triton kernel interpreted); ``True`` runs the Triton kernel in Pallas'
       interpreter anywhere; a ``jax.experimental.pallas.tpu.InterpretParams`` runs the
       Mosaic (TPU) kernel under the TPU-semantics interpreter (simulated VMEM / SMEM,
       DMAs, semaphores, optional race detection), mirroring ``pallas_call``'s own
-      ``interpret=``.
+      ``interpret=``. Under ``pltpu.force_tpu_interpret_mode(params)``, ``None`` means
+      ``params``.
     return_lse: also return the log-sum-exp of the scores.
 
   Dtypes: the matmuls read q's dtype promoted with every float cache's dtype (8-bit
@@ -112,6 +115,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   if isinstance(interpret, pltpu.InterpretParams) and impl != "pallas":
     raise ValueError(f"flash_decode: interpret=InterpretParams(...) runs the TPU Pallas kernel: "
                      f"pass impl='pallas' (got impl={impl!r})")
+  if impl == "pallas" and interpret is None:
+    interpret = _forced_tpu_interpret()
   cfg = config_lib.Config(num_splits=num_splits, block_k=block_k)
   scale = _static_scale(softmax_scale, q.shape[-1])
   check_concrete_lengths(lengths, None if kv_offset is not None else _seq_capacity(k, block_tables))
@@ -139,6 +144,14 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   if single_token:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out
+
+
+def _forced_tpu_interpret():
+  """The InterpretParams of an enclosing ``pltpu.force_tpu_interpret_mode(...)``, else None:
+  under it, ``impl="pallas"`` runs the TPU kernel interpreted, as the context promises."""
+  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+  flag = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
+  return None if flag is None else flag.value
 
 
 def compute_dtype(q_dtype, k_dtype, v_dtype):
@@ -185,14 +198,19 @@ def _decode(q, k, v, ends, cache, *, impl, softmax_scale, cfg, interpret):
     o, lse = mosaic(interpret)
   elif impl == "pallas" and interpret:
     o, lse = triton("cpu", True)
-  elif impl == "pallas":  # compiled for the lowering platform; CPU has only the interpreter
-    o, lse = lax.platform_dependent(
-        cpu=lambda: triton("cpu", True), cuda=lambda: triton("gpu", False),
-        rocm=lambda: triton("gpu", False), tpu=lambda: mosaic(False))
-  else:  # impl=None: XLA on CPU, Triton on GPU, Mosaic on TPU (XLA for shapes they cannot take)
-    gpu = (lambda: triton("gpu", False)) if triton_supports(q_rows, k, v, cache) else (lambda: xla("gpu"))
-    o, lse = lax.platform_dependent(cpu=lambda: xla("cpu"), cuda=gpu, rocm=gpu,
-                                    tpu=lambda: mosaic(False))
+  else:
+    # platform_dependent traces every branch and lowers only the target's. A shape Triton
+    # cannot tile gets the XLA path on GPU, except that impl="pallas" traced on a GPU host
+    # raises (triton_partials names the shape) rather than silently not using Pallas.
+    if triton_supports(q_rows, k, v, cache) or (impl == "pallas" and jax.default_backend() == "gpu"):
+      gpu = lambda: triton("gpu", False)
+    else:
+      gpu = lambda: xla("gpu")
+    if impl == "pallas":  # compiled for the lowering platform; CPU has only the interpreter
+      cpu = lambda: triton("cpu", True)
+    else:  # impl=None: XLA on CPU, Triton on GPU, Mosaic on TPU
+      cpu = lambda: xla("cpu")
+    o, lse = lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, tpu=lambda: mosaic(False))
   dv = o.shape[-1]
   out = o.reshape(b, hkv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, dv)
   lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)

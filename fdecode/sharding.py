@@ -135,13 +135,15 @@ def _build(mesh, plan, single_token, static_kwargs, array_specs):
   out_specs = (q_spec, P(*q_spec[:-1]))
   body = functools.partial(_local_decode, plan=plan, single_token=single_token,
                            kwargs=static_kwargs)
-  # The Pallas kernel's pallas_call declares its outputs without a varying-axes type, which
-  # check_vma=True rejects; only for it is the check off. The collective in
-  # combine_across is invariant by construction either way (all_gather_invariant).
-  impl = dict(static_kwargs).get("impl")
-  pallas = impl == "pallas" or (impl is None and jax.default_backend() != "cpu")
+  # Compiled kernels type their outputs' varying axes (check_vma=True holds), but Pallas'
+  # interpreters allocate unvarying buffers inside the kernel, which the check rejects:
+  # only for an interpreted Pallas kernel is it off. combine_across's collective is
+  # invariant by construction either way (all_gather_invariant).
+  opts = dict(static_kwargs)
+  interpreted = opts.get("impl") == "pallas" and (
+      jax.default_backend() == "cpu" or opts.get("interpret") not in (None, False))
   mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=not pallas)
+                         check_vma=not interpreted)
 
   @jax.jit
   def step(q, k, v, lengths, arrays):

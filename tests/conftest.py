@@ -5,10 +5,14 @@ import os
 # Eight simulated CPU devices for the multi-device tests; set before JAX initializes.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # the race detector's state
+from jax.experimental.pallas import tpu as pltpu
 
 # Tolerances keyed by the dtype of q/k/v. bfloat16 keeps 8 mantissa bits and the
 # kernels feed softmax weights to the PV matmul in the cache dtype.
@@ -46,6 +50,31 @@ def assert_close(actual, expected, *, atol, rtol, what="output"):
   np.testing.assert_allclose(a[fin], e[fin], atol=atol, rtol=rtol, err_msg=what)
 
 
-@pytest.fixture(params=["xla", "pallas"])
+# The TPU kernel's interpreter: simulated HBM / VMEM / SMEM, DMAs and semaphores, race
+# detection, and NaN in every uninitialized buffer (so a read of unwritten memory shows).
+TPU_INTERPRET = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+
+
+@contextlib.contextmanager
+def tpu_interpret():
+  """Runs ``impl="pallas"`` calls as the TPU (Mosaic) kernel under `TPU_INTERPRET`, and
+  fails if the interpreter saw a data race."""
+  try:
+    with pltpu.force_tpu_interpret_mode(TPU_INTERPRET):
+      yield
+  except BaseException:
+    pltpu.reset_tpu_interpret_mode_state()
+    raise
+  races = interpret_pallas_call.races
+  assert races is None or not races.races_found, "TPU interpreter detected a data race"
+
+
+@pytest.fixture(params=["xla", "pallas", "mosaic"])
 def impl(request):
-  return request.param
+  """The impl a test runs: the XLA path, the Triton kernel (Pallas interpreter) or the
+  Mosaic TPU kernel (TPU interpreter, ``impl="pallas"`` under `tpu_interpret`)."""
+  if request.param != "mosaic":
+    yield request.param
+    return
+  with tpu_interpret():
+    yield "pallas"

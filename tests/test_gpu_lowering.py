@@ -1,68 +1,97 @@
-"""The Pallas kernel lowers for GPU (Triton), checked from CPU with cross-platform export.
+"""The Triton kernel lowers for GPU, checked from CPU with cross-platform export.
 
-No GPU is needed: `jax.export` runs Pallas' Triton lowering and embeds the Triton IR in
-a custom call; we only skip the serialization-compatibility check for that call. This
-catches kernel code that works in interpret mode but has no Triton lowering. It does not
-compile the IR to PTX or run it (that needs a GPU: see benchmarks/RESULTS.md).
+No GPU is needed: `jax.export` runs Pallas' Triton lowering (which rejects tensors
+whose sizes are not powers of two) and embeds the Triton IR in a custom call; we only
+skip the serialization-compatibility check for that call. It does not compile the IR to
+PTX or run it (scripts/gpu_check does, on a GPU).
 """
-
-import functools
 
 import jax
 import jax.numpy as jnp
 import pytest
 from jax import export
 
-from fdecode.kernels.pallas import pallas_partials
-from fdecode.quant import canonical_scale
+import fdecode
+from fdecode.kernels.triton import triton_partials
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
-
-
-def _lower_for_cuda(fn, *args):
-  exp = export.export(jax.jit(fn), platforms=["cuda"],
-                      disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
-  return exp.mlir_module()
+HEAD_DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (576, 512)]
 
 
 def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("s,num_splits", [(256, 2), (300, 3)])  # 300: a tail block, not a split multiple
-def test_contiguous_kernel_lowers_to_triton(dtype, s, num_splits):
-  b, hkv, r, d = 2, 2, 4, 64
-  fn = functools.partial(pallas_partials, num_tokens=1, softmax_scale=0.125, num_splits=num_splits,
-                         block_k=64, interpret=False, backend="gpu")
-  text = _lower_for_cuda(fn, _sds((b, hkv, r, d), dtype), _sds((b, hkv, s, d), dtype),
-                         _sds((b, hkv, s, d), dtype), _sds((b,), jnp.int32))
+def lower_for_cuda(fn, *args):
+  exp = export.export(jax.jit(fn), platforms=["cuda"],
+                      disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+  return exp.mlir_module()
+
+
+def _problem(*, dk, dv, dtype, page_size=None, t=1, g=4, s=300, tiles=1):
+  """Abstract operands of a flash_decode call: contiguous, or paged with ``page_size``."""
+  b, hkv = 2, 2
+  q_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+  q = _sds((b, t, hkv * g, dk), q_dtype)
+  opts = {}
+  if page_size is None:
+    k, v = _sds((b, hkv, s, dk), dtype), _sds((b, hkv, s, dv), dtype)
+    scale = lambda d: _sds((b, hkv, s, tiles), jnp.float32)
+  else:
+    pages, n = 64, -(-s // page_size)
+    k, v = _sds((hkv, pages, page_size, dk), dtype), _sds((hkv, pages, page_size, dv), dtype)
+    opts["block_tables"] = _sds((b, n), jnp.int32)
+    scale = lambda d: _sds((hkv, pages, page_size, tiles), jnp.float32)
+  if dtype in (jnp.int8, jnp.float8_e4m3fn):
+    opts.update(k_scale=scale(dk), v_scale=scale(dv))
+  return (q, k, v, _sds((b,), jnp.int32)), opts
+
+
+def _decode_fn(**static):
+  return lambda q, k, v, n, opts: fdecode.flash_decode(q, k, v, n, **opts, **static)
+
+
+@pytest.mark.parametrize("dk,dv", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_every_head_dim_lowers_to_triton(dk, dv, dtype, page_size):
+  args, opts = _problem(dk=dk, dv=dv, dtype=dtype, page_size=page_size, t=2)
+  text = lower_for_cuda(_decode_fn(impl="pallas", num_splits=3), *args, opts)
   assert TRITON_CALL in text
 
 
-def test_paged_int8_kernel_lowers_to_triton():
-  b, hkv, r, d, pages, ps, n = 2, 2, 8, 64, 16, 16, 8
-  scale = canonical_scale(jnp.ones((hkv, pages, ps, 1)), (hkv, pages, ps, d), "k_scale")
-
-  def fn(q, kp, vp, lengths, tables, ks):
-    return pallas_partials(q, kp, vp, lengths, num_tokens=2, softmax_scale=0.125, num_splits=2,
-                           block_k=64, interpret=False, backend="gpu", block_tables=tables,
-                           k_scale=ks, v_scale=ks)
-
-  text = _lower_for_cuda(fn, _sds((b, hkv, r, d), jnp.bfloat16), _sds((hkv, pages, ps, d), jnp.int8),
-                         _sds((hkv, pages, ps, d), jnp.int8), _sds((b,), jnp.int32),
-                         _sds((b, n), jnp.int32), _sds(scale.shape, jnp.float32))
-  assert TRITON_CALL in text
+@pytest.mark.parametrize("page_size", [1, 12, 64])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float8_e4m3fn])
+def test_any_page_size_lowers_to_triton(page_size, dtype):
+  args, opts = _problem(dk=128, dv=128, dtype=dtype, page_size=page_size, g=8)
+  assert TRITON_CALL in lower_for_cuda(_decode_fn(impl="pallas"), *args, opts)
 
 
-@pytest.mark.parametrize("dk,page_size", [(80, None), (64, 12)])
-def test_non_power_of_two_tiles_get_a_clear_error(dk, page_size):
-  """Triton needs power-of-two tiles: head dim 80 or page size 12 are refused up front
-  with a message naming them (flash_decode's impl=None picks the XLA path for them)."""
-  paged = page_size is not None
-  kv = _sds((2, 8, page_size, dk), jnp.float32) if paged else _sds((2, 2, 256, dk), jnp.float32)
-  extra = dict(block_tables=jnp.zeros((2, 4), jnp.int32)) if paged else {}
-  fn = functools.partial(pallas_partials, num_tokens=1, softmax_scale=0.1, num_splits=2, block_k=64,
-                         interpret=False, backend="gpu", **extra)
-  with pytest.raises(ValueError, match=rf"power-of-two head dims and block size.*Dk={dk}"):
-    _lower_for_cuda(fn, _sds((2, 2, 4, dk), jnp.float32), kv, kv, _sds((2,), jnp.int32))
+def test_tile_wise_scales_lower_to_triton():
+  """FlashMLA-style 1x128 tiles over a 512 head dim: a piece per tile."""
+  args, opts = _problem(dk=512, dv=512, dtype=jnp.float8_e4m3fn, tiles=4)
+  assert TRITON_CALL in lower_for_cuda(_decode_fn(impl="pallas"), *args, opts)
+
+
+def test_default_impl_picks_triton_for_cuda():
+  """impl=None dispatches by the lowering platform: exporting for CUDA from a CPU host
+  embeds the Triton kernel (not the CPU path), also for head dim 80."""
+  args, opts = _problem(dk=80, dv=80, dtype=jnp.bfloat16)
+  assert TRITON_CALL in lower_for_cuda(_decode_fn(), *args, opts)
+
+
+@pytest.mark.parametrize("dk,tiles", [(40, 1), (128, 16)])  # pieces of 8 columns
+def test_untileable_shapes(dk, tiles):
+  """Triton's dot needs pieces >= 16 wide: the compiled kernel names the shape, and a
+  CUDA export from this host lowers the XLA path instead (no Triton call)."""
+  dtype = jnp.int8 if tiles > 1 else jnp.bfloat16
+  args, opts = _problem(dk=dk, dv=dk, dtype=dtype, tiles=tiles)
+  q, k, v, n = args
+  b, t, hq, _ = q.shape
+  q_rows = _sds((b, k.shape[1], t * hq // k.shape[1], dk), q.dtype)
+  kernel = lambda q, k, v, n, opts: triton_partials(q, n, k, v, num_tokens=t, softmax_scale=0.1,
+                                                    num_splits=2, block_k=64, interpret=False, **opts)
+  with pytest.raises(ValueError, match=rf"Dk={dk} with {tiles} scale tile\(s\).*multiples of 16"):
+    lower_for_cuda(kernel, q_rows, k, v, n, opts)  # contiguous scales are already rank 4
+  for impl in (None, "pallas"):
+    assert TRITON_CALL not in lower_for_cuda(_decode_fn(impl=impl), *args, opts)

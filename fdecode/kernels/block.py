@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -152,3 +153,13 @@ def block_masks(row_limit, load_start, start, live_end, bk: int):
   pos_col = load_start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
   live = (pos_col >= start) & (pos_col < live_end)
   return visible, live
+
+
+def out_struct(shape, dtype, *inputs):
+  """A pallas_call output type that varies over every mesh axis any of ``inputs`` varies
+  over, so kernels run inside ``jax.shard_map(..., check_vma=True)``."""
+  mats = [jax.typeof(x).manual_axis_type for x in inputs]
+  varying = frozenset().union(*(m.varying for m in mats))
+  if not varying:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))

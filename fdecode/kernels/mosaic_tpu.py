@@ -203,9 +203,10 @@ def _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse):
   lse_ref[...] = lse
 
 
-def _contiguous_call(q_rows, ends, k, v, quant, p: Plan, *, num_tokens, softmax_scale,
+def _contiguous_call(q_rows, ends, k, v, quant, p: Plan, *, num_rows, num_tokens, softmax_scale,
                      num_splits, interpret):
-  b, hkv, r, dk = q_rows.shape
+  b, hkv, _, dk = q_rows.shape
+  r = num_rows
   seq_len, dv = k.shape[2], v.shape[-1]
   bk = p.block
   num_blocks = pl.cdiv(max(seq_len, 1), bk)
@@ -240,7 +241,8 @@ def _contiguous_call(q_rows, ends, k, v, quant, p: Plan, *, num_tokens, softmax_
       + [pltpu.VMEM((p.rows_p, vp.width), jnp.float32) for vp in v_pieces],
   )
   return pl.pallas_call(
-      kernel, grid_spec=grid_spec, out_shape=_out_shape(b, hkv, num_splits, p.rows_p, dv),
+      kernel, grid_spec=grid_spec,
+      out_shape=_out_shape(b, hkv, num_splits, p.rows_p, dv, ends, q_rows, k, v, *present),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
           vmem_limit_bytes=p.vmem_limit_bytes),
@@ -253,9 +255,9 @@ def _out_specs(rows_p, dv, index_map):
           pl.BlockSpec((None, None, None, rows_p, 1), index_map)]
 
 
-def _out_shape(b, hkv, n, rows_p, dv):
-  return [jax.ShapeDtypeStruct((b, hkv, n, rows_p, dv), jnp.float32),
-          jax.ShapeDtypeStruct((b, hkv, n, rows_p, 1), jnp.float32)]
+def _out_shape(b, hkv, n, rows_p, dv, *inputs):
+  return [blk.out_struct((b, hkv, n, rows_p, dv), jnp.float32, *inputs),
+          blk.out_struct((b, hkv, n, rows_p, 1), jnp.float32, *inputs)]
 
 
 # --------------------------------------------------------------------------------------
@@ -340,9 +342,10 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, streamed, softmax_scale, s
   _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse)
 
 
-def _paged_call(q_rows, ends, k, v, tables, quant, p: Plan, *, num_tokens, softmax_scale,
+def _paged_call(q_rows, ends, k, v, tables, quant, p: Plan, *, num_rows, num_tokens, softmax_scale,
                 num_splits, interpret):
-  b, hkv, r, dk = q_rows.shape
+  b, hkv, _, dk = q_rows.shape
+  r = num_rows
   _, num_pages, page_size, _ = k.shape
   dv = v.shape[-1]
   table_len = tables.shape[1]
@@ -386,7 +389,8 @@ def _paged_call(q_rows, ends, k, v, tables, quant, p: Plan, *, num_tokens, softm
       scratch_shapes=bufs + [pltpu.SemaphoreType.DMA((max(len(bufs), 1), 2))],
   )
   return pl.pallas_call(
-      kernel, grid_spec=grid_spec, out_shape=_out_shape(b, hkv, num_splits, p.rows_p, dv),
+      kernel, grid_spec=grid_spec,
+      out_shape=_out_shape(b, hkv, num_splits, p.rows_p, dv, ends, tables, q_rows, *present),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel"),
           vmem_limit_bytes=p.vmem_limit_bytes),
@@ -427,8 +431,8 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
            k_offset=k_offset, v_offset=v_offset, block_k=block_k)
   if p.rows_p != r:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, p.rows_p - r), (0, 0)])
-  kw = dict(num_tokens=num_tokens, softmax_scale=softmax_scale, num_splits=num_splits,
-            interpret=interpret)
+  kw = dict(num_rows=r, num_tokens=num_tokens, softmax_scale=softmax_scale,
+            num_splits=num_splits, interpret=interpret)
   ends = ends.astype(jnp.int32)
   if block_tables is None:
     o, lse = _contiguous_call(q_rows, ends, k, v, quant, p, **kw)

@@ -243,8 +243,8 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
           pl.BlockSpec((None, None, None, rows_p), lambda i, h, j: (i, h, j, 0)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((b, hkv, num_splits, rows_p, dv), jnp.float32),
-          jax.ShapeDtypeStruct((b, hkv, num_splits, rows_p), jnp.float32),
+          blk.out_struct((b, hkv, num_splits, rows_p, dv), jnp.float32, *operands),
+          blk.out_struct((b, hkv, num_splits, rows_p), jnp.float32, *operands),
       ],
       compiler_params=compiler_params,
       interpret=interpret,

@@ -1,0 +1,154 @@
+"""The Mosaic (TPU) kernel, proven from CPU.
+
+* Lowering: `jax.export` for ``tpu`` under an abstract TPU mesh runs Pallas' Mosaic
+  lowering with the chip's block-shape rules (last two block dims divisible by (8, 128)
+  or whole, SMEM scalars...), across the feature matrix.
+* Semantics: the TPU interpreter (simulated HBM / VMEM / SMEM, DMAs, semaphores, race
+  detection, NaN-filled uninitialized memory) against the float32 reference. The shared
+  ``impl`` fixture runs every kernel test of the suite this way too ("mosaic").
+* VMEM: the footprint `mosaic_tpu.plan` computes (and sets ``vmem_limit_bytes`` from)
+  does not grow with S.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import fdecode
+from fdecode.kernels import mosaic_tpu
+from fdecode.quant import quantize
+from conftest import TPU_INTERPRET, assert_close, make_problem, tol, tpu_interpret
+
+TPU_CALL = "tpu_custom_call"
+HEAD_DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (576, 512)]
+QUANT = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+MiB = 1024 * 1024
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def lower_for_tpu(fn, *args, chip="TPU v5 lite"):
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
+      device_kind=chip, num_cores=1, platform="tpu"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    return export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
+
+
+def _abstract_problem(*, dk, dv, dtype, page_size=None, t=1, g=4, s=1000, tiles=1):
+  b, hkv = 2, 2
+  q = _sds((b, t, hkv * g, dk), jnp.float32 if dtype == jnp.float32 else jnp.bfloat16)
+  opts = {}
+  if page_size is None:
+    k, v = _sds((b, hkv, s, dk), dtype), _sds((b, hkv, s, dv), dtype)
+    scale = _sds((b, hkv, s, tiles), jnp.float32)
+  else:
+    pages = 2 * -(-s // page_size)
+    k, v = _sds((hkv, pages, page_size, dk), dtype), _sds((hkv, pages, page_size, dv), dtype)
+    opts["block_tables"] = _sds((b, -(-s // page_size)), jnp.int32)
+    scale = _sds((hkv, pages, page_size, tiles), jnp.float32)
+  if dtype in QUANT:
+    opts.update(k_scale=scale, v_scale=scale)
+  return (q, k, v, _sds((b,), jnp.int32)), opts
+
+
+def _decode_fn(**static):
+  return lambda q, k, v, n, opts: fdecode.flash_decode(q, k, v, n, **opts, **static)
+
+
+@pytest.mark.parametrize("dk,dv", HEAD_DIMS)
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_every_head_dim_lowers_for_tpu(dk, dv, page_size):
+  dtype = jnp.bfloat16 if dk % 128 else jnp.int8  # both kinds over the head dims
+  args, opts = _abstract_problem(dk=dk, dv=dv, dtype=dtype, page_size=page_size, t=2)
+  assert TPU_CALL in lower_for_tpu(_decode_fn(impl="pallas"), *args, opts)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, *QUANT])
+@pytest.mark.parametrize("page_size,g,t", [(None, 1, 1), (None, 16, 3), (1, 8, 1), (16, 2, 4)])
+def test_feature_matrix_lowers_for_tpu(dtype, page_size, g, t):
+  """S = 1000 is no block multiple; G 1..16; T up to 4; page size 1 and 16."""
+  args, opts = _abstract_problem(dk=128, dv=128, dtype=dtype, page_size=page_size, g=g, t=t)
+  assert TPU_CALL in lower_for_tpu(_decode_fn(impl="pallas", num_splits=2), *args, opts)
+
+
+@pytest.mark.parametrize("chip", ["TPU v5 lite", "TPU v6 lite"])
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_public_api_exports_the_tpu_kernel(chip, page_size):
+  """impl=None dispatches by the lowering platform: exporting for TPU from a CPU host
+  embeds the Mosaic kernel, not the CPU path."""
+  args, opts = _abstract_problem(dk=128, dv=128, dtype=jnp.bfloat16, page_size=page_size)
+  assert TPU_CALL in lower_for_tpu(_decode_fn(), *args, opts, chip=chip)
+
+
+def test_tile_wise_scales_lower_for_tpu():
+  args, opts = _abstract_problem(dk=512, dv=512, dtype=jnp.float8_e4m3fn, tiles=4, page_size=32)
+  assert TPU_CALL in lower_for_tpu(_decode_fn(impl="pallas"), *args, opts)
+
+
+# -------------------------------------------------------------------------------------
+# VMEM
+
+
+@pytest.mark.parametrize("dk,dv", [(128, 128), (256, 256), (576, 512)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+@pytest.mark.parametrize("page_size", [None, 1, 16])
+def test_vmem_footprint_is_bounded_independently_of_s(dk, dv, dtype, page_size):
+  plans = []
+  for s in (128 * 1024, 1024 * 1024):
+    args, opts = _abstract_problem(dk=dk, dv=dv, dtype=dtype, page_size=page_size, t=2, g=8, s=s)
+    q, k, v, _ = args
+    q_rows = _sds((2, 2, 16, dk), q.dtype)
+    plans.append(mosaic_tpu.plan(q_rows, k, v, **opts))
+  small, large = plans
+  assert small == large  # nothing depends on S
+  assert large.vmem_bytes < 16 * MiB, large
+  assert large.vmem_bytes <= large.vmem_limit_bytes <= large.vmem_bytes + 5 * MiB
+  per_step = large.block * (dk + dv) * jnp.dtype(dtype).itemsize
+  assert per_step >= 64 * 1024 or page_size == 1, f"a step moves only {per_step} bytes"
+
+
+def test_vmem_limit_reaches_the_kernel():
+  args, opts = _abstract_problem(dk=128, dv=128, dtype=jnp.bfloat16, s=1024 * 1024)
+  q, k, v, _ = args
+  p = mosaic_tpu.plan(_sds((2, 2, 4, 128), q.dtype), k, v)
+  text = lower_for_tpu(_decode_fn(impl="pallas"), *args, opts)
+  assert str(p.vmem_limit_bytes) in text
+
+
+# -------------------------------------------------------------------------------------
+# Semantics under the TPU interpreter (beyond the shared impl-parametrized tests)
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("page_size", [None, 3])
+def test_8bit_caches_under_tpu_interpreter(dtype, page_size):
+  """8-bit values with per-token scales and (int8) offsets, tail not a block multiple."""
+  q, k, v = make_problem(11, b=3, t=2, hq=8, hkv=2, s=45, dk=64, dv=32, dtype=jnp.bfloat16)
+  kq, ks = quantize(k, dtype)
+  vq, vs = quantize(v, dtype)
+  opts = dict(k_scale=ks, v_scale=vs)
+  if dtype == jnp.int8:
+    opts.update(k_offset=jnp.full_like(ks, 0.5), v_offset=jnp.full_like(vs, -0.25))
+  if page_size is not None:  # the same cache as a pool of 15 pages of 3 tokens per head
+    to_pool = lambda x: x.reshape(3, 2, 15, 3, x.shape[-1]).transpose(1, 0, 2, 3, 4).reshape(2, 45, 3, x.shape[-1])
+    kq, vq = to_pool(kq), to_pool(vq)
+    opts = {n: to_pool(a) for n, a in opts.items()}
+    opts["block_tables"] = np.arange(45, dtype=np.int32).reshape(3, 15)
+  lengths = jnp.array([45, 1, 33])
+  ref = fdecode.flash_decode(q, kq, vq, lengths, impl="reference", **opts)
+  out = fdecode.flash_decode(q, kq, vq, lengths, impl="pallas", interpret=TPU_INTERPRET,
+                             block_k=32, num_splits=3, **opts)
+  assert_close(out, ref, atol=tol(jnp.bfloat16)["atol"], rtol=tol(jnp.bfloat16)["rtol"])
+
+
+def test_interpret_params_argument_equals_forced_mode():
+  q, k, v = make_problem(12, b=2, t=None, hq=4, hkv=2, s=70, dk=32)
+  lengths = jnp.array([70, 40])
+  direct = fdecode.flash_decode(q, k, v, lengths, impl="pallas", interpret=TPU_INTERPRET, block_k=16)
+  with tpu_interpret():
+    forced = fdecode.flash_decode(q, k, v, lengths, impl="pallas", block_k=16)
+  np.testing.assert_array_equal(np.asarray(direct), np.asarray(forced))
