@@ -1,5 +1,6 @@
 """The benchmark runs end to end (tiny shapes) and reports every contender with a number."""
 
+import json
 import pathlib
 import re
 import subprocess
@@ -16,3 +17,25 @@ def test_bench_decode_quick_reports_every_contender():
               "int8 per-token (xla)"):
     assert re.search(rf"\| {re.escape(row)} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", out), (row, out)
   assert re.search(r"paged / contiguous time: [\d.]+x; int8 speed-up over f32 cache: [\d.]+x", out)
+
+
+def test_bench_gpu_builds_its_tables_on_cpu(tmp_path):
+  """bench_gpu's whole table-building path with tiny shapes on CPU: fdecode (interpret mode),
+  floors and the XLA peer get numbers; the GPU-only peers read "n/a (needs GPU)"."""
+  subprocess.run([sys.executable, "benchmarks/bench_gpu.py", "--out", str(tmp_path), "--batches", "1",
+                  "--seqs", "128", "--heads", "4,2", "--head-dim", "64", "--iters", "1", "--inner", "1"],
+                 cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+  md = (tmp_path / "bench_gpu.md").read_text()
+  number = r"[\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+"
+  for fmt, row in [("contiguous", "floor: read K, V (bf16)"), ("contiguous", "fdecode pallas"),
+                   ("token-major", "dot_product_attention (xla)"), ("paged16", "fdecode pallas, paged (page 16)"),
+                   ("paged64", "fdecode pallas, paged (page 64)"), ("int8", "floor: read K, V, scales (int8)"),
+                   ("int8", "fdecode pallas, int8 cache"), ("fp8", "fdecode pallas, fp8 cache")]:
+    assert re.search(rf"\| {fmt} \| {re.escape(row)} \| {number} \|", md), (row, md)
+  for row in ("jax pallas gqa kernel (head-major)", "dot_product_attention (cudnn)",
+              "jax pallas gqa (public API, swaps inside)"):
+    assert re.search(rf"\| {re.escape(row)} \| n/a \| n/a \| n/a \| n/a \| n/a \(needs GPU\) \|", md), (row, md)
+  assert "## Targets (recorded, not asserted)" in md
+  assert re.search(r"\| paged within 1\.1x of contiguous \| worst [\d.]+ \(B=1 S=128\) \| n/a \(not on GPU\) \|", md)
+  rows = json.loads((tmp_path / "bench_gpu.json").read_text())["rows"]
+  assert len(rows) == 12 and all(r["b"] == 1 and r["s"] == 128 for r in rows)

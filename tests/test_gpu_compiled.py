@@ -1,0 +1,228 @@
+"""The Pallas kernel compiled for GPU (``impl="pallas", interpret=False``) against the
+float32 reference. Skipped unless ``jax.default_backend() == "gpu"``; `scripts/gpu_check`
+runs it on a CUDA machine.
+
+Covers what the CPU suite can only run in interpret mode: head dims Dk=Dv in
+{64, 80, 96, 112, 128, 192, 256} and Dk=576/Dv=512 (MLA), contiguous and paged caches
+(page sizes 1, 12, 16, 64), bf16 and f32, int8 and float8_e4m3fn caches, T in {1, 3},
+GQA ratios 1, 4, 8, lengths 0, 1, block-1, block+1 and a capacity that is not a block
+multiple, more splits than blocks, and dead slots (past a length) holding inf/NaN.
+
+Tolerances: the f32 ones are looser than the CPU suite's because Triton's f32 dots may
+run in TF32 (10-bit mantissa); bf16 keeps the CPU suite's.
+"""
+
+import jax
+import pytest
+
+if jax.default_backend() != "gpu":
+  pytest.skip(f"needs a GPU: jax.default_backend() is {jax.default_backend()!r} "
+              "(run scripts/gpu_check on a CUDA machine)", allow_module_level=True)
+
+import jax.numpy as jnp
+import numpy as np
+
+import fdecode
+from fdecode.quant import dequantize, quantize
+from fdecode.reference import reference_decode
+from conftest import assert_close, make_problem, tol
+
+GPU_TOLERANCES = {
+    jnp.float32: dict(atol=5e-3, rtol=5e-3, lse=5e-3),  # TF32 dots
+    jnp.bfloat16: tol(jnp.bfloat16),
+    # 8-bit cache, bf16 queries: the kernel may round the dequantized block to bf16
+    # before the dot; the reference keeps it in f32 (Dk=576: lse off by ~5e-3).
+    "8bit": dict(atol=2.5e-2, rtol=2.5e-2, lse=1e-2),
+}
+
+BLOCK = 32                         # block_k passed explicitly, so "block-1" means something
+S_TAIL = 3 * BLOCK + 5             # capacity that is not a block multiple
+LENGTHS = [0, 1, BLOCK - 1, BLOCK + 1, S_TAIL]
+DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (576, 512)]
+DIM_IDS = [f"dk{dk}" if dk == dv else f"dk{dk}dv{dv}" for dk, dv in DIMS]
+GQA = [(4, 4), (8, 2), (8, 1)]     # (Hq, Hkv): ratios 1, 4, 8
+PAGE_SIZES = [1, 12, 16, 64]
+SPARE_PAGES = 3                    # pool pages no sequence owns: they hold `garbage`
+
+
+def gpu_tol(dtype):
+  return GPU_TOLERANCES[dtype if dtype == "8bit" else jnp.dtype(dtype).type]
+
+
+def garbage(dtype):
+  """What unowned pool pages hold: NaN for floats (fp8 included), -128 for int8."""
+  return jnp.nan if jnp.issubdtype(dtype, jnp.floating) else -128
+
+
+def to_pool(x, live, num_pages):
+  """Contiguous ``[B, Hkv, n*page_size, D]`` -> pool ``[Hkv, P, page_size, D]``: page
+  ``live[b, j]`` holds tokens ``[j*page_size, (j+1)*page_size)`` of sequence b, every
+  other page holds `garbage`. Works for scales too (last axis n_tiles)."""
+  b, hkv, s, d = x.shape
+  n = live.shape[1]
+  ps = s // n
+  chunks = x.reshape(b, hkv, n, ps, d).transpose(1, 0, 2, 3, 4).reshape(hkv, b * n, ps, d)
+  pool = jnp.full((hkv, num_pages, ps, d), garbage(x.dtype), x.dtype)
+  return pool.at[:, live.reshape(-1)].set(chunks)
+
+
+def paged_setup(seed, page_size, *, n=None, lengths=None):
+  """A shuffled paged layout: (capacity, lengths, block_tables, pool) where ``pool(x)``
+  turns a contiguous ``[B, Hkv, capacity, D]`` array into its pool.
+
+  Default lengths: 0, 1, page-1, page+1, full, and one ending inside a page. Table
+  entries past each length hold garbage: -1, an id far past the pool, or a spare page.
+  """
+  n = n or max(3, -(-100 // page_size))
+  capacity = n * page_size
+  if lengths is None:
+    lengths = [0, 1, max(page_size - 1, 0), page_size + 1, capacity, capacity - page_size // 2 - 1]
+  b = len(lengths)
+  num_pages = b * n + SPARE_PAGES
+  perm = np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
+  live = perm[: b * n].reshape(b, n)
+  tables = live.copy()
+  for i, length in enumerate(lengths):
+    for j in range(-(-length // page_size), n):
+      tables[i, j] = [-1, 10 ** 6, perm[b * n]][j % 3]
+  return capacity, lengths, tables, lambda x: to_pool(x, live, num_pages)
+
+
+def compiled(q, k, v, lengths, **kw):
+  return fdecode.flash_decode(q, k, v, jnp.asarray(lengths, jnp.int32), impl="pallas",
+                              interpret=False, return_lse=True, **kw)
+
+
+def reference(q, k, v, lengths):
+  q4 = q if q.ndim == 4 else q[:, None]
+  out, lse = reference_decode(q4, k, v, jnp.asarray(lengths, jnp.int32))
+  return (out, lse) if q.ndim == 4 else (out[:, 0], lse[:, 0])
+
+
+def check(got, want, dtype):
+  (out, lse), (ref_out, ref_lse) = got, want
+  t = gpu_tol(dtype)
+  assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+  assert_close(out, ref_out, atol=t["atol"], rtol=t["rtol"], what="out")
+  assert_close(lse, ref_lse, atol=t["lse"], rtol=t["lse"], what="lse")
+
+
+@pytest.mark.parametrize("dk,dv", DIMS, ids=DIM_IDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("t", [None, 3], ids=["T1", "T3"])
+@pytest.mark.parametrize("hq,hkv", GQA, ids=["mha", "gqa4", "gqa8"])
+def test_contiguous(dk, dv, dtype, t, hq, hkv):
+  q, k, v = make_problem(0, b=len(LENGTHS), t=t, hq=hq, hkv=hkv, s=S_TAIL, dk=dk, dv=dv, dtype=dtype)
+  got = compiled(q, k, v, LENGTHS, block_k=BLOCK, num_splits=3)
+  check(got, reference(q, k, v, LENGTHS), dtype)
+  assert np.all(np.asarray(got[0][0]) == 0) and np.all(np.isneginf(np.asarray(got[1][0])))
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("dk,dv", DIMS, ids=DIM_IDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("t", [None, 3], ids=["T1", "T3"])
+def test_paged(page_size, dk, dv, dtype, t):
+  capacity, lengths, tables, pool = paged_setup(1, page_size)
+  q, k, v = make_problem(1, b=len(lengths), t=t, hq=8, hkv=2, s=capacity, dk=dk, dv=dv, dtype=dtype)
+  got = compiled(q, pool(k), pool(v), lengths, block_tables=tables, num_splits=3)
+  check(got, reference(q, k, v, lengths), dtype)
+
+
+@pytest.mark.parametrize("qdtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "fp8e4m3"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+@pytest.mark.parametrize("dk,dv", DIMS, ids=DIM_IDS)
+@pytest.mark.parametrize("t", [None, 3], ids=["T1", "T3"])
+def test_quantized(qdtype, layout, dk, dv, t):
+  """8-bit cache, per-token scales, bf16 queries: against the reference on the dequantized cache."""
+  if layout == "contiguous":
+    capacity, lengths = S_TAIL, LENGTHS
+  else:
+    capacity, lengths, tables, pool = paged_setup(2, 16)
+  q, k, v = make_problem(2, b=len(lengths), t=t, hq=8, hkv=2, s=capacity, dk=dk, dv=dv, dtype=jnp.bfloat16)
+  kq, ks = quantize(k, qdtype)
+  vq, vs = quantize(v, qdtype)
+  if layout == "contiguous":
+    got = compiled(q, kq, vq, lengths, k_scale=ks, v_scale=vs, block_k=BLOCK, num_splits=2)
+  else:
+    got = compiled(q, pool(kq), pool(vq), lengths, block_tables=tables, num_splits=2,
+                   k_scale=pool(ks), v_scale=pool(vs))
+  check(got, reference(q, dequantize(kq, ks), dequantize(vq, vs), lengths), "8bit")
+
+
+@pytest.mark.parametrize("num_splits", [1, 5, 64])  # 4 contiguous blocks / 7 pages: 5 and 64 exceed them
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+@pytest.mark.parametrize("dk,dv", [(64, 64), (80, 80), (576, 512)], ids=["dk64", "dk80", "dk576dv512"])
+def test_more_splits_than_blocks(num_splits, layout, dk, dv):
+  if layout == "contiguous":
+    capacity, lengths = S_TAIL, LENGTHS
+  else:
+    capacity, lengths, tables, pool = paged_setup(3, 16)
+  q, k, v = make_problem(3, b=len(lengths), t=2, hq=8, hkv=2, s=capacity, dk=dk, dv=dv, dtype=jnp.bfloat16)
+  if layout == "contiguous":
+    got = compiled(q, k, v, lengths, block_k=BLOCK, num_splits=num_splits)
+  else:
+    got = compiled(q, pool(k), pool(v), lengths, block_tables=tables, num_splits=num_splits)
+  check(got, reference(q, k, v, lengths), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+@pytest.mark.parametrize("dk,dv", DIMS, ids=DIM_IDS)
+def test_default_block_and_splits(layout, dk, dv):
+  """No block_k / num_splits: the defaults the GPU path picks, Llama-like heads, a longer cache."""
+  lengths = [1000, 1, 517, 0]
+  q, k, v = make_problem(4, b=4, t=None, hq=32, hkv=8, s=1008, dk=dk, dv=dv, dtype=jnp.bfloat16)
+  if layout == "contiguous":
+    got = compiled(q, k, v, lengths)
+  else:
+    _, _, tables, pool = paged_setup(4, 16, n=1008 // 16, lengths=lengths)
+    got = compiled(q, pool(k), pool(v), lengths, block_tables=tables)
+  check(got, reference(q, k, v, lengths), jnp.bfloat16)
+
+
+def poison(x, lengths, value):
+  """``x`` ``[B, Hkv, S, D]`` with the slots at positions >= lengths[b] set to ``value``."""
+  dead = jnp.arange(x.shape[2])[None, None, :, None] >= jnp.asarray(lengths)[:, None, None, None]
+  return jnp.where(dead, jnp.asarray(value, x.dtype), x)
+
+
+def dead_slot_cache(kind, k, v, lengths, value):
+  """(k, v, scales) of one cache kind; ``value`` None: clean, else the dead slots hold it.
+  int8 carries the poison in its per-token scales; fp8 (no inf) in its values, as NaN."""
+  if kind in ("bf16", "f32"):
+    return (k, v, {}) if value is None else (poison(k, lengths, value), poison(v, lengths, value), {})
+  (kq, ks), (vq, vs) = (quantize(x, jnp.int8 if kind == "int8" else jnp.float8_e4m3fn) for x in (k, v))
+  if value is not None and kind == "int8":
+    ks, vs = poison(ks, lengths, value), poison(vs, lengths, value)
+  elif value is not None:
+    kq, vq = poison(kq, lengths, value), poison(vq, lengths, value)
+  return kq, vq, dict(k_scale=ks, v_scale=vs)
+
+
+@pytest.mark.parametrize("value", [jnp.nan, jnp.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged12", "paged16"])
+@pytest.mark.parametrize("kind", ["bf16", "f32", "int8", "fp8"])
+def test_dead_slots_with_inf_nan_do_not_change_the_output(value, layout, kind):
+  """Slots past each length (the rest of the last block or page; recycled pages) hold
+  inf/NaN: the kernel must select them away, never multiply them by 0 (0 * inf = NaN),
+  so the output is bitwise the one with clean slots."""
+  dtype = jnp.float32 if kind == "f32" else jnp.bfloat16
+  if layout == "contiguous":
+    capacity, lengths = S_TAIL, [S_TAIL, 1, BLOCK - 1, BLOCK + 1, S_TAIL - 5, 0]
+  else:
+    capacity, lengths, tables, pool = paged_setup(5, int(layout[5:]))
+  q, k, v = make_problem(5, b=len(lengths), t=3, hq=8, hkv=2, s=capacity, dk=128, dtype=dtype)
+  results = {}
+  for name, fill in (("clean", None), ("poisoned", value)):
+    kk, vv, scales = dead_slot_cache(kind, k, v, lengths, fill)
+    if layout == "contiguous":
+      results[name] = compiled(q, kk, vv, lengths, block_k=BLOCK, num_splits=3, **scales)
+    else:
+      results[name] = compiled(q, pool(kk), pool(vv), lengths, block_tables=tables, num_splits=3,
+                               **{key: pool(s) for key, s in scales.items()})
+  kk, vv, scales = dead_slot_cache(kind, k, v, lengths, None)
+  if scales:
+    kk, vv = dequantize(kk, scales["k_scale"]), dequantize(vv, scales["v_scale"])
+  check(results["poisoned"], reference(q, kk, vv, lengths), "8bit" if scales else dtype)
+  for got, clean in zip(results["poisoned"], results["clean"]):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(clean, np.float32))
