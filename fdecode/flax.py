@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen
 from flax import nnx
 
@@ -204,6 +205,16 @@ def token_major_decode(q, k, v, mask, *, softmax_scale=None, num_splits=None,
 # DecodeAttention: a head-major cache with per-sequence lengths
 
 
+def _concrete(x):
+  """``x`` as numpy when its values are known here (not traced, readable on this host),
+  else None."""
+  if isinstance(x, jax.core.Tracer):
+    return None
+  if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+    return None
+  return np.asarray(x)
+
+
 def apply_rope(x, positions, *, theta: float = 10000.0):
   """Rotary position embedding, rotate-half convention (GPT-NeoX / Llama).
 
@@ -248,6 +259,16 @@ class DecodeAttention(nnx.Module):
     cached_key, cached_value: ``nnx.Cache`` ``[B, Hkv, S, D]`` head-major, or a page
       pool ``[Hkv, P, page_size, D]`` with ``block_tables`` ``[B, n]``, after `init_cache`.
     lengths: ``nnx.Cache`` int32 ``[B]``: valid tokens of each sequence.
+    overflowed: ``nnx.Cache`` bool ``[B]``: True for a sequence that a jitted `decode`
+      step could not fit (``lengths + T > S``) since the last `prefill` / `init_cache`.
+
+  Errors and overflow: a call that raises leaves every array of the layer (caches,
+  scales, block table, lengths, overflowed) exactly as it was. An eager `decode` that
+  would take a sequence past S raises ValueError. Under ``jit`` (lengths traced) it
+  cannot raise, so such a sequence is skipped: none of its T tokens is written, its
+  length stays, its output rows are NaN and its ``overflowed`` flag is set (sticky until
+  the next `prefill`); the other sequences step normally. A serving engine reads
+  ``layer.overflowed`` (or checks the rows for NaN) and frees or evicts those sequences.
 
   Sharding: ``decode_fn`` is the extension point. It receives
   ``(q [B, T, Hq, D], k_cache, v_cache, lengths [B], **scales)`` (``k_scale``/``v_scale``
@@ -309,6 +330,7 @@ class DecodeAttention(nnx.Module):
     self.value_scale: nnx.Cache | None = nnx.data(None)
     self.block_tables: nnx.Cache | None = nnx.data(None)
     self.lengths: nnx.Cache | None = nnx.data(None)
+    self.overflowed: nnx.Cache | None = nnx.data(None)
 
   def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32, *,
                  page_size: int | None = None) -> None:
@@ -324,7 +346,19 @@ class DecodeAttention(nnx.Module):
     ``dtype`` int8, float8_e4m3fn or float8_e5m2 makes an 8-bit cache with one float32
     scale per token per head (``key_scale``/``value_scale``, the cache's shape with last
     axis 1): new tokens are quantized as they are written, dequantized inside the kernel.
+
+    Raises:
+      ValueError: ``batch``, ``max_len`` or ``page_size`` not a positive int, or a
+        ``dtype`` neither floating nor 8-bit.
     """
+    for name, value in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
+      if value is None and name == "page_size":
+        continue
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"DecodeAttention.init_cache: {name} must be a positive int, got {value!r}")
+    if not (is_quantized(dtype) or jnp.issubdtype(dtype, jnp.floating)):
+      raise ValueError(f"DecodeAttention.init_cache: dtype must be floating point, int8, "
+                       f"float8_e4m3fn or float8_e5m2, got {jnp.dtype(dtype)}")
     if page_size is None:
       shape = (batch, self.num_kv_heads, max_len, self.head_dim)
       self.block_tables = None
@@ -343,17 +377,20 @@ class DecodeAttention(nnx.Module):
     else:
       self.key_scale = self.value_scale = None
     self.lengths = nnx.Cache(jnp.zeros((batch,), jnp.int32))
+    self.overflowed = nnx.Cache(jnp.zeros((batch,), jnp.bool_))
 
   def prefill(self, x, lengths):
     """Writes a batch of right-padded prompts into the cache (replacing its contents).
 
     Args:
       x: ``[B, L, E]`` float; row b holds its prompt in ``x[b, :lengths[b]]``, the rest
-        is padding. ``L <= S``.
-      lengths: int ``[B]`` prompt lengths, in ``[0, L]``.
+        is padding. ``1 <= L <= S``.
+      lengths: int ``[B]`` prompt lengths, in ``[0, L]``. Concrete values outside raise
+        ValueError; under ``jit`` they are clipped to ``[0, L]``.
 
     Returns:
       ``[B, L, E]``: causal self-attention outputs at the prompt positions, 0 at padding.
+      ``lengths`` becomes the prompt lengths and ``overflowed`` is cleared.
     """
     b, seq, _ = self._check_input("prefill", x)
     lengths = jnp.asarray(lengths)
@@ -365,64 +402,83 @@ class DecodeAttention(nnx.Module):
     if seq > capacity:
       raise ValueError(f"DecodeAttention.prefill: x.shape={tuple(x.shape)} has L={seq} > "
                        f"cache capacity S={capacity}")
-    lengths = lengths.astype(jnp.int32)
+    values = _concrete(lengths)
+    if values is not None and ((values < 0) | (values > seq)).any():
+      i = int(np.nonzero((values < 0) | (values > seq))[0][0])
+      raise ValueError(f"DecodeAttention.prefill: lengths must lie in [0, L={seq}] (L <= S={capacity}); "
+                       f"sequence {i} has length {int(values[i])}, x.shape={tuple(x.shape)}")
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, seq)
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
     q, k, v = self._qkv(x, positions)
-    self._write(k, v, jnp.zeros((b,), jnp.int32))
-    self.lengths.set_value(lengths)
+    new_state = self._written(k, v, jnp.zeros((b,), jnp.int32))
     out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), is_causal=True,
                                        key_value_seq_lengths=lengths)
     out = jnp.where((positions < lengths[:, None])[..., None, None], out, 0)
-    return self.o_proj(out.reshape(b, seq, -1))
+    out = self.o_proj(out.reshape(b, seq, -1))
+    self._commit(new_state, lengths=lengths, overflowed=jnp.zeros((b,), jnp.bool_))
+    return out
 
   def decode(self, x):
     """Appends T tokens to every sequence at its own position and attends over the cache.
 
     Args:
-      x: ``[B, T, E]`` float: token t of sequence b goes to position ``lengths[b] + t``
-        (``lengths`` as before the call), causal among the T. Positions past S are
-        dropped, so stop before ``lengths + T > S``.
+      x: ``[B, T, E]`` float, ``T >= 1``: token t of sequence b goes to position
+        ``lengths[b] + t`` (``lengths`` as before the call), causal among the T.
 
     Returns:
-      ``[B, T, E]``; ``lengths`` grows by T.
+      ``[B, T, E]``; ``lengths`` grows by T. A sequence with ``lengths + T > S``: eager,
+      ValueError and nothing changes; under ``jit``, that sequence is not written, its
+      length stays, its rows of the result are NaN and ``overflowed[b]`` is set (see the
+      class docstring).
     """
     b, t, _ = self._check_input("decode", x)
+    s = self._capacity()
     lengths = self.lengths[...]
+    values = _concrete(lengths)
+    if values is not None and (values + t > s).any():
+      i = int(np.nonzero(values + t > s)[0][0])
+      raise ValueError(f"DecodeAttention.decode: sequence {i} holds {int(values[i])} tokens; {t} more "
+                       f"exceed the cache capacity S={s}. Nothing was written; free, evict or "
+                       "re-prefill it first")
+    fits = lengths + t <= s  # [B]
     positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
     q, k, v = self._qkv(x, positions)
-    self._write(k, v, lengths)
-    lengths = lengths + t
-    self.lengths.set_value(lengths)
+    # A sequence that does not fit writes at S: every one of its slots is dropped.
+    new_state = self._written(k, v, jnp.where(fits, lengths, s))
+    lengths = jnp.where(fits, lengths + t, lengths)
     extra = {}
     if self.key_scale is not None:
-      extra.update(k_scale=self.key_scale[...], v_scale=self.value_scale[...])
+      extra.update(k_scale=new_state["key_scale"], v_scale=new_state["value_scale"])
     if self.block_tables is not None:
       extra.update(block_tables=self.block_tables[...])
-    out = self.decode_fn(q, self.cached_key[...], self.cached_value[...], lengths, **extra)
+    out = self.decode_fn(q, new_state["cached_key"], new_state["cached_value"], lengths, **extra)
     # Projections are replicated (not tensor-parallel): gather the small attention output
     # on Explicit meshes, where o_proj's contraction over sharded heads is ambiguous.
-    return self.o_proj(replicated(out).reshape(b, t, -1))
+    out = self.o_proj(replicated(out).reshape(b, t, -1))
+    out = jnp.where(fits[:, None, None], out, jnp.nan)
+    self._commit(new_state, lengths=lengths, overflowed=self.overflowed[...] | ~fits)
+    return out
 
-  def _write(self, k, v, positions):
-    """k, v ``[B, T, Hkv, D]`` -> cache slots ``positions[b] + t`` (`write_contiguous`:
-    one scatter per array, quantizing for 8-bit caches, keeping the cache's sharding)."""
+  def _written(self, k, v, positions) -> dict:
+    """k, v ``[B, T, Hkv, D]`` -> the cache arrays with slots ``positions[b] + t`` written
+    (`write_contiguous` / `write_paged`: one scatter per array, quantizing for 8-bit
+    caches, keeping the cache's sharding), by attribute name. Nothing is set yet."""
     k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, T, D]: only the new tokens
     if self.block_tables is None:
       write = write_contiguous
     else:
       write = functools.partial(write_paged, block_tables=self.block_tables[...])
-    if self.key_scale is None:
-      kc, vc = write(self.cached_key[...], self.cached_value[...], k_new=k_new, v_new=v_new,
-                     positions=positions)
-    else:
-      kc, vc, ks, vs = write(self.cached_key[...], self.cached_value[...], k_new=k_new, v_new=v_new,
-                             positions=positions, k_scale=self.key_scale[...],
-                             v_scale=self.value_scale[...])
-      self.key_scale.set_value(ks)
-      self.value_scale.set_value(vs)
-    # set_value, not [...] =: the new value keeps its own sharding.
-    self.cached_key.set_value(kc)
-    self.cached_value.set_value(vc)
+    scales = {}
+    if self.key_scale is not None:
+      scales = dict(k_scale=self.key_scale[...], v_scale=self.value_scale[...])
+    arrays = write(self.cached_key[...], self.cached_value[...], k_new=k_new, v_new=v_new,
+                   positions=positions, **scales)
+    return dict(zip(self.cache_arrays, arrays))
+
+  def _commit(self, arrays: dict, **more) -> None:
+    """Sets every state array at once, after all the step's work succeeded."""
+    for name, value in {**arrays, **more}.items():
+      getattr(self, name).set_value(value)  # set_value, not [...] =: keeps the new sharding
 
   @property
   def cache_arrays(self) -> tuple[str, ...]:
@@ -448,6 +504,11 @@ class DecodeAttention(nnx.Module):
       raise ValueError(f"DecodeAttention.{method}: x must be [B, T, E]=[{batch}, T, "
                        f"{self.in_features}]; got x.shape={tuple(x.shape)}, "
                        f"cache shape {tuple(self.cached_key.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"DecodeAttention.{method}: x must be floating point, got x.dtype={x.dtype}")
+    if x.shape[1] < 1:
+      raise ValueError(f"DecodeAttention.{method}: x must hold at least one token; got "
+                       f"x.shape={tuple(x.shape)}")
     return x.shape
 
   def _qkv(self, x, positions):
