@@ -37,7 +37,7 @@ from fdecode import config as config_lib
 from fdecode.api import flash_decode
 from fdecode.cache.write import write_contiguous, write_paged
 from fdecode.combine import MASK_VALUE, finalize_state, merge_states
-from fdecode.meshes import replicated
+from fdecode.meshes import host_values, replicated
 from fdecode.quant import is_quantized
 
 __all__ = ["DecodeAttention", "apply_rope", "attention_fn", "token_major_decode"]
@@ -203,16 +203,6 @@ def token_major_decode(q, k, v, mask, *, softmax_scale=None, num_splits=None,
 
 # --------------------------------------------------------------------------------------
 # DecodeAttention: a head-major cache with per-sequence lengths
-
-
-def _concrete(x):
-  """``x`` as numpy when its values are known here (not traced, readable on this host),
-  else None."""
-  if isinstance(x, jax.core.Tracer):
-    return None
-  if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
-    return None
-  return np.asarray(x)
 
 
 def apply_rope(x, positions, *, theta: float = 10000.0):
@@ -402,7 +392,7 @@ class DecodeAttention(nnx.Module):
     if seq > capacity:
       raise ValueError(f"DecodeAttention.prefill: x.shape={tuple(x.shape)} has L={seq} > "
                        f"cache capacity S={capacity}")
-    values = _concrete(lengths)
+    values = host_values(lengths)
     if values is not None and ((values < 0) | (values > seq)).any():
       i = int(np.nonzero((values < 0) | (values > seq))[0][0])
       raise ValueError(f"DecodeAttention.prefill: lengths must lie in [0, L={seq}] (L <= S={capacity}); "
@@ -434,7 +424,7 @@ class DecodeAttention(nnx.Module):
     b, t, _ = self._check_input("decode", x)
     s = self._capacity()
     lengths = self.lengths[...]
-    values = _concrete(lengths)
+    values = host_values(lengths)
     if values is not None and (values + t > s).any():
       i = int(np.nonzero(values + t > s)[0][0])
       raise ValueError(f"DecodeAttention.decode: sequence {i} holds {int(values[i])} tokens; {t} more "
