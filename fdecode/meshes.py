@@ -8,6 +8,7 @@ sharded axis); on Auto axes the compiler decides. These helpers tell the two apa
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 
 def is_explicit(mesh) -> bool:
@@ -30,3 +31,14 @@ def replicated(x):
   if sharding is None:
     return x
   return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+
+
+def host_values(x):
+  """``x``'s values as numpy when they are known on this host: not traced, and fully
+  addressable or replicated (a global array of a multi-host mesh may be neither); else
+  None. For value checks that run only on concrete inputs."""
+  if isinstance(x, jax.core.Tracer):
+    return None
+  if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+    return None
+  return np.asarray(x)

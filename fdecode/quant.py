@@ -27,11 +27,12 @@ def is_quantized(dtype) -> bool:
   return jnp.dtype(dtype) in QUANT_DTYPES
 
 
-def canonical_scale(scale, cache_shape, name: str):
+def canonical_scale(scale, cache_shape, name: str, caller: str = "flash_decode"):
   """Validates a scale/offset against its cache and returns it as float32 of rank 4.
 
   A scalar becomes ``[1, 1, 1, 1]``; an array must have the cache's rank, each leading
   axis equal to the cache's or 1, and a last axis ``n_tiles`` dividing the head dim.
+  ``caller`` starts the ValueError's message.
   """
   scale = jnp.asarray(scale, jnp.float32)
   d = cache_shape[-1]
@@ -40,7 +41,7 @@ def canonical_scale(scale, cache_shape, name: str):
   ok = scale.ndim == len(cache_shape) and all(s in (1, c) for s, c in zip(scale.shape[:-1], cache_shape[:-1]))
   if not ok or scale.shape[-1] < 1 or d % scale.shape[-1]:
     raise ValueError(
-        f"flash_decode: {name} must be a scalar or shaped like the cache with its last axis replaced by "
+        f"{caller}: {name} must be a scalar or shaped like the cache with its last axis replaced by "
         f"n_tiles dividing the head dim (leading axes may be 1); got {name}.shape={tuple(scale.shape)} "
         f"for cache shape {tuple(cache_shape)}")
   return scale

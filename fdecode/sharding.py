@@ -30,12 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from fdecode.api import check_concrete_lengths, flash_decode
+from fdecode.api import flash_decode
 from fdecode.combine import combine_across
+from fdecode.meshes import host_values
 from fdecode.quant import canonical_scale
 
 # Options laid out like the cache ([B|1, Hkv|1, S|1, n_tiles]): split with it.
 _CACHE_SHAPED = ("k_scale", "v_scale", "k_offset", "v_offset")
+# Options whose values flash_decode checks when they are concrete (with lengths).
+_VALUE_CHECKED = ("block_tables", "kv_offset")
 
 def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=None,
                          batch_axis=None, return_lse=False, **flash_decode_kwargs):
@@ -59,7 +62,9 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
       ``num_splits``, ``block_k``, ``softmax_scale``, ``interpret``...). ``num_splits``
       and ``block_k`` apply to each device's local chunk. 8-bit caches: ``k_scale`` /
       ``v_scale`` / offsets of every granularity are split like the cache on their
-      non-broadcast axes (per token: with the tokens). Other array options are replicated.
+      non-broadcast axes (per token: with the tokens). ``kv_offset`` (int or int ``[B]``,
+      split with the batch) only without ``seq_axis``, which sets each device's offset
+      itself. Other array options are replicated.
 
   Inputs may be unsharded (they are resharded to the layout below) or already sharded
   that way. Mesh axes named by none of the three roles replicate the work.
@@ -76,8 +81,11 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
     devices.
 
   Raises:
-    ValueError: for inconsistent shapes (as `flash_decode`), unknown or repeated mesh
-      axes, or sizes the mesh axes do not divide (the message names the argument and
+    ValueError: every error `flash_decode` raises for the same inputs, with the same
+      message (shapes, dtypes, and when concrete: lengths out of range, page ids of live
+      tokens outside the pool); a ``mesh`` that is not a Mesh, an axis role that is not a
+      name (str) or tuple of names, unknown or repeated mesh axes, sizes the mesh axes do
+      not divide, ``kv_offset`` with ``seq_axis`` (the message names the argument and
       shows the shapes).
   Paged caches (``block_tables=`` int ``[B, n]``, k/v pools ``[Hkv, P, page_size, D]``):
   the pool is split over kv heads on ``head_axis`` and over pages on ``seq_axis``
@@ -87,15 +95,11 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
   shard d, ``[d*P/n_s, (d+1)*P/n_s)`` (checked when the table is concrete). The pool is
   replicated over ``batch_axis`` (sequences of every batch shard may use any page).
   """
-  # flash_decode's own validation, on the global shapes (so errors show them) and
-  # without their shardings (explicitly sharded operands would trip its einsums).
-  # Array options (block tables, scales) are abstracted too, shardings dropped.
-  plain = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)) if _is_array(x) else x
-  abstract = [plain(x) for x in (q, k, v, lengths)]
-  array_opts = {n: plain(x) for n, x in flash_decode_kwargs.items() if _is_array(x)}
-  static_opts = {n: x for n, x in flash_decode_kwargs.items() if not _is_array(x)}
-  jax.eval_shape(lambda q, k, v, n, arrs: flash_decode(q, k, v, n, **arrs, **static_opts),
-                 *abstract, array_opts)
+  _check_roles(mesh, head_axis=head_axis, seq_axis=seq_axis, batch_axis=batch_axis,
+               kv_offset=flash_decode_kwargs.get("kv_offset"))
+  flash_decode_kwargs = {n: np.asarray(x) if n in _VALUE_CHECKED and isinstance(x, (list, tuple)) else x
+                         for n, x in flash_decode_kwargs.items()}
+  _flash_decode_checks(q, k, v, lengths, flash_decode_kwargs)
   tables = flash_decode_kwargs.get("block_tables")
   if tables is None:
     b, hkv, s, _ = k.shape
@@ -103,7 +107,6 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
   else:
     b, (hkv, pool_pages, page_size, _) = q.shape[0], k.shape
     s = np.shape(tables)[1] * page_size
-  check_concrete_lengths(lengths, s, "sharded_flash_decode")
   plan = _plan(q.shape, (b, hkv, s), mesh=mesh, head_axis=head_axis, seq_axis=seq_axis,
                batch_axis=batch_axis, pool_pages=pool_pages,
                table_cols=0 if tables is None else np.shape(tables)[1], shapes_of=(q, k))
@@ -123,6 +126,46 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
     fn = _build.__wrapped__(mesh, plan, q.ndim == 3, static, array_specs)
   out, lse = fn(q, k, v, jnp.asarray(lengths).astype(jnp.int32), arrays)
   return (out, lse) if return_lse else out
+
+
+def _flash_decode_checks(q, k, v, lengths, kwargs) -> None:
+  """Every check `flash_decode` makes, in its order and with its messages, by tracing it
+  on the global shapes (so errors show them) without running it. Operands are abstracted
+  with their shardings dropped (explicitly sharded ones would trip its einsums); lengths,
+  block tables and kv_offset go in as host values when readable here, so that its value
+  checks (lengths in range, page ids of live tokens in the pool) run as well."""
+  def plain(x, name=None):
+    if not _is_array(x):
+      return x
+    if name in _VALUE_CHECKED + ("lengths",):
+      values = host_values(x)
+      if values is not None:
+        return values
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+  lengths = plain(lengths, "lengths")
+  opts = {n: plain(x, n) for n, x in kwargs.items()}
+  traced = {n: x for n, x in opts.items() if isinstance(x, jax.ShapeDtypeStruct)}
+  fixed = {n: x for n, x in opts.items() if n not in traced}
+  if isinstance(lengths, jax.ShapeDtypeStruct):
+    traced["lengths"] = lengths
+  else:
+    fixed["lengths"] = lengths
+  def run(q, k, v, arrs):
+    arrs = dict(arrs, **fixed)
+    return flash_decode(q, k, v, arrs.pop("lengths"), **arrs)
+  jax.eval_shape(run, *(plain(x) for x in (q, k, v)), traced)
+
+
+def _check_roles(mesh, *, head_axis, seq_axis, batch_axis, kv_offset) -> None:
+  """The arguments only sharded_flash_decode has (the mesh and the axis roles)."""
+  if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+    raise ValueError(f"sharded_flash_decode: mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh), "
+                     f"got {type(mesh).__name__}")
+  for role, axis in (("head_axis", head_axis), ("seq_axis", seq_axis), ("batch_axis", batch_axis)):
+    _names(axis, role)
+  if kv_offset is not None and _names(seq_axis):
+    raise ValueError(f"sharded_flash_decode: kv_offset cannot be combined with seq_axis={seq_axis!r}: "
+                     "the sequence axis sets each device's kv_offset itself (the start of its chunk)")
 
 
 @functools.lru_cache(maxsize=64)
@@ -179,8 +222,8 @@ def _plan(q_shape, bhs, *, mesh, head_axis, seq_axis, batch_axis, pool_pages=Non
   hq = q_shape[-2]
   shapes = ", ".join(f"{n}.shape={tuple(x.shape)}" for n, x in zip("qk", shapes_of))
   shapes += f", mesh.shape={dict(mesh.shape)}"
-  roles = {"head_axis": _names(head_axis), "seq_axis": _names(seq_axis),
-           "batch_axis": _names(batch_axis)}
+  roles = {"head_axis": _names(head_axis, "head_axis"), "seq_axis": _names(seq_axis, "seq_axis"),
+           "batch_axis": _names(batch_axis, "batch_axis")}
   seen = {}
   for role, names in roles.items():
     for name in names:
@@ -267,18 +310,22 @@ def _array_spec(name, x, plan):
   any other array option is replicated."""
   if name == "block_tables":
     return P(plan.batch, plan.seq)
+  if name == "kv_offset":  # int [B]: per sequence, split with them
+    return P(plan.batch) if np.ndim(x) == 1 else P()
   if name not in _CACHE_SHAPED:
     return P()
   axes = (plan.kv_head, plan.seq, None) if plan.paged else (plan.batch, plan.kv_head, plan.seq)
   return P(*(axis if size > 1 else None for axis, size in zip(axes, x.shape[:3])), None)
 
 
-def _names(axis) -> tuple:
+def _names(axis, role: str = "mesh axis") -> tuple:
+  """A role's mesh axis names: None -> (), "x" -> ("x",), ("x", "y") as is."""
   if axis is None:
     return ()
-  names = (axis,) if isinstance(axis, str) else tuple(axis)
-  if not all(isinstance(n, str) for n in names):
-    raise ValueError(f"sharded_flash_decode: mesh axes must be names (str) or tuples of names, got {axis!r}")
+  names = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, (tuple, list)) else None
+  if names is None or not all(isinstance(n, str) for n in names):
+    raise ValueError(f"sharded_flash_decode: {role} must be a mesh axis name (str) or a tuple of names, "
+                     f"got {axis!r}")
   return names
 
 
@@ -301,9 +348,9 @@ def _reshard(x, mesh, spec):
 
 def _check_page_ownership(tables, lengths, pool_pages, plan) -> None:
   """Concrete table: the pages a live token of sequence shard d needs lie in pool shard d."""
-  if plan.seq is None or isinstance(tables, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
+  tables, lens = host_values(tables), host_values(lengths)
+  if plan.seq is None or tables is None or lens is None:
     return
-  tables, lens = np.asarray(tables), np.asarray(lengths)
   n = tables.shape[1]
   page_size = plan.chunk * plan.seq_size // n
   live = np.arange(n)[None, :] < -(-lens[:, None] // page_size)

@@ -5,6 +5,11 @@ under ``jax.jit(..., donate_argnums=...)`` XLA updates the donated cache in plac
 of the whole cache per step. Tokens whose slot falls outside the cache (a position past
 S, or a page id outside the pool) are dropped, never written elsewhere.
 
+Shapes and dtypes are checked before anything is computed: new tokens must match the
+cache's B and Hkv exactly (a batch-1 or head-1 ``k_new`` is never broadcast), positions
+and block tables must be integer ``[B]`` and ``[B, n]``; any mismatch is a ValueError
+naming the argument, with the shapes.
+
 Quantized caches: pass the cache's scale. A scale with a token axis (per token or per
 tile: ``[..., S or page_size, n_tiles]``) gets each new token's own scale, written beside
 it; a scale without one (per tensor / per head) is fixed and new tokens are quantized
@@ -14,6 +19,7 @@ with it (values clipped to the dtype's range).
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from fdecode.meshes import explicit_sharding, replicated
 from fdecode.quant import _QMAX, canonical_scale, is_quantized, quantize
@@ -49,6 +55,75 @@ def _as_tokens(new):
   return new[:, :, None] if new.ndim == 3 else new
 
 
+def _shape(x) -> tuple:
+  return tuple(np.shape(x))
+
+
+def _dtype(x):
+  """The array's own dtype (a numpy float64 stays float64 in messages), else JAX's."""
+  return jnp.dtype(x.dtype) if hasattr(x, "dtype") else jnp.result_type(x)
+
+
+def _check_write(fn, k, v, k_new, v_new, positions, k_scale, v_scale, block_tables=None):
+  """Every shape / dtype check of a cache write, before anything is computed.
+
+  ``k``, ``v`` are the caches (``[B, Hkv, S, D]``, or pools ``[Hkv, P, page_size, D]``
+  when ``block_tables`` is given). Raises ValueError naming the argument, with the shapes.
+  """
+  paged = block_tables is not None
+  cache = "k_pages" if paged else "k"
+  vcache = "v_pages" if paged else "v"
+  layout = "[Hkv, P, page_size, {}]" if paged else "[B, Hkv, S, {}]"
+  shapes = (f"{cache}.shape={_shape(k)}, {vcache}.shape={_shape(v)}, k_new.shape={_shape(k_new)}, "
+            f"v_new.shape={_shape(v_new)}, positions.shape={_shape(positions)}")
+  if paged:
+    shapes += f", block_tables.shape={_shape(block_tables)}"
+  if k.ndim != 4:
+    raise ValueError(f"{fn}: {cache} must be {layout.format('Dk')}; got {shapes}")
+  if v.ndim != 4:
+    raise ValueError(f"{fn}: {vcache} must be {layout.format('Dv')}; got {shapes}")
+  if k.shape[:3] != v.shape[:3]:
+    axes = "[Hkv, P, page_size]" if paged else "[B, Hkv, S]"
+    raise ValueError(f"{fn}: {cache} and {vcache} must have the same {axes}; got {shapes}")
+  for name, cache_arr, scale in ((cache, k, k_scale), (vcache, v, v_scale)):
+    dtype = jnp.dtype(cache_arr.dtype)
+    scale_name = name[0] + "_scale"
+    if is_quantized(dtype):
+      if scale is None:
+        raise ValueError(f"{fn}: {name} has dtype {dtype}; pass {scale_name}")
+      sc_shape = canonical_scale(scale, cache_arr.shape, scale_name, caller=fn).shape
+      if paged and sc_shape[1] > 1 and sc_shape[2] == 1:
+        raise ValueError(f"{fn}: {scale_name} must be per tensor, per head or per token; got "
+                         f"{scale_name}.shape={_shape(scale)} (per page)")
+    elif not jnp.issubdtype(dtype, jnp.floating):
+      raise ValueError(f"{fn}: {name} must be floating point or int8/float8 with {scale_name}, "
+                       f"got {name}.dtype={dtype}")
+    elif scale is not None:
+      raise ValueError(f"{fn}: {scale_name} given but {name} is not quantized ({name}.dtype={dtype})")
+  if paged:
+    if len(_shape(block_tables)) != 2 or _shape(block_tables)[1] < 1:
+      raise ValueError(f"{fn}: block_tables must be [B, n] with n >= 1; got {shapes}")
+    if not jnp.issubdtype(_dtype(block_tables), jnp.integer):
+      raise ValueError(f"{fn}: block_tables must be integer, got dtype {_dtype(block_tables)}")
+    b, hkv = _shape(block_tables)[0], k.shape[0]
+  else:
+    b, hkv = k.shape[0], k.shape[1]
+  k_shape = _shape(k_new)
+  t = k_shape[2] if len(k_shape) == 4 else 1
+  for name, new, d in (("k_new", k_new, k.shape[-1]), ("v_new", v_new, v.shape[-1])):
+    new_shape = _shape(new)
+    want = (b, hkv, t, d) if len(new_shape) == 4 else (b, hkv, d) if t == 1 else None
+    if new_shape != want:
+      raise ValueError(f"{fn}: {name} must be [B, Hkv, T, D] or [B, Hkv, D] with B={b}, Hkv={hkv}, "
+                       f"D={d} (k_new and v_new with the same T); got {shapes}")
+    if not jnp.issubdtype(_dtype(new), jnp.floating):
+      raise ValueError(f"{fn}: {name} must be floating point, got {name}.dtype={_dtype(new)}")
+  if _shape(positions) != (b,):
+    raise ValueError(f"{fn}: positions must be [B]=({b},); got {shapes}")
+  if not jnp.issubdtype(_dtype(positions), jnp.integer):
+    raise ValueError(f"{fn}: positions must be integer, got dtype {_dtype(positions)}")
+
+
 def write_contiguous(k, v, k_new, v_new, positions, *, k_scale=None, v_scale=None):
   """Writes T new tokens per sequence into a contiguous head-major cache.
 
@@ -60,7 +135,13 @@ def write_contiguous(k, v, k_new, v_new, positions, *, k_scale=None, v_scale=Non
 
   Returns:
     ``(k, v)``, or ``(k, v, k_scale, v_scale)`` when scales were passed.
+
+  Raises:
+    ValueError: for any shape or dtype mismatch (names the argument, shows the shapes),
+      a missing scale for an 8-bit cache, or a scale for a float cache.
   """
+  positions = jnp.asarray(positions) if isinstance(positions, (list, tuple)) else positions
+  _check_write("write_contiguous", k, v, k_new, v_new, positions, k_scale, v_scale)
   b, _, s, _ = k.shape
   k_new, v_new = _as_tokens(k_new), _as_tokens(v_new)
   t = k_new.shape[2]
@@ -72,8 +153,6 @@ def write_contiguous(k, v, k_new, v_new, positions, *, k_scale=None, v_scale=Non
     new_t = new.transpose(0, 2, 1, 3)  # [B, T, Hkv, D]: k[bi, :, slots] indexes as [B, T, Hkv, D]
     if not is_quantized(cache.dtype):
       return _scatter(cache, (bi, slice(None), slots), new_t), scale
-    if scale is None:
-      raise ValueError(f"write_contiguous: {name} has dtype {cache.dtype}; pass {name}_scale")
     sc = canonical_scale(scale, cache.shape, f"{name}_scale")
     values, token_scale = _quantize_new(new.astype(jnp.float32), sc, cache.dtype, sc.shape[2] > 1)
     cache = _scatter(cache, (bi, slice(None), slots), values.transpose(0, 2, 1, 3))
@@ -98,15 +177,23 @@ def write_paged(k_pages, v_pages, block_tables, positions, k_new, v_new, *, k_sc
 
   Args:
     k_pages, v_pages: ``[Hkv, P, page_size, D]`` pools (float or 8-bit).
-    block_tables: int ``[B, n]``.
+    block_tables: int ``[B, n]``, n >= 1.
     positions: int ``[B]``: position of each sequence's first new token.
-    k_new, v_new: ``[B, Hkv, T, D]`` or ``[B, Hkv, D]``.
+    k_new, v_new: ``[B, Hkv, T, D]`` or ``[B, Hkv, D]`` float.
     k_scale, v_scale: the pools' scales (``[Hkv|1, P|1, ps|1, nt]`` or scalar), required
       for 8-bit pools.
 
   Returns:
     ``(k_pages, v_pages)``, or ``(k_pages, v_pages, k_scale, v_scale)`` when scales were passed.
+
+  Raises:
+    ValueError: as `write_contiguous`; also for a table that is not integer ``[B, n]``
+      (B is the table's row count) or a per-page scale.
   """
+  as_array = lambda x: jnp.asarray(x) if isinstance(x, (list, tuple)) else x
+  block_tables, positions = as_array(block_tables), as_array(positions)
+  _check_write("write_paged", k_pages, v_pages, k_new, v_new, positions, k_scale, v_scale,
+               block_tables=block_tables)
   _, num_pages, ps, _ = k_pages.shape
   k_new, v_new = _as_tokens(k_new), _as_tokens(v_new)
   t = k_new.shape[2]
@@ -123,13 +210,8 @@ def write_paged(k_pages, v_pages, block_tables, positions, k_new, v_new, *, k_sc
     new_h = new.transpose(1, 0, 2, 3)  # [Hkv, B, T, D]: pool[:, page, slot] indexes as that
     if not is_quantized(pool.dtype):
       return _scatter(pool, (slice(None), page, slot), new_h), scale
-    if scale is None:
-      raise ValueError(f"write_paged: {name}_pages has dtype {pool.dtype}; pass {name}_scale")
     sc = canonical_scale(scale, pool.shape, f"{name}_scale")  # [Hkv|1, P|1, ps|1, nt]
     per_token = sc.shape[2] > 1
-    if sc.shape[1] > 1 and not per_token:
-      raise ValueError(f"write_paged: {name}_scale must be per tensor, per head or per token; got "
-                       f"{name}_scale.shape={tuple(sc.shape)} (per page)")
     # Fixed scale [Hkv|1, 1, 1, nt] -> [1, Hkv|1, 1, nt] to broadcast over [B, Hkv, T, nt].
     values, token_scale = _quantize_new(new.astype(jnp.float32), sc.transpose(1, 0, 2, 3),
                                         pool.dtype, per_token)

@@ -1,0 +1,28 @@
+"""Flax integration: a drop-in ``attention_fn`` and a decode-ready GQA attention layer.
+
+Legend: B batch, T new tokens per sequence, L Flax cache length (keys visible to the
+query), E model width, Hq query heads, Hkv kv heads, G = Hq // Hkv, S cache capacity of
+`DecodeAttention`, Dk / Dv head dims.
+
+Two entry points, for two cache layouts:
+
+* `attention_fn` plugs into ``flax.nnx.MultiHeadAttention(attention_fn=...)`` and
+  ``flax.linen.MultiHeadDotProductAttention(attention_fn=...)``. Flax owns the cache
+  there, token-major ``[B, L, Hkv, D]``, with one shared ``cache_index`` for the whole
+  batch and a boolean ``[B, 1, 1, L]`` mask. Decode steps run a split-KV FlashDecode
+  pass that reads that token-major cache in place (no per-step transpose of the cache)
+  and honours the mask exactly, so masks with holes (left padding, packed prompts) are
+  correct too. Everything else (prefill, training, dropout, bias, sown weights) goes to
+  Flax's own ``dot_product_attention`` unchanged.
+* `DecodeAttention` owns its cache, head-major ``[B, Hkv, S, D]`` with per-sequence
+  lengths (continuous batching), and attends with `fdecode.flash_decode` directly, so it
+  gets the Pallas kernel on GPU/TPU.
+
+Import as ``import fdecode.flax`` (this package is not re-exported by ``fdecode``).
+They live in `fdecode.flax.token_major` and `fdecode.flax.decode_attention`.
+"""
+
+from fdecode.flax.token_major import attention_fn, token_major_decode
+from fdecode.flax.decode_attention import DecodeAttention, apply_rope
+
+__all__ = ["DecodeAttention", "apply_rope", "attention_fn", "token_major_decode"]
