@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -264,7 +265,9 @@ def _static_scale(softmax_scale, dk) -> float:
   if isinstance(softmax_scale, jax.core.Tracer):
     raise ValueError("flash_decode: softmax_scale must be a static real number (it is compiled "
                      "into the kernel), got a traced value; mark it static or fold it into q")
-  if isinstance(softmax_scale, (bool, np.bool_)) or np.ndim(softmax_scale) != 0 or not np.isrealobj(softmax_scale):
+  real = (isinstance(softmax_scale, numbers.Real) or hasattr(softmax_scale, "dtype") and (
+      jnp.issubdtype(softmax_scale.dtype, jnp.floating) or jnp.issubdtype(softmax_scale.dtype, jnp.integer)))
+  if isinstance(softmax_scale, (bool, np.bool_)) or not real or np.ndim(softmax_scale) != 0:
     raise ValueError(f"flash_decode: softmax_scale must be a real number, got {softmax_scale!r}")
   value = float(softmax_scale)
   if not math.isfinite(value):

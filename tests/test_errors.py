@@ -2,9 +2,13 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 import fdecode
+from fdecode.reference import reference_decode
+from conftest import TPU_INTERPRET, assert_close, make_problem, tol
 
 B, HQ, HKV, S, D = 2, 4, 2, 16, 8
 
@@ -54,3 +58,76 @@ def test_shape_errors_raise_at_trace_time_under_jit():
 def test_bad_options(kw, pattern):
   with pytest.raises(ValueError, match=pattern):
     fdecode.flash_decode(**arrays(), **kw)
+
+
+# --- odd but valid input, and options that must be static -----------------------------
+
+
+def test_python_list_lengths_and_numpy_integer_options():
+  a = arrays()
+  ref = fdecode.flash_decode(**a, num_splits=2, block_k=8)
+  out = fdecode.flash_decode(a["q"], a["k"], a["v"], [3, 4], num_splits=np.int64(2), block_k=np.int32(8))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "reference", None])
+@pytest.mark.parametrize("b,t", [(0, 1), (2, 0), (0, 0)])
+def test_empty_batch_or_no_new_tokens(impl, b, t):
+  q = jnp.zeros((b, t, HQ, D))
+  k, v = jnp.zeros((b, HKV, S, D)), jnp.zeros((b, HKV, S, 6))
+  out, lse = fdecode.flash_decode(q, k, v, jnp.zeros((b,), jnp.int32), impl=impl, return_lse=True)
+  assert out.shape == (b, t, HQ, 6) and lse.shape == (b, t, HQ)
+
+
+@pytest.mark.parametrize("over", [dict(q=jnp.zeros((B, HQ, 0)), k=jnp.zeros((B, HKV, S, 0))),
+                                  dict(v=jnp.zeros((B, HKV, S, 0)))])
+def test_zero_head_dim(over):
+  with pytest.raises(ValueError, match=r"head dims Dk and Dv must be positive"):
+    fdecode.flash_decode(**arrays(**over))
+
+
+@pytest.mark.parametrize("scale,pattern", [
+    ("0.1", "softmax_scale must be a real number"),
+    (1j, "softmax_scale must be a real number"),
+    (jnp.ones(2), "softmax_scale must be a real number"),
+    (float("nan"), "softmax_scale must be finite"),
+])
+def test_bad_softmax_scale(scale, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    fdecode.flash_decode(**arrays(), softmax_scale=scale)
+
+
+def test_traced_softmax_scale_is_refused():
+  a = arrays()
+  f = jax.jit(lambda s: fdecode.flash_decode(**a, softmax_scale=s))
+  with pytest.raises(ValueError, match="softmax_scale must be a static real number"):
+    f(0.5)
+  np.testing.assert_allclose(np.asarray(fdecode.flash_decode(**a, softmax_scale=np.float32(0.5))),
+                             np.asarray(fdecode.flash_decode(**a, softmax_scale=0.5)))
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(interpret="yes"), "interpret must be None, a bool or"),
+    (dict(interpret=pltpu.InterpretParams(), impl="xla"), "runs the TPU Pallas kernel: pass impl='pallas'"),
+])
+def test_bad_interpret(kw, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    fdecode.flash_decode(**arrays(), **kw)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "mosaic"])
+@pytest.mark.parametrize("q_dtype,cache_dtype", [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)])
+def test_mixed_dtypes_compute_in_the_promoted_dtype(impl, q_dtype, cache_dtype):
+  """A float32 query on a bfloat16 cache is never rounded to bfloat16 (and vice versa):
+  every impl computes in the promoted dtype (float32 here) and agrees with the float32
+  reference on the same inputs; the output has q's dtype."""
+  q, k, v = make_problem(30, b=2, t=2, hq=4, hkv=2, s=40, dk=32)
+  q, k, v = q.astype(q_dtype), k.astype(cache_dtype), v.astype(cache_dtype)
+  lengths = jnp.array([40, 13])
+  ref = reference_decode(q, k, v, lengths)[0]
+  kw = dict(impl="pallas", interpret=TPU_INTERPRET) if impl == "mosaic" else dict(impl=impl)
+  out = fdecode.flash_decode(q, k, v, lengths, block_k=16, **kw)
+  assert out.dtype == q_dtype
+  t = tol(q_dtype)  # the output's own rounding; no bfloat16 rounding of the inputs
+  assert_close(out, ref.astype(q_dtype), atol=min(t["atol"], 1e-4) if q_dtype == jnp.float32 else t["atol"],
+               rtol=min(t["rtol"], 1e-4) if q_dtype == jnp.float32 else t["rtol"])
