@@ -152,3 +152,38 @@ def test_interpret_params_argument_equals_forced_mode():
   with tpu_interpret():
     forced = fdecode.flash_decode(q, k, v, lengths, impl="pallas", block_k=16)
   np.testing.assert_array_equal(np.asarray(direct), np.asarray(forced))
+
+
+def _tpu_mesh(shape, names):
+  return jax.sharding.AbstractMesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(shape),
+                                   abstract_device=jax.sharding.AbstractDevice(
+                                       device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
+
+
+def test_sharded_flash_decode_exports_the_tpu_kernel():
+  """sharded_flash_decode on an AbstractMesh of TPU devices (heads x sequence) exports
+  from this CPU host with the Mosaic kernel inside the shard_map."""
+  mesh = _tpu_mesh((2, 4), ("h", "s"))
+  f = lambda q, k, v, n: fdecode.sharded_flash_decode(q, k, v, n, mesh=mesh, head_axis="h", seq_axis="s")
+  args = (_sds((2, 8, 128), jnp.bfloat16), _sds((2, 4, 4096, 128), jnp.bfloat16),
+          _sds((2, 4, 4096, 128), jnp.bfloat16), _sds((2,), jnp.int32))
+  with jax.sharding.use_abstract_mesh(mesh):
+    exp = export.export(jax.jit(f), platforms=["tpu"])(*args)
+  assert TPU_CALL in exp.mlir_module() and exp.nr_devices == 8
+
+
+def test_flax_layer_exports_the_tpu_kernel():
+  """A DecodeAttention decode step (fdecode's default dispatch) exported for TPU."""
+  from flax import nnx
+  import fdecode.flax as fflax
+  layer = fflax.DecodeAttention(64, num_heads=4, num_kv_heads=2, head_dim=128, rngs=nnx.Rngs(0))
+  layer.init_cache(2, 256, jnp.bfloat16)
+  graphdef, state = nnx.split(layer)
+
+  def step(state, x):
+    model = nnx.merge(graphdef, state)
+    return model.decode(x), nnx.state(model)
+
+  args = (jax.tree.map(lambda a: _sds(a.shape, a.dtype), state), _sds((2, 1, 64), jnp.float32))
+  text = lower_for_tpu(step, *args)
+  assert TPU_CALL in text
