@@ -50,7 +50,9 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
     k: ``[B, Hkv, S, Dk]`` head-major key cache.
     v: ``[B, Hkv, S, Dv]`` value cache.
     lengths: int ``[B]`` valid tokens per sequence (new ones included), in ``[0, S]``.
-    mesh: a `jax.sharding.Mesh` (e.g. `jax.make_mesh`) with Explicit or Auto axes.
+    mesh: a `jax.sharding.Mesh` (e.g. `jax.make_mesh`) with Explicit or Auto axes, or a
+      `jax.sharding.AbstractMesh` of the target devices to `jax.export` for another
+      platform (e.g. TPU from a CPU host; the kernel is chosen per lowering platform).
     head_axis: mesh axis name (or tuple of names) over which the kv heads, and their
       query heads with them, are split. Needs ``Hkv % n_h == 0``, or else
       ``n_h % Hkv == 0`` and ``Hq % n_h == 0`` (kv heads replicated, query groups split).
