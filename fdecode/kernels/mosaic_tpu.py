@@ -91,9 +91,10 @@ def _default_step_tokens(dk, dv, k_dtype, v_dtype) -> int:
   return max(_LANES, min(tokens, _MAX_STEP_TOKENS))
 
 
-def _per_token(scale) -> bool:
-  """Whether a canonical scale / offset has a token axis (streamed with its block)."""
-  return scale is not None and (scale.shape[-2] > 1 or scale.ndim == 4 and scale.shape[1] > 1)
+def _per_token(scale, paged: bool) -> bool:
+  """Whether a canonical scale / offset varies along the tokens (then it is streamed with
+  its block): contiguous ``[B|1, Hkv|1, S|1, nt]``, paged ``[Hkv|1, P|1, ps|1, nt]``."""
+  return scale.shape[2] > 1 or (paged and scale.shape[1] > 1)
 
 
 def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offset=None,
@@ -120,7 +121,7 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
     block = seq_len if seq_len <= tokens else _round_up(tokens, align)
   # Streams (K, V and per-token scales): two buffers each, blocks of `block` rows.
   streams = _tile_bytes((block, dk), k.dtype) + _tile_bytes((block, dv), v.dtype)
-  streams += sum(_tile_bytes((block if _per_token(a) else 1, a.shape[-1]), jnp.float32)
+  streams += sum(_tile_bytes((block if _per_token(a, paged) else 1, a.shape[-1]), jnp.float32)
                  for a in quant)
   io = (_tile_bytes((rows_p, dk), q_rows.dtype) + _tile_bytes((rows_p, dv), jnp.float32)
         + _tile_bytes((rows_p, 1), jnp.float32))
@@ -264,16 +265,17 @@ def _out_shape(b, hkv, n, rows_p, dv, *inputs):
 # Paged cache: pools in HBM, pages DMA'd into a two-slot VMEM buffer.
 
 
-def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, streamed, softmax_scale, steps_per_split,
+def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, steps_per_split,
                   pages_per_step, page_size, num_pages, table_len, num_rows, group, num_tokens,
                   k_pieces, v_pieces):
-  # refs: one HBM ref (streamed) or resident VMEM block [1, nt] (not) per present stream of
-  #       (k, v, k_scale, k_offset, v_scale, v_offset); o, lse; then per streamed operand a
-  #       VMEM buffer [2, block, D|nt]; then DMA semaphores [n_streamed, 2].
-  n_present = len(streamed)
-  srcs, refs = refs[:n_present], refs[n_present:]
-  o_ref, lse_ref, *refs = refs
-  bufs, sems = refs[:-1], refs[-1]
+  # kinds: for (k, v, k_scale, k_offset, v_scale, v_offset), "stream" (an HBM ref, DMA'd
+  #   page by page), "resident" (a VMEM block [1, nt]) or None (absent).
+  # refs: the present operands in that order; o [R_p, Dv], lse [R_p, 1]; a VMEM buffer
+  #   [2, block, D|nt] per streamed operand; DMA semaphores [n_streamed, 2].
+  n_present = sum(kind is not None for kind in kinds)
+  present = iter(refs[:n_present])
+  srcs = [None if kind is None else next(present) for kind in kinds]
+  o_ref, lse_ref, *bufs, sems = refs[n_present:]
   b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rows_p = q_ref.shape[0]
   block = pages_per_step * page_size
@@ -283,7 +285,7 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, streamed, softmax_scale, s
   live_pages = pl.cdiv(live_end, page_size)
   first = split * steps_per_split
   last = jnp.minimum(first + steps_per_split, pl.cdiv(live_end, block))
-  stream_ids = [i for i, s in enumerate(streamed) if s]
+  stream_ids = [i for i, kind in enumerate(kinds) if kind == "stream"]
 
   def page_copies(step, slot):
     """(live?, descriptor) for every page of every streamed operand in ``step``."""
@@ -318,14 +320,9 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, streamed, softmax_scale, s
       start(step + 1, 1 - slot)
 
     wait(step, slot)
-    loaded, n = [], 0
-    for i, s in enumerate(streamed):
-      if s:
-        loaded.append(bufs[n][slot])
-        n += 1
-      else:
-        loaded.append(srcs[i][...] if srcs[i] is not None else None)
-    kb, vb, ks, ko, vs, vo = (loaded + [None] * 6)[:6]
+    buf_of = dict(zip(stream_ids, bufs))
+    kb, vb, ks, ko, vs, vo = (buf_of[i][slot] if i in buf_of else None if src is None else src[...]
+                              for i, src in enumerate(srcs))
     kb = _dequant_pieces(kb, k_pieces, ks, ko, dtype)
     vb = _dequant_pieces(vb, v_pieces, vs, vo, dtype)
     token0 = step * block
@@ -351,33 +348,26 @@ def _paged_call(q_rows, ends, k, v, tables, quant, p: Plan, *, num_rows, num_tok
   table_len = tables.shape[1]
   steps = pl.cdiv(pl.cdiv(table_len, p.pages_per_step), num_splits)
   k_scale, k_offset, v_scale, v_offset = quant
-  # Order: k, v, k_scale, k_offset, v_scale, v_offset (absent ones dropped below).
-  operands, streamed, in_specs, bufs = [], [], [], []
-  for a in (k, v, k_scale, k_offset, v_scale, v_offset):
+  kinds, present, in_specs, bufs = [], [], [], []
+  for i, a in enumerate((k, v, k_scale, k_offset, v_scale, v_offset)):
     if a is None:
-      operands.append(None)
-      streamed.append(False)
+      kinds.append(None)
       continue
-    if a is k or a is v or _per_token(a):
-      if a is not k and a is not v:  # per-token / per-page scale: [Hkv|1, P, ps, nt]
+    if i < 2 or _per_token(a, paged=True):
+      if i >= 2:  # a per-token / per-page scale, made [Hkv|1, P, ps, nt]
         a = jnp.broadcast_to(a, (a.shape[0], num_pages, page_size, a.shape[-1]))
-      operands.append(a)
-      streamed.append(True)
+      kinds.append("stream")
       in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
       bufs.append(pltpu.VMEM((2, p.block, a.shape[-1]), a.dtype))
     else:  # per head / per tensor: one resident [1, nt] block
       d0, nt = a.shape[0], a.shape[-1]
       a = a.reshape(d0, 1, nt)
-      operands.append(a)
-      streamed.append(False)
+      kinds.append("resident")
       in_specs.append(pl.BlockSpec((None, 1, nt), lambda i, h, s, e, t, d0=d0: (h if d0 > 1 else 0, 0, 0)))
-  present = [a for a in operands if a is not None]
-  keep = [i for i, a in enumerate(operands) if a is not None]
-  streamed = tuple(streamed[i] for i in keep)
-  # Positions of k, v, scales among the present operands, for the kernel's unpacking.
+    present.append(a)
   k_pieces, v_pieces = _pieces(dk, k_scale), _pieces(dv, v_scale)
   kernel = functools.partial(
-      _paged_kernel_unpack, order=tuple(keep), streamed=streamed, softmax_scale=softmax_scale,
+      _paged_kernel, kinds=tuple(kinds), softmax_scale=softmax_scale,
       steps_per_split=steps, pages_per_step=p.pages_per_step, page_size=page_size,
       num_pages=num_pages, table_len=table_len, num_rows=r, group=r // num_tokens,
       num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces)
@@ -396,16 +386,6 @@ def _paged_call(q_rows, ends, k, v, tables, quant, p: Plan, *, num_rows, num_tok
           vmem_limit_bytes=p.vmem_limit_bytes),
       interpret=interpret, name="fdecode_split_kv_mosaic_paged",
   )(ends, tables.reshape(-1), q_rows, *present)
-
-
-def _paged_kernel_unpack(ends_ref, tables_ref, q_ref, *refs, order, streamed, **kw):
-  """Re-slots the present operands into the fixed 6-stream order the kernel expects."""
-  n = len(order)
-  srcs = [None] * 6
-  flags = [False] * 6
-  for pos, (i, s) in enumerate(zip(order, streamed)):
-    srcs[i], flags[i] = refs[pos], s
-  _paged_kernel(ends_ref, tables_ref, q_ref, *srcs, *refs[n:], streamed=tuple(flags), **kw)
 
 
 def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float,

@@ -28,9 +28,13 @@ from fdecode.quant import dequantize
 
 def _chunk_states(q_rows, kc, vc, row_limits, live_ends, first_pos, softmax_scale, heads_outer=False):
   """States of chunks: kc ``[B, Hkv, n, C, Dk]``, vc ``[B, Hkv, n, C, Dv]``, chunk i starting
-  at token ``first_pos + i*C`` -> (o f32 ``[B, Hkv, n, R, Dv]``, lse ``[B, Hkv, n, R]``).
-  Slots at or past ``live_ends`` ``[B]`` are dead: their scores and value rows are
-  selected away (they may hold inf / NaN).
+  at token ``first_pos + i*C`` (``first_pos``: a scalar or int32 ``[B]``) -> (o f32
+  ``[B, Hkv, n, R, Dv]``, lse ``[B, Hkv, n, R]``).
+
+  Scores of slots a row may not see are selected away. ``live_ends`` ``[B]``: value rows at
+  or past it are dead and selected to 0 too (they may hold inf / NaN); ``None`` skips that
+  select, for chunks known to be wholly live, or wholly dead (then l = 0, lse = -inf, and
+  `merge_states` ignores whatever o holds).
 
   ``heads_outer``: q_rows, kc, vc and the results have their two batch axes swapped
   (``[Hkv, B, ...]``, a paged pool's gather order, so the cache chunk is never transposed).
@@ -38,18 +42,38 @@ def _chunk_states(q_rows, kc, vc, row_limits, live_ends, first_pos, softmax_scal
   n, c = kc.shape[2], kc.shape[3]
   scores = jnp.einsum("bhrd,bhncd->bhnrc", q_rows, kc.astype(q_rows.dtype),
                       preferred_element_type=jnp.float32) * softmax_scale
-  pos = first_pos + jnp.arange(n * c, dtype=jnp.int32).reshape(n, 1, c)
+  first = jnp.asarray(first_pos, jnp.int32).reshape(-1, 1, 1, 1, 1)  # [B|1, 1, 1, 1, 1]
+  pos = first + jnp.arange(n * c, dtype=jnp.int32).reshape(1, 1, n, 1, c)
   limits = row_limits[None, :, None, :, None] if heads_outer else row_limits[:, None, None, :, None]
-  valid = pos[None, None] < limits  # [B, 1, n, R, C] (or [1, B, n, R, C])
+  valid = pos < limits  # [B, 1, n, R, C] (or [1, B, n, R, C])
   scores = jnp.where(valid, scores, MASK_VALUE)
   m = jnp.max(scores, axis=-1)
   p = jnp.where(valid, jnp.exp(scores - m[..., None]), 0.0)
   l = jnp.sum(p, axis=-1)
-  ends = live_ends[None, :, None, None] if heads_outer else live_ends[:, None, None, None]
-  live = (pos[:, 0][None, None] < ends)[..., None]  # [B, 1, n, C, 1] (or [1, B, ...])
-  vc = jnp.where(live, vc, jnp.zeros((), vc.dtype))
+  if live_ends is not None:
+    ends = live_ends[None, :, None, None, None] if heads_outer else live_ends[:, None, None, None, None]
+    live = jnp.swapaxes(pos, -1, -2) < ends  # [B|1, 1, n, C, 1]
+    vc = jnp.where(live, vc, jnp.zeros((), vc.dtype))
   acc = jnp.einsum("bhnrc,bhncd->bhnrd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
   return finalize_state(acc, m, l)
+
+
+def _contiguous_states(q_rows, kc, vc, row_limits, live_ends, softmax_scale):
+  """`_chunk_states` of a contiguous cache, paying for the dead-slot select only when a
+  dead slot holds inf or NaN.
+
+  Without the select, a dead value row meets probability exactly 0: a finite row adds an
+  exact 0 to the same dot (bit-identical result), an inf / NaN row makes its chunk's o
+  non-finite. So the select-free result is kept when every non-empty state is finite, and
+  recomputed with the select otherwise (`lax.cond`: one branch runs). XLA:CPU does not fuse
+  a select over all of V into the dot: always selecting made this path 2-5x slower at
+  S = 16384 (benchmarks/RESULTS.md). A live inf / NaN also takes the second branch, which
+  gives the same answer.
+  """
+  o, lse = _chunk_states(q_rows, kc, vc, row_limits, None, 0, softmax_scale)
+  clean = jnp.all(jnp.isfinite(o) | jnp.isneginf(lse)[..., None])
+  return lax.cond(clean, lambda: (o, lse),
+                  lambda: _chunk_states(q_rows, kc, vc, row_limits, live_ends, 0, softmax_scale))
 
 
 def _pad_tokens(x, total, axis=2, broadcast_ok=False):
@@ -89,7 +113,7 @@ def xla_partials(q_rows, k, v, row_limits, *, softmax_scale: float, num_splits: 
     k, v = _pad_tokens(k, chunk * n), _pad_tokens(v, chunk * n)
     kc = k.reshape(b, hkv, n, chunk, dk)
     vc = v.reshape(b, hkv, n, chunk, v.shape[-1])
-    return _chunk_states(q_rows, kc, vc.astype(q_rows.dtype), row_limits, live_ends, 0, softmax_scale)
+    return _contiguous_states(q_rows, kc, vc.astype(q_rows.dtype), row_limits, live_ends, softmax_scale)
 
   compute_dtype = q_rows.dtype
   if block_tables is not None:
