@@ -118,6 +118,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
                      f"pass impl='pallas' (got impl={impl!r})")
   if impl == "pallas" and interpret is None:
     interpret = _forced_tpu_interpret()
+  if isinstance(interpret, np.bool_):
+    interpret = bool(interpret)
   cfg = config_lib.Config(num_splits=num_splits, block_k=block_k)
   scale = _static_scale(softmax_scale, q.shape[-1])
   check_concrete_lengths(lengths, None if kv_offset is not None else _seq_capacity(k, block_tables))
@@ -140,8 +142,7 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     lse = jnp.full(q4.shape[:-1], -jnp.inf, jnp.float32)
   else:
     out, lse = _decode(q4, k, v, ends, cache, impl=impl, softmax_scale=scale, cfg=cfg,
-                       interpret=None if interpret is None else
-                       (interpret if isinstance(interpret, pltpu.InterpretParams) else bool(interpret)))
+                       interpret=interpret)
   if single_token:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out
@@ -172,11 +173,7 @@ def _decode(q, k, v, ends, cache, *, impl, softmax_scale, cfg, interpret):
   so exporting for TPU or CUDA from a CPU host embeds that platform's kernel.
   """
   b, t, hq, dk = q.shape
-  paged = cache["block_tables"] is not None
-  if paged:
-    hkv, s = k.shape[0], cache["block_tables"].shape[1] * k.shape[2]
-  else:
-    hkv, s = k.shape[1], k.shape[2]
+  hkv = k.shape[0] if cache["block_tables"] is not None else k.shape[1]
   g = hq // hkv
   if impl == "reference":
     kf, vf = _materialize(k, cache, "k"), _materialize(v, cache, "v")
@@ -193,8 +190,8 @@ def _decode(q, k, v, ends, cache, *, impl, softmax_scale, cfg, interpret):
   triton = lambda platform, interp: merged(
       _triton(q_rows, k, v, ends, platform=platform, interpret=interp, **kw))
   mosaic = lambda interp: merged(_mosaic(q_rows, k, v, ends, interpret=interp, **kw))
-  if impl == "xla":
-    o, lse = xla("cpu")
+  if impl == "xla":  # explicitly asked for, on whatever host traces it
+    o, lse = xla(jax.default_backend())
   elif isinstance(interpret, pltpu.InterpretParams):
     o, lse = mosaic(interpret)
   elif impl == "pallas" and interpret:
@@ -248,7 +245,7 @@ def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, **
   splits = cfg.num_splits or config_lib.default_num_splits(
       b, hkv, num_blocks, config_lib.num_parallel_units("tpu"))
   return mosaic_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                         num_splits=splits, block_k=cfg.block_k, interpret=interpret, **cache)
+                         num_splits=splits, plan=p, interpret=interpret, **cache)
 
 
 def triton_supports(q_rows, k, v, cache) -> bool:

@@ -27,7 +27,7 @@ DEFAULT_BLOCK_K = 128
 XLA_CHUNK_TOKENS = 2048
 # Parallel units assumed when lowering for a platform with no device here: an H100's
 # 132 SMs; one TensorCore per TPU chip (v5e / v6e).
-_DEFAULT_UNITS = {"gpu": 132, "cuda": 132, "rocm": 132, "tpu": 1}
+_DEFAULT_UNITS = {"gpu": 132, "tpu": 1}
 
 
 @dataclasses.dataclass(frozen=True)

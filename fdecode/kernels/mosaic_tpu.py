@@ -389,7 +389,7 @@ def _paged_call(q_rows, ends, k, v, tables, quant, p: Plan, *, num_rows, num_tok
 
 
 def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float,
-                    num_splits: int, block_k: int | None, interpret,
+                    num_splits: int, plan: Plan, interpret,
                     block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None):
   """Per-split partial states from the Mosaic (TPU) kernels.
 
@@ -398,7 +398,7 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     ends: int32 ``[B]``: each sequence's end relative to the cache's first token.
     k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables`` int32 ``[B, n]``, paged
       ``[Hkv, P, page_size, D]``; float or 8-bit with canonical rank-4 scales / offsets.
-    block_k: tokens per step (None: `plan`'s default).
+    plan: the launch's sizes, `fdecode.kernels.mosaic_tpu.plan` of these operands.
     interpret: False (compile for TPU) or a ``pltpu.InterpretParams`` (TPU semantics on
       CPU: simulated HBM / VMEM / SMEM, DMAs and semaphores).
 
@@ -407,8 +407,7 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   """
   r = q_rows.shape[2]
   quant = (k_scale, k_offset, v_scale, v_offset)
-  p = plan(q_rows, k, v, block_tables=block_tables, k_scale=k_scale, v_scale=v_scale,
-           k_offset=k_offset, v_offset=v_offset, block_k=block_k)
+  p = plan
   if p.rows_p != r:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, p.rows_p - r), (0, 0)])
   kw = dict(num_rows=r, num_tokens=num_tokens, softmax_scale=softmax_scale,

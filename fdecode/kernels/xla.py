@@ -28,13 +28,11 @@ from fdecode.quant import dequantize
 
 def _chunk_states(q_rows, kc, vc, row_limits, live_ends, first_pos, softmax_scale, heads_outer=False):
   """States of chunks: kc ``[B, Hkv, n, C, Dk]``, vc ``[B, Hkv, n, C, Dv]``, chunk i starting
-  at token ``first_pos + i*C`` (``first_pos``: a scalar or int32 ``[B]``) -> (o f32
-  ``[B, Hkv, n, R, Dv]``, lse ``[B, Hkv, n, R]``).
+  at token ``first_pos + i*C`` -> (o f32 ``[B, Hkv, n, R, Dv]``, lse ``[B, Hkv, n, R]``).
 
   Scores of slots a row may not see are selected away. ``live_ends`` ``[B]``: value rows at
   or past it are dead and selected to 0 too (they may hold inf / NaN); ``None`` skips that
-  select, for chunks known to be wholly live, or wholly dead (then l = 0, lse = -inf, and
-  `merge_states` ignores whatever o holds).
+  select (`_contiguous_states` checks the result instead).
 
   ``heads_outer``: q_rows, kc, vc and the results have their two batch axes swapped
   (``[Hkv, B, ...]``, a paged pool's gather order, so the cache chunk is never transposed).
@@ -42,8 +40,7 @@ def _chunk_states(q_rows, kc, vc, row_limits, live_ends, first_pos, softmax_scal
   n, c = kc.shape[2], kc.shape[3]
   scores = jnp.einsum("bhrd,bhncd->bhnrc", q_rows, kc.astype(q_rows.dtype),
                       preferred_element_type=jnp.float32) * softmax_scale
-  first = jnp.asarray(first_pos, jnp.int32).reshape(-1, 1, 1, 1, 1)  # [B|1, 1, 1, 1, 1]
-  pos = first + jnp.arange(n * c, dtype=jnp.int32).reshape(1, 1, n, 1, c)
+  pos = first_pos + jnp.arange(n * c, dtype=jnp.int32).reshape(1, 1, n, 1, c)
   limits = row_limits[None, :, None, :, None] if heads_outer else row_limits[:, None, None, :, None]
   valid = pos < limits  # [B, 1, n, R, C] (or [1, B, n, R, C])
   scores = jnp.where(valid, scores, MASK_VALUE)
@@ -52,7 +49,7 @@ def _chunk_states(q_rows, kc, vc, row_limits, live_ends, first_pos, softmax_scal
   l = jnp.sum(p, axis=-1)
   if live_ends is not None:
     ends = live_ends[None, :, None, None, None] if heads_outer else live_ends[:, None, None, None, None]
-    live = jnp.swapaxes(pos, -1, -2) < ends  # [B|1, 1, n, C, 1]
+    live = jnp.swapaxes(pos, -1, -2) < ends  # [B, 1, n, C, 1] (or [1, B, ...])
     vc = jnp.where(live, vc, jnp.zeros((), vc.dtype))
   acc = jnp.einsum("bhnrc,bhncd->bhnrd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
   return finalize_state(acc, m, l)
