@@ -14,19 +14,22 @@ from jax.experimental.pallas import tpu as pltpu
 
 from fdecode import config as config_lib
 from fdecode.cache.paged import gather_pages, gather_scale
-from fdecode.combine import merge_states
+from fdecode import modifiers
+from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels.mosaic_tpu import mosaic_partials, plan as mosaic_plan
 from fdecode.kernels.triton import block_size as triton_block_size, triton_partials, triton_unsupported
-from fdecode.kernels.xla import xla_partials
+from fdecode.kernels.xla import window_tokens, xla_partials
 from fdecode.quant import canonical_scale, dequantize, is_quantized
-from fdecode.reference import query_limits, reference_decode
+from fdecode.reference import reference_decode
 
 IMPLS = ("pallas", "xla", "reference")
 
 
 def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=None,
                  softmax_scale=None, num_splits=None, block_k=None, impl=None,
-                 interpret=None, return_lse=False, k_offset=None, v_offset=None, kv_offset=None):
+                 interpret=None, return_lse=False, k_offset=None, v_offset=None, kv_offset=None,
+                 causal=True, mask=None, bias=None, alibi_slopes=None, window=None,
+                 logits_soft_cap=None, sinks=None):
   """FlashDecode attention of new tokens over a KV cache.
 
   Legend: B batch, T new tokens per sequence, Hq query heads, Hkv kv heads
@@ -83,6 +86,30 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       ``params``.
     return_lse: also return the log-sum-exp of the scores.
 
+  Score modifiers (all off by default; exact semantics in `fdecode.modifiers`). With
+  ``p = lengths - T + t`` the position of query t and ``j`` a key position:
+    causal: bool, default True: with T > 1, query t sees keys ``j <= p``; False lets
+      every new token see all ``lengths`` keys (tree / cross attention). With T = 1 both
+      are the same and either is accepted.
+    mask: bool, True = may attend, ``[B, S]``, ``[B, T, S]`` or ``[B, T, Hq, S]``
+      (leading axes may be 1), ANDed with lengths, causality and window. S is the cache
+      capacity (a paged table's ``n * page_size``, logical positions). Read per block;
+      never expanded to ``[B, T, Hq, S]``.
+    bias: float, additive, same forms as ``mask`` (Ascend's ``pse``).
+    alibi_slopes: float ``[Hq]``: adds ``slope * (j - p)`` (FlashAttention / vLLM),
+      computed in the kernel.
+    window: static int >= 1: sliding window, query p sees keys ``p - window < j <= p``
+      (Mistral / Gemma: the window counts the query's own position). Blocks wholly
+      outside the window are not read. (With ``causal=False`` the upper bound is the
+      sequence end.)
+    logits_soft_cap: static float > 0: ``s = cap * tanh(s / cap)`` after
+      ``softmax_scale``, before bias, ALiBi and masking (Gemma 2).
+    sinks: float ``[Hq]`` learned sink logits (gpt-oss): ``exp(sink)`` joins each row's
+      softmax denominator, with no value, exactly once after every split is merged. The
+      returned lse includes it (a row that sees no key gives out 0, lse = sink); to
+      merge partial results yourself, compute them without sinks, merge, then call
+      `fdecode.combine.apply_sinks` once.
+
   Dtypes: the matmuls read q's dtype promoted with every float cache's dtype (8-bit
   caches are dequantized to q's dtype); softmax and accumulation are float32. So a
   float32 query on a bfloat16 cache is never rounded to bfloat16, on any impl.
@@ -99,7 +126,9 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
 
   Raises:
     ValueError: at trace time, for inconsistent shapes or dtypes (the message names the
-      argument and shows the shapes), a zero head dim, a bad option, or concrete lengths /
+      argument and shows the shapes), a zero head dim, a bad option (a mask that is not
+      boolean or does not broadcast, window < 1, soft cap <= 0, slopes or sinks not
+      ``[Hq]``), or concrete lengths /
       page ids out of range; with ``impl="pallas"`` compiled for GPU, for head dims the
       Triton kernel cannot tile (see ``impl``).
   """
@@ -126,6 +155,10 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   if block_tables is not None:
     _check_concrete_page_ids(block_tables, lengths, k.shape[1], k.shape[2])
   q4 = q[:, None] if single_token else q
+  hkv = k.shape[0] if block_tables is not None else k.shape[1]
+  mods, mod_arrays, sinks = modifiers.canonicalize(
+      q4.shape, hkv, _seq_capacity(k, block_tables), causal=causal, mask=mask, bias=bias,
+      alibi_slopes=alibi_slopes, sinks=sinks, window=window, logits_soft_cap=logits_soft_cap)
   cache = dict(block_tables=None if block_tables is None else jnp.asarray(block_tables, jnp.int32),
                k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset)
   # The kernels take each sequence's end relative to the cache's first token.
@@ -141,8 +174,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     out = jnp.zeros(q4.shape[:-1] + (v.shape[-1],), q.dtype)
     lse = jnp.full(q4.shape[:-1], -jnp.inf, jnp.float32)
   else:
-    out, lse = _decode(q4, k, v, ends, cache, impl=impl, softmax_scale=scale, cfg=cfg,
-                       interpret=interpret)
+    out, lse = _decode(q4, k, v, ends, cache, mod_arrays, sinks, impl=impl, softmax_scale=scale,
+                       cfg=cfg, interpret=interpret, mods=mods)
   if single_token:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out
@@ -164,11 +197,13 @@ def compute_dtype(q_dtype, k_dtype, v_dtype):
   return jnp.result_type(*dtypes)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "softmax_scale", "cfg", "interpret"))
-def _decode(q, k, v, ends, cache, *, impl, softmax_scale, cfg, interpret):
+@functools.partial(jax.jit, static_argnames=("impl", "softmax_scale", "cfg", "interpret", "mods"))
+def _decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg, interpret, mods):
   """q ``[B, T, Hq, Dk]`` -> (out ``[B, T, Hq, Dv]`` in q.dtype, lse f32 ``[B, T, Hq]``).
 
   ``cache``: dict of block_tables and canonical scales / offsets (None when absent).
+  ``mods`` / ``mod_arrays``: the score modifiers (`fdecode.modifiers.canonicalize`);
+  ``sinks`` (f32 ``[Hq]`` or None) join the softmax once, after the merge.
   The one dispatch: by the platform being *lowered for* (`jax.lax.platform_dependent`),
   so exporting for TPU or CUDA from a CPU host embeds that platform's kernel.
   """
@@ -177,12 +212,18 @@ def _decode(q, k, v, ends, cache, *, impl, softmax_scale, cfg, interpret):
   g = hq // hkv
   if impl == "reference":
     kf, vf = _materialize(k, cache, "k"), _materialize(v, cache, "v")
-    out, lse = reference_decode(q, kf, vf, ends, softmax_scale=softmax_scale)
+    user = lambda x: None if x is None else modifiers.user_form(x)
+    alibi = mod_arrays["alibi"]
+    out, lse = reference_decode(
+        q, kf, vf, ends, softmax_scale=softmax_scale, causal=mods.causal,
+        mask=user(mod_arrays["mask"]), bias=user(mod_arrays["bias"]),
+        alibi_slopes=None if alibi is None else alibi.reshape(-1), window=mods.window,
+        logits_soft_cap=mods.soft_cap, sinks=sinks)
     return out.astype(q.dtype), lse
   # Rows of one kv head: r = t * G + g, in the compute dtype.
   cd = compute_dtype(q.dtype, k.dtype, v.dtype)
   q_rows = q.reshape(b, t, hkv, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dk).astype(cd)
-  kw = dict(num_tokens=t, softmax_scale=softmax_scale, cfg=cfg, **cache)
+  kw = dict(num_tokens=t, softmax_scale=softmax_scale, cfg=cfg, mods=mods, **cache, **mod_arrays)
 
   # Each path yields per-split states, merged in-branch (the branches' split counts differ).
   merged = lambda states: merge_states(*states, axis=2)  # [B, Hkv, R, Dv], [B, Hkv, R]
@@ -212,6 +253,8 @@ def _decode(q, k, v, ends, cache, *, impl, softmax_scale, cfg, interpret):
   dv = o.shape[-1]
   out = o.reshape(b, hkv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, dv)
   lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
+  if sinks is not None:  # once, after every split is merged
+    out, lse = apply_sinks(out, lse, sinks)
   return out.astype(q.dtype), lse
 
 
@@ -219,19 +262,20 @@ def _seq_capacity(k, block_tables):
   return k.shape[2] if block_tables is None else block_tables.shape[1] * k.shape[2]
 
 
-def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, **cache):
-  b, hkv, r, _ = q_rows.shape
-  s = _seq_capacity(k, cache["block_tables"])
+def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, **cache):
+  b, hkv = q_rows.shape[:2]
+  tables = cache["block_tables"]
+  s = window_tokens(_seq_capacity(k, tables), num_tokens, mods, None if tables is None else k.shape[2])
   splits = cfg.num_splits or _xla_default_splits(b, hkv, s, cache, platform)
-  row_limits = jnp.repeat(query_limits(ends, num_tokens, s), r // num_tokens, axis=1)  # [B, R]
-  return xla_partials(q_rows, k, v, row_limits, softmax_scale=softmax_scale, num_splits=splits,
-                      live_ends=jnp.clip(ends, 0, s), **cache)
+  return xla_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                      num_splits=splits, mods=mods, **cache)
 
 
 def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, interpret, **cache):
   b, hkv = q_rows.shape[:2]
   bk = triton_block_size(cfg.block_k or config_lib.DEFAULT_BLOCK_K)
-  num_blocks = max(-(-_seq_capacity(k, cache["block_tables"]) // bk), 1)
+  seen = window_tokens(_seq_capacity(k, cache["block_tables"]), num_tokens, cache["mods"])
+  num_blocks = max(-(-seen // bk), 1)
   splits = cfg.num_splits or config_lib.default_num_splits(
       b, hkv, num_blocks, config_lib.num_parallel_units(platform))
   return triton_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
@@ -241,7 +285,8 @@ def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, int
 def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, **cache):
   b, hkv = q_rows.shape[:2]
   p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, **cache)
-  num_blocks = max(-(-_seq_capacity(k, cache["block_tables"]) // p.block), 1)
+  seen = window_tokens(_seq_capacity(k, cache["block_tables"]), num_tokens, cache["mods"])
+  num_blocks = max(-(-seen // p.block), 1)
   splits = cfg.num_splits or config_lib.default_num_splits(
       b, hkv, num_blocks, config_lib.num_parallel_units("tpu"))
   return mosaic_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,

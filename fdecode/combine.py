@@ -106,3 +106,25 @@ def combine_across(o: jnp.ndarray, lse: jnp.ndarray, axis_name):
   o_all = all_gather_invariant(o, axis_name)  # [n, ..., Dv]
   lse_all = all_gather_invariant(lse.astype(jnp.float32), axis_name)  # [n, ...]
   return merge_states(o_all, lse_all, axis=0)
+
+
+def apply_sinks(o: jnp.ndarray, lse: jnp.ndarray, sinks: jnp.ndarray):
+  """Adds attention sinks to a *merged* state: one extra logit per head with no value.
+
+  A sink is the state (0, sink) of a virtual key whose value is 0, so this is
+  `merge_states` of the two: ``o' = o * exp(lse - lse')`` with
+  ``lse' = logaddexp(lse, sink)``. Apply it exactly once, after every split and device
+  has been merged (gpt-oss; FlashAttention 3 / FlashInfer ``sinks``): states that already
+  include a sink must not be merged with each other (the sink would count twice). A row
+  that saw no key gives o = 0 and lse = sink.
+
+  Args:
+    o: ``[..., H, Dv]`` merged output; lse: ``[..., H]`` its float32 LSE.
+    sinks: float ``[H]`` sink logits (natural-log scale, like the scores).
+
+  Returns:
+    ``(o, lse)``: o in ``o.dtype``, lse float32 including the sink.
+  """
+  sink = jnp.broadcast_to(sinks.astype(jnp.float32), lse.shape)
+  stacked_o = jnp.stack([o, jnp.zeros_like(o)], axis=0)
+  return merge_states(stacked_o, jnp.stack([lse.astype(jnp.float32), sink], axis=0), axis=0)

@@ -6,6 +6,8 @@ import math
 
 import jax.numpy as jnp
 
+from fdecode.combine import apply_sinks
+
 
 def query_limits(lengths: jnp.ndarray, num_tokens: int, seq_capacity: int) -> jnp.ndarray:
   """int32 ``[B, T]``: query t of sequence b attends to key positions ``< limit[b, t]``.
@@ -18,7 +20,18 @@ def query_limits(lengths: jnp.ndarray, num_tokens: int, seq_capacity: int) -> jn
   return jnp.clip(limits, 0, seq_capacity)
 
 
-def reference_decode(q, k, v, lengths, *, softmax_scale=None):
+def _broadcast4(x, b, t, hq, s):
+  """A ``[B|1, S]``, ``[B|1, T|1, S]`` or ``[B|1, T|1, Hq|1, S]`` array -> ``[B, T, Hq, S]``."""
+  x = jnp.asarray(x)
+  if x.ndim == 2:
+    x = x[:, None, None, :]
+  elif x.ndim == 3:
+    x = x[:, :, None, :]
+  return jnp.broadcast_to(x, (b, t, hq, s))
+
+
+def reference_decode(q, k, v, lengths, *, softmax_scale=None, causal=True, mask=None, bias=None,
+                     alibi_slopes=None, window=None, logits_soft_cap=None, sinks=None):
   """Softmax attention of the new tokens over a head-major contiguous cache, in float32.
 
   Args:
@@ -27,31 +40,54 @@ def reference_decode(q, k, v, lengths, *, softmax_scale=None):
     v: ``[B, Hkv, S, Dv]`` values.
     lengths: int ``[B]`` valid tokens per sequence (new tokens included).
     softmax_scale: defaults to ``1/sqrt(Dk)``.
+    causal, mask, bias, alibi_slopes, window, logits_soft_cap, sinks: the score
+      modifiers of `flash_decode` (semantics in `fdecode.modifiers`), built here densely
+      at ``[B, T, Hq, S]``.
 
   Returns:
-    ``(out, lse)``: float32 ``[B, T, Hq, Dv]`` and float32 ``[B, T, Hq]`` (natural log).
-    Rows with no valid key give out 0 and lse -inf. Slots past a length never influence
-    the result, whatever they hold (inf / NaN included).
+    ``(out, lse)``: float32 ``[B, T, Hq, Dv]`` and float32 ``[B, T, Hq]`` (natural log;
+    with sinks, the LSE includes them). Rows with no visible key give out 0 and lse
+    -inf (lse = sink with sinks). Slots no query may see never influence the result,
+    whatever they hold (inf / NaN included).
   """
   b, t, hq, dk = q.shape
   _, hkv, s, _ = k.shape
   g = hq // hkv
   scale = 1.0 / math.sqrt(dk) if softmax_scale is None else softmax_scale
-  qf = q.astype(jnp.float32).reshape(b, t, hkv, g, dk)
-  kf = k.astype(jnp.float32)
-  # Slots past a sequence's length are dead and may hold anything: select them away.
-  live = jnp.arange(s)[None, :] < jnp.clip(lengths, 0, s)[:, None]  # [B, S]
-  vf = jnp.where(live[:, None, :, None], v.astype(jnp.float32), 0.0)
-  scores = jnp.einsum("bthgd,bhsd->bthgs", qf, kf, precision="highest") * scale
-  limits = query_limits(lengths, t, s)  # [B, T]
-  valid = jnp.arange(s)[None, None, :] < limits[:, :, None]  # [B, T, S]
-  valid = valid[:, :, None, None, :]
-  scores = jnp.where(valid, scores, -jnp.inf)
+  qf = q.astype(jnp.float32)
+  # Every head's own copy of its kv head: [B, Hq, S, D].
+  kf = jnp.repeat(k.astype(jnp.float32), g, axis=1)
+  vf = jnp.repeat(v.astype(jnp.float32), g, axis=1)
+  scores = jnp.einsum("bthd,bhsd->bths", qf, kf, precision="highest") * scale  # [B, T, Hq, S]
+  if logits_soft_cap is not None:
+    scores = logits_soft_cap * jnp.tanh(scores / logits_soft_cap)
+  key_pos = jnp.arange(s, dtype=jnp.int32)[None, None, None, :]
+  query_pos = (lengths.astype(jnp.int32)[:, None] - t + jnp.arange(t, dtype=jnp.int32)[None, :])
+  query_pos = query_pos[:, :, None, None]  # [B, T, 1, 1]
+  if alibi_slopes is not None:
+    slopes = jnp.asarray(alibi_slopes, jnp.float32)[None, None, :, None]
+    scores = scores + slopes * (key_pos - query_pos).astype(jnp.float32)
+  if bias is not None:
+    scores = scores + _broadcast4(bias, b, t, hq, s).astype(jnp.float32)
+  visible = key_pos < jnp.clip(lengths, 0, s)[:, None, None, None]
+  if causal:
+    visible &= key_pos <= query_pos
+  if window is not None:
+    visible &= key_pos > query_pos - window
+  if mask is not None:
+    visible &= _broadcast4(mask, b, t, hq, s)
+  visible = jnp.broadcast_to(visible, scores.shape)
+  # A slot no query of a head sees is dead and may hold anything: select it away.
+  seen = jnp.any(visible, axis=1)[..., None]  # [B, Hq, S, 1]
+  vf = jnp.where(seen, vf, 0.0)
+  scores = jnp.where(visible, scores, -jnp.inf)
   m = jnp.max(scores, axis=-1, keepdims=True)
   m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-  p = jnp.where(valid, jnp.exp(scores - m_safe), 0.0)
+  p = jnp.where(visible, jnp.exp(scores - m_safe), 0.0)
   l = jnp.sum(p, axis=-1)
-  out = jnp.einsum("bthgs,bhsd->bthgd", p, vf, precision="highest")
+  out = jnp.einsum("bths,bhsd->bthd", p, vf, precision="highest")
   out = out / jnp.where(l > 0, l, 1.0)[..., None]
   lse = jnp.where(l > 0, m_safe[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
-  return out.reshape(b, t, hq, -1), lse.reshape(b, t, hq)
+  if sinks is not None:
+    out, lse = apply_sinks(out, lse, jnp.asarray(sinks))
+  return out, lse

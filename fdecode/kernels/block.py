@@ -24,12 +24,14 @@ would be NaN, so nothing is ever multiplied away.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from fdecode.combine import MASK_VALUE, finalize_state
+from fdecode.modifiers import Modifiers, window_start
 from fdecode.quant import dequantize
 
 
@@ -134,24 +136,107 @@ def finalize(state):
   return tuple(out), lse[:, None]
 
 
-def row_limits(end, num_rows: int, rows_p: int, group: int, num_tokens: int, seq_len: int):
-  """int32 ``[R_p, 1]``: row r (query token ``r // group``) sees cache positions below
-  its limit ``end - T + t + 1`` clipped to ``[0, S]``; padding rows see nothing."""
+class Rows(NamedTuple):
+  """Per query row of a kernel program, int32 ``[R_p, 1]``: row r sees key positions
+  ``lo <= j < hi`` (lo None: no window), and sits at position ``qpos``."""
+  lo: Any
+  hi: Any
+  qpos: Any
+
+
+def row_geometry(end, num_rows: int, rows_p: int, group: int, num_tokens: int, seq_len: int,
+                 mods: Modifiers) -> Rows:
+  """Row r (query token ``t = r // group`` at position ``end - T + t``): its visible range
+  under causality and the window (`fdecode.modifiers`); padding rows see nothing."""
   rows = lax.broadcasted_iota(jnp.int32, (rows_p, 1), 0)
-  limit = jnp.clip(end - num_tokens + 1 + rows // group, 0, seq_len)
-  return jnp.where(rows < num_rows, limit, 0)
+  qpos = end - num_tokens + rows // group
+  hi = jnp.clip(qpos + 1, 0, seq_len) if mods.causal else jnp.clip(end, 0, seq_len) + 0 * rows
+  hi = jnp.where(rows < num_rows, hi, 0)
+  lo = None if mods.window is None else jnp.clip(qpos - mods.window + 1, 0, seq_len)
+  return Rows(lo, hi, qpos)
 
 
-def block_masks(row_limit, load_start, start, live_end, bk: int):
+def _cdiv(a, b: int):
+  return (a + b - 1) // b
+
+
+def split_range(end, split, num_splits: int, num_tokens: int, seq_len: int, bk: int, mods: Modifiers):
+  """Blocks ``[first, last)`` of ``bk`` tokens that split ``split`` of ``num_splits``
+  processes: the blocks any row may see (from the window's first block to the
+  sequence's end) are dealt out evenly, so no split reads a block outside the window or
+  past the end, and a short or windowed sequence still uses every split."""
+  live_end = jnp.clip(end, 0, seq_len)
+  hi = _cdiv(live_end, bk)
+  lo = jnp.minimum(window_start(end, num_tokens, seq_len, mods) // bk, hi)
+  per = _cdiv(hi - lo, num_splits)
+  first = lo + split * per
+  return first, jnp.minimum(first + per, hi)
+
+
+def row_source(rows_p: int, group: int, num_tokens: int, form, shape):
+  """int32 iota of ``shape`` (leading dim R_p): for each row r = t * G + g, the row of a
+  canonical mask / bias block ``[Tm * Gm, bk]`` it reads (form = (Tm, Gm))."""
+  tm, gm = form
+  rows = lax.broadcasted_iota(jnp.int32, shape, 0)
+  t = jnp.minimum(rows // group, num_tokens - 1)
+  return (t if tm > 1 else 0) * gm + (rows % group if gm > 1 else 0)
+
+
+def expand_rows(block, rows_p: int, group: int, num_tokens: int, form):
+  """A canonical mask / bias block float32 ``[Tm * Gm, bk]`` -> ``[R_p | 1, bk]`` by rows,
+  as a one-hot matmul (exact in float32; for kernels without gathers)."""
+  m = block.shape[0]
+  if m == 1:
+    return block
+  src = row_source(rows_p, group, num_tokens, form, (rows_p, m))
+  one_hot = jnp.where(src == lax.broadcasted_iota(jnp.int32, (rows_p, m), 1), 1.0, 0.0)
+  return lax.dot_general(one_hot, block, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
+
+
+def modify_scores(s, mods: Modifiers, rows: Rows, pos_row, slopes=None, bias=None):
+  """Soft cap, ALiBi and additive bias on float32 scores ``[R_p, bk]`` (`fdecode.modifiers`).
+
+  pos_row: int32 ``[1, bk]`` key positions; slopes: float32 ``[R_p, 1]``; bias: float32
+  ``[R_p | 1, bk]``.
+  """
+  if mods.soft_cap is not None:
+    s = mods.soft_cap * jnp.tanh(s * (1.0 / mods.soft_cap))
+  if slopes is not None:
+    s = s + slopes * (pos_row - rows.qpos).astype(jnp.float32)
+  if bias is not None:
+    s = s + bias
+  return s
+
+
+def column_any(visible):
+  """bool ``[R_p, bk]`` -> ``[bk, 1]``: some row sees slot j (a transpose, then a
+  lane reduction)."""
+  return jnp.max(jnp.where(visible, 1.0, 0.0).T, axis=1, keepdims=True) > 0
+
+
+def block_masks(rows: Rows, load_start, start, live_end, bk: int, *, first_visible=0, mask=None):
   """Masks of a block loaded from position ``load_start`` whose own tokens begin at
   ``start`` (earlier loaded slots belong to the previous block).
 
-  Returns ``(visible [R_p, bk], live [bk, 1])``: ``live`` = ``start <= pos < live_end``.
+  Args:
+    rows: `row_geometry`.
+    live_end: the sequence's end in the cache (clipped to S).
+    first_visible: the first position any row may see (`fdecode.modifiers.window_start`).
+    mask: bool ``[R_p | 1, bk]`` the caller's mask for this block, or None.
+
+  Returns ``(visible [R_p, bk], live [bk, 1])``: ``live`` = some row sees slot j (without
+  a mask: ``max(start, first_visible) <= pos < live_end``).
   """
   pos_row = load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-  visible = (pos_row >= start) & (pos_row < row_limit)
+  visible = (pos_row >= start) & (pos_row < rows.hi)
+  if rows.lo is not None:
+    visible &= pos_row >= rows.lo
+  if mask is not None:
+    visible &= mask
+    return visible, column_any(visible)
   pos_col = load_start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-  live = (pos_col >= start) & (pos_col < live_end)
+  live = (pos_col >= jnp.maximum(start, first_visible)) & (pos_col < live_end)
   return visible, live
 
 

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from fdecode.kernels import block as blk
+from fdecode.modifiers import Modifiers
 
 _LANES = 128
 # Default bytes of K + V one grid step moves: large enough to amortize the ~0.35 us
@@ -98,7 +99,8 @@ def _per_token(scale, paged: bool) -> bool:
 
 
 def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offset=None,
-         v_offset=None, block_k: int | None = None) -> Plan:
+         v_offset=None, block_k: int | None = None, mods: Modifiers = Modifiers(), mask=None,
+         bias=None, alibi=None) -> Plan:
   """Block sizes and VMEM footprint for these operands (arrays or ShapeDtypeStructs).
 
   ``block_k``: tokens per step; ``None`` picks about `_STEP_BYTES` of K + V per step.
@@ -180,8 +182,8 @@ def _contiguous_kernel(ends_ref, q_ref, k_ref, v_ref, *refs, has_quant, softmax_
     load = lambda ref: None if ref is None else ref[...]
     kb = _dequant_pieces(k_ref[...], k_pieces, load(quant[0]), load(quant[1]), dtype)
     vb = _dequant_pieces(v_ref[...], v_pieces, load(quant[2]), load(quant[3]), dtype)
-    limit = blk.row_limits(end, num_rows, rows_p, group, num_tokens, seq_len)
-    visible, live = blk.block_masks(limit, start, start, live_end, bk)
+    rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, Modifiers())
+    visible, live = blk.block_masks(rows, start, start, live_end, bk)
     s = blk.block_scores(q_pieces, kb, softmax_scale)
     state = (tuple(ref[...] for ref in acc_refs), m_ref[...], l_ref[...])
     acc, m, l = blk.online_update(state, s, visible, live, vb)
@@ -310,7 +312,7 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, step
   dtype = q_ref.dtype
   q = q_ref[...]
   q_pieces = [q if len(k_pieces) == 1 else q[:, p.offset:p.offset + p.width] for p in k_pieces]
-  limit = blk.row_limits(end, num_rows, rows_p, group, num_tokens, seq_len)
+  rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, Modifiers())
 
   def body(step, state):
     slot = (step - first) % 2
@@ -326,7 +328,7 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, step
     kb = _dequant_pieces(kb, k_pieces, ks, ko, dtype)
     vb = _dequant_pieces(vb, v_pieces, vs, vo, dtype)
     token0 = step * block
-    visible, live = blk.block_masks(limit, token0, token0, live_end, block)
+    visible, live = blk.block_masks(rows, token0, token0, live_end, block)
     s = blk.block_scores(q_pieces, kb, softmax_scale)
     return blk.online_update(state, s, visible, live, vb)
 
@@ -390,7 +392,8 @@ def _paged_call(q_rows, ends, k, v, tables, quant, p: Plan, *, num_rows, num_tok
 
 def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float,
                     num_splits: int, plan: Plan, interpret,
-                    block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None):
+                    block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
+                    mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None):
   """Per-split partial states from the Mosaic (TPU) kernels.
 
   Args:
@@ -405,6 +408,8 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   Returns:
     ``(o, lse)``: float32 ``[B, Hkv, n_splits, R, Dv]`` and ``[B, Hkv, n_splits, R]``.
   """
+  if not mods.plain or mask is not None or bias is not None or alibi is not None:
+    raise NotImplementedError("score modifiers in the Mosaic kernel")
   r = q_rows.shape[2]
   quant = (k_scale, k_offset, v_scale, v_offset)
   p = plan

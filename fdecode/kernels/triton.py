@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from fdecode.kernels import block as blk
+from fdecode.modifiers import Modifiers, window_start
 
 # tl.dot needs every dimension >= 16; rows are padded to it, pieces must reach it.
 _MIN_DOT = 16
@@ -54,6 +55,7 @@ class _Plan:
   v_pieces: tuple
   quant: tuple                # per stream (k_scale, k_offset, v_scale, v_offset): None or
                               # its (pages|1, page_size|1) (paged) / (S|1,) (contiguous) dims
+  mods: Modifiers = Modifiers()
 
 
 def block_size(block_k: int) -> int:
@@ -83,24 +85,37 @@ def _load_piece(ref, index, piece, quant_refs, quant_index, dtype):
   return blk.dequantize_piece(x, scale, offset, dtype)
 
 
-def _kernel(*refs, plan: _Plan, softmax_scale, blocks_per_split, num_rows, group, num_tokens):
+def _kernel(*refs, plan: _Plan, softmax_scale, num_splits, num_rows, group, num_tokens):
   # refs: end i32[1] (lengths - kv_offset), [table i32[n]], q [R_p, Dk], k, v,
-  #       [k_scale], [k_offset], [v_scale], [v_offset], o f32[R_p, Dv], lse f32[R_p]
+  #       [k_scale], [k_offset], [v_scale], [v_offset], [mask i8[M, S_p]], [bias [M, S_p]],
+  #       [alibi f32[R_p]], o f32[R_p, Dv], lse f32[R_p]
   refs = list(refs)
+  mods = plan.mods
   end_ref = refs.pop(0)
   table_ref = refs.pop(0) if plan.paged else None
   q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
   quant = [refs.pop(0) if dims is not None else None for dims in plan.quant]
+  mask_ref = refs.pop(0) if mods.mask else None
+  bias_ref = refs.pop(0) if mods.bias else None
+  alibi_ref = refs.pop(0) if mods.alibi else None
   o_ref, lse_ref = refs
   rows_p = q_ref.shape[0]
   bk = plan.block
   dtype = q_ref.dtype  # the compute dtype (the wrapper casts q to it)
   end = end_ref[0]
   live_end = jnp.clip(end, 0, plan.seq_len)
-  limit = blk.row_limits(end, num_rows, rows_p, group, num_tokens, plan.seq_len)
+  rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, plan.seq_len, mods)
+  first_visible = window_start(end, num_tokens, plan.seq_len, mods)
   q_pieces = [q_ref[:, pl.ds(p.offset, p.width)] for p in plan.k_pieces]
-  first = pl.program_id(2) * blocks_per_split
-  last = jnp.minimum(first + blocks_per_split, pl.cdiv(live_end, bk))
+  slopes = None if alibi_ref is None else alibi_ref[...][:, None]
+  first, last = blk.split_range(end, pl.program_id(2), num_splits, num_tokens, plan.seq_len, bk, mods)
+
+  def by_rows(ref, form, load_start):
+    """A mask / bias block for the rows: ``[R_p | 1, bk]``, gathered by row."""
+    cols = pl.ds(load_start, bk)
+    if form == (1, 1):
+      return ref[pl.ds(0, 1), cols]
+    return ref[blk.row_source(rows_p, group, num_tokens, form, (rows_p,)), cols]
 
   def quant_index(dims, start, page, slot):
     """Row index into a scale / offset ref for this block."""
@@ -129,7 +144,12 @@ def _kernel(*refs, plan: _Plan, softmax_scale, blocks_per_split, num_rows, group
     k_pieces = [_load_piece(k_ref, index, p, quant[0:2], qi[0:2], dtype) for p in plan.k_pieces]
     v_pieces = [_load_piece(v_ref, index, p, quant[2:4], qi[2:4], dtype) for p in plan.v_pieces]
     s = blk.block_scores(q_pieces, k_pieces, softmax_scale)
-    visible, live = blk.block_masks(limit, load_start, start, live_end, bk)
+    pos_row = load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    bias = None if bias_ref is None else by_rows(bias_ref, mods.bias, load_start).astype(jnp.float32)
+    s = blk.modify_scores(s, mods, rows, pos_row, slopes, bias)
+    mask = None if mask_ref is None else by_rows(mask_ref, mods.mask, load_start) != 0
+    visible, live = blk.block_masks(rows, load_start, start, live_end, bk,
+                                    first_visible=first_visible, mask=mask)
     return blk.online_update(state, s, visible, live, v_pieces)
 
   state = lax.fori_loop(first, last, body, blk.init_state(rows_p, plan.v_pieces))
@@ -153,7 +173,8 @@ def _quant_operand(x, paged):
 
 def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float,
                     num_splits: int, block_k: int, interpret: bool,
-                    block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None):
+                    block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
+                    mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None):
   """Per-split partial states from the Triton kernel (``interpret``: Pallas' interpreter).
 
   Args:
@@ -163,6 +184,9 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
       ``[Hkv, P, page_size, D]``; float or 8-bit with canonical rank-4 scales / offsets.
     num_tokens: T (rows are T groups of G).
     block_k: tokens per block (rounded by `block_size`).
+    mods, mask, bias, alibi: the static `fdecode.modifiers.Modifiers` and their canonical
+      arrays (mask / bias ``[Bm, Hm, Tm, Gm, S]``, alibi f32 ``[Hkv, G]``). A mask or bias
+      block is gathered by row inside the kernel, never expanded in memory.
 
   Returns:
     ``(o, lse)``: float32 ``[B, Hkv, n_splits, R, Dv]`` and ``[B, Hkv, n_splits, R]``.
@@ -222,13 +246,27 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     operands.append(operand)
     in_specs.append(spec)
     quant_dims.append(dims)
+  s_p = rows if not paged else num_blocks * bk  # positions a block may load
+  for x, as_dtype in ((mask, jnp.int8), (bias, None)):
+    if x is None:
+      continue
+    bm, hm, tm, gm, s = x.shape
+    x = x.reshape(bm, hm, tm * gm, s).astype(as_dtype or x.dtype)
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, 0), (0, s_p - s)])
+    operands.append(x)
+    in_specs.append(pl.BlockSpec((None, None, tm * gm, s_p), lambda i, h, j, bm=bm, hm=hm: (
+        i if bm > 1 else 0, h if hm > 1 else 0, 0, 0)))
+  if alibi is not None:  # [Hkv, G] -> per row r = t * G + g: [Hkv, R_p]
+    slopes = jnp.pad(jnp.tile(alibi.astype(jnp.float32), (1, num_tokens)), [(0, 0), (0, rows_p - r)])
+    operands.append(slopes)
+    in_specs.append(pl.BlockSpec((None, rows_p), lambda i, h, j: (h, 0)))
   plan = _Plan(paged=paged, block=bk, seq_len=seq_len, rows=rows, page_size=page_size,
                num_pages=num_pages, table_len=table_len,
                k_pieces=blk.head_pieces(dk, k_tiles, pow2=True),
-               v_pieces=blk.head_pieces(dv, v_tiles, pow2=True), quant=tuple(quant_dims))
+               v_pieces=blk.head_pieces(dv, v_tiles, pow2=True), quant=tuple(quant_dims), mods=mods)
   kernel = functools.partial(
       _kernel, plan=plan, softmax_scale=softmax_scale,
-      blocks_per_split=pl.cdiv(num_blocks, num_splits), num_rows=r, group=r // num_tokens,
+      num_splits=num_splits, num_rows=r, group=r // num_tokens,
       num_tokens=num_tokens)
   compiler_params = None
   if not interpret:

@@ -11,28 +11,103 @@ Paged or 8-bit caches: a loop over the ``n`` chunks loads one chunk at a time (g
 its pages through the block table, dequantizing after the load), so neither the
 contiguous cache nor its dequantized copy is ever materialized whole.
 
-XLA has no dynamic shapes: this path reads the full capacity S and masks; the Pallas
-kernel is the one that skips blocks past each sequence's length.
+Sliding windows: only the window is read. Each sequence's cache (or its block table) is
+first sliced to the ``window + T - 1`` tokens its rows may see (`window_tokens`), and the
+chunks run over that view.
+
+XLA has no dynamic shapes: otherwise this path reads the full capacity S and masks; the
+Pallas kernels are the ones that skip blocks past each sequence's length.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from fdecode.cache.paged import gather_pages_head_major, gather_scale_head_major
 from fdecode.combine import MASK_VALUE, finalize_state
+from fdecode.modifiers import Modifiers, row_bounds, rows_of, window_start
 from fdecode.quant import dequantize
 
+_WINDOW_ALIGN = 128  # a window view's length is rounded up to this (fewer distinct shapes)
 
 
-def _chunk_states(q_rows, kc, vc, row_limits, live_ends, first_pos, softmax_scale, heads_outer=False):
-  """States of chunks: kc ``[B, Hkv, n, C, Dk]``, vc ``[B, Hkv, n, C, Dv]``, chunk i starting
-  at token ``first_pos + i*C`` -> (o f32 ``[B, Hkv, n, R, Dv]``, lse ``[B, Hkv, n, R]``).
+def window_tokens(seq_capacity: int, num_tokens: int, mods: Modifiers, page_size: int | None = None) -> int:
+  """Tokens of the cache the XLA path reads per sequence: S, or with a window smaller
+  than the cache the ``window + T - 1`` positions the rows may see (paged: whole pages)."""
+  if mods.window is None:
+    return seq_capacity
+  span = mods.window + num_tokens - 1
+  if page_size is None:
+    w = -(-span // _WINDOW_ALIGN) * _WINDOW_ALIGN
+  else:  # a span starting anywhere in a page
+    w = (-(-(span - 1) // page_size) + 1) * page_size
+  return seq_capacity if w >= seq_capacity else w
 
-  Scores of slots a row may not see are selected away. ``live_ends`` ``[B]``: value rows at
-  or past it are dead and selected to 0 too (they may hold inf / NaN); ``None`` skips that
-  select (`_contiguous_states` checks the result instead).
+
+def _slice_seq(x, starts, size, axis):
+  """Per sequence b, ``x[b]`` sliced to ``[starts[b], starts[b] + size)`` along ``axis``
+  (x's leading axis is B; a size-1 leading axis is broadcast first)."""
+  b = starts.shape[0]
+  if x.shape[0] != b:
+    x = jnp.broadcast_to(x, (b,) + x.shape[1:])
+  return jax.vmap(lambda xb, st: lax.dynamic_slice_in_dim(xb, st, size, axis=axis - 1))(x, starts)
+
+
+class _Geometry:
+  """Rows and modifiers of one call, broadcast for chunk scores ``[B, Hkv, n, R, C]``."""
+
+  def __init__(self, ends, num_tokens, group, seq_capacity, mods, mask, bias, alibi):
+    self.mods = mods
+    self.lo, self.hi, self.qpos = row_bounds(ends, num_tokens, group, seq_capacity, mods)  # [B, R]
+    # [Bm, Hm, R|1, S'] (S' a window view's length once sliced)
+    self.mask = None if mask is None else rows_of(mask, num_tokens, group)
+    self.bias = None if bias is None else rows_of(bias, num_tokens, group)
+    self.alibi = None if alibi is None else jnp.tile(alibi, (1, num_tokens))  # [Hkv, R]
+
+  def view(self, starts, size):
+    """Slices the position-indexed operands to a per-sequence view (see `_slice_seq`)."""
+    if self.mask is not None:
+      self.mask = _slice_seq(self.mask, starts, size, axis=3)
+    if self.bias is not None:
+      self.bias = _slice_seq(self.bias, starts, size, axis=3)
+
+  def chunk(self, x, first, n, c):
+    """``[Bm, Hm, R|1, S']`` -> its chunks ``[Bm, Hm, n, R|1, C]`` from view offset ``first``."""
+    x = lax.dynamic_slice_in_dim(x, first, n * c, axis=3) if x.shape[3] != n * c else x
+    return jnp.moveaxis(x.reshape(x.shape[:3] + (n, c)), 3, 2)
+
+  def apply(self, scores, pos, first, heads_outer):
+    """Modified scores and visibility for chunk scores ``[B, Hkv, n, R, C]`` (or heads
+    first) at positions ``pos`` ``[B|1, 1, n, 1, C]`` of chunks starting at view offset
+    ``first``."""
+    swap = (lambda x: jnp.swapaxes(x, 0, 1)) if heads_outer else (lambda x: x)
+    n, c = scores.shape[2], scores.shape[4]
+    per_row = lambda x: x[:, None, None, :, None]  # [B, R] -> [B, 1, 1, R, 1]
+    s = swap(scores)
+    if self.mods.soft_cap is not None:
+      s = self.mods.soft_cap * jnp.tanh(s / self.mods.soft_cap)
+    if self.alibi is not None:
+      s = s + self.alibi[None, :, None, :, None] * (pos - per_row(self.qpos)).astype(jnp.float32)
+    if self.bias is not None:
+      s = s + self.chunk(self.bias, first, n, c).astype(jnp.float32)
+    valid = pos < per_row(self.hi)
+    if self.lo is not None and self.mods.window is not None:
+      valid &= pos >= per_row(self.lo)
+    if self.mask is not None:
+      valid &= self.chunk(self.mask, first, n, c)
+    return swap(s), swap(valid)
+
+
+def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=False, select_dead=True):
+  """States of chunks: kc ``[B, Hkv, n, C, Dk]``, vc ``[B, Hkv, n, C, Dv]``, chunk i holding
+  view offsets ``first + i*C``, i.e. cache positions ``base + first + i*C`` (base int32
+  ``[B]``, the view's start) -> (o f32 ``[B, Hkv, n, R, Dv]``, lse ``[B, Hkv, n, R]``).
+
+  Scores of slots a row may not see are selected away. ``select_dead``: value rows no
+  row sees are selected to 0 too (they may hold inf / NaN); False skips that select
+  (`_contiguous_states` checks the result instead).
 
   ``heads_outer``: q_rows, kc, vc and the results have their two batch axes swapped
   (``[Hkv, B, ...]``, a paged pool's gather order, so the cache chunk is never transposed).
@@ -40,22 +115,21 @@ def _chunk_states(q_rows, kc, vc, row_limits, live_ends, first_pos, softmax_scal
   n, c = kc.shape[2], kc.shape[3]
   scores = jnp.einsum("bhrd,bhncd->bhnrc", q_rows, kc.astype(q_rows.dtype),
                       preferred_element_type=jnp.float32) * softmax_scale
-  pos = first_pos + jnp.arange(n * c, dtype=jnp.int32).reshape(1, 1, n, 1, c)
-  limits = row_limits[None, :, None, :, None] if heads_outer else row_limits[:, None, None, :, None]
-  valid = pos < limits  # [B, 1, n, R, C] (or [1, B, n, R, C])
+  offsets = first + jnp.arange(n * c, dtype=jnp.int32).reshape(1, 1, n, 1, c)
+  pos = base[:, None, None, None, None] + offsets  # [B, 1, n, 1, C]
+  scores, valid = geo.apply(scores, pos, first, heads_outer)
   scores = jnp.where(valid, scores, MASK_VALUE)
   m = jnp.max(scores, axis=-1)
   p = jnp.where(valid, jnp.exp(scores - m[..., None]), 0.0)
   l = jnp.sum(p, axis=-1)
-  if live_ends is not None:
-    ends = live_ends[None, :, None, None, None] if heads_outer else live_ends[:, None, None, None, None]
-    live = jnp.swapaxes(pos, -1, -2) < ends  # [B, 1, n, C, 1] (or [1, B, ...])
+  if select_dead:
+    live = jnp.swapaxes(jnp.any(valid, axis=3, keepdims=True), -1, -2)  # [B, Hkv|1, n, C, 1]
     vc = jnp.where(live, vc, jnp.zeros((), vc.dtype))
   acc = jnp.einsum("bhnrc,bhncd->bhnrd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
   return finalize_state(acc, m, l)
 
 
-def _contiguous_states(q_rows, kc, vc, row_limits, live_ends, softmax_scale):
+def _contiguous_states(q_rows, kc, vc, geo, base, softmax_scale):
   """`_chunk_states` of a contiguous cache, paying for the dead-slot select only when a
   dead slot holds inf or NaN.
 
@@ -67,10 +141,10 @@ def _contiguous_states(q_rows, kc, vc, row_limits, live_ends, softmax_scale):
   S = 16384 (benchmarks/RESULTS.md). A live inf / NaN also takes the second branch, which
   gives the same answer.
   """
-  o, lse = _chunk_states(q_rows, kc, vc, row_limits, None, 0, softmax_scale)
+  o, lse = _chunk_states(q_rows, kc, vc, geo, base, 0, softmax_scale, select_dead=False)
   clean = jnp.all(jnp.isfinite(o) | jnp.isneginf(lse)[..., None])
   return lax.cond(clean, lambda: (o, lse),
-                  lambda: _chunk_states(q_rows, kc, vc, row_limits, live_ends, 0, softmax_scale))
+                  lambda: _chunk_states(q_rows, kc, vc, geo, base, 0, softmax_scale))
 
 
 def _pad_tokens(x, total, axis=2, broadcast_ok=False):
@@ -83,38 +157,63 @@ def _pad_tokens(x, total, axis=2, broadcast_ok=False):
   return jnp.pad(x, pad)
 
 
-def xla_partials(q_rows, k, v, row_limits, *, softmax_scale: float, num_splits: int, live_ends,
-                 block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None):
+def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, num_splits: int,
+                 block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
+                 mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None):
   """Per-split partial states.
 
   Args:
     q_rows: ``[B, Hkv, R, Dk]`` queries in the compute dtype, the G heads (times T tokens)
-      of a kv head as rows; cache blocks are cast to it after the load.
+      of a kv head as rows (r = t * G + g); cache blocks are cast to it after the load.
     k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables [B, n]``, paged
       ``[Hkv, P, page_size, D]``; float, or 8-bit with canonical rank-4 scales
       (`fdecode.quant.canonical_scale`) and optional offsets.
-    row_limits: int32 ``[B, R]``: row r attends to key positions ``< row_limits[b, r]``.
-    live_ends: int32 ``[B]``: slots at or past it are dead (never read as values).
+    ends: int32 ``[B]``: each sequence's end relative to the cache's first token.
+    num_tokens: T.
     softmax_scale: multiplies the scores (in float32).
-    num_splits: ``n`` chunks. A contiguous float cache that ``n`` does not divide is
-      padded (a copy); the heuristic only picks divisors.
+    num_splits: ``n`` chunks (of the window view, with a window). A contiguous float
+      cache that ``n`` does not divide is padded (a copy); the heuristic only picks divisors.
+    mods, mask, bias, alibi: `fdecode.modifiers.Modifiers` and their canonical arrays.
 
   Returns:
     ``(o, lse)``: float32 ``[B, Hkv, n, R, Dv]`` and ``[B, Hkv, n, R]``.
   """
   n = num_splits
+  b, hkv, r, _ = q_rows.shape
+  paged = block_tables is not None
+  page_size = k.shape[2] if paged else None
+  s = block_tables.shape[1] * page_size if paged else k.shape[2]
+  geo = _Geometry(ends, num_tokens, r // num_tokens, s, mods, mask, bias, alibi)
+  base = jnp.zeros((b,), jnp.int32)
+  w = window_tokens(s, num_tokens, mods, page_size)
+  if w < s:  # read only each sequence's window
+    first = window_start(ends.astype(jnp.int32), num_tokens, s, mods)
+    if paged:
+      pages = w // page_size
+      page0 = jnp.clip(first // page_size, 0, block_tables.shape[1] - pages)
+      block_tables = _slice_seq(block_tables, page0, pages, axis=1)
+      base = page0 * page_size
+    else:
+      base = jnp.clip(first, 0, s - w)
+      k, v = _slice_seq(k, base, w, axis=2), _slice_seq(v, base, w, axis=2)
+      k_scale, v_scale, k_offset, v_offset = (
+          a if a is None or a.shape[2] == 1 else _slice_seq(a, base, w, axis=2)
+          for a in (k_scale, v_scale, k_offset, v_offset))
+    geo.view(base, w)
+    s = w
+
   quantized = k_scale is not None or v_scale is not None
-  if block_tables is None and not quantized:
-    b, hkv, s, dk = k.shape
+  if not paged and not quantized:
+    dk = k.shape[-1]
     chunk = max(-(-s // n), 1)
     k, v = _pad_tokens(k, chunk * n), _pad_tokens(v, chunk * n)
+    geo.mask, geo.bias = (None if x is None else _pad_tokens(x, chunk * n, axis=3) for x in (geo.mask, geo.bias))
     kc = k.reshape(b, hkv, n, chunk, dk)
     vc = v.reshape(b, hkv, n, chunk, v.shape[-1])
-    return _contiguous_states(q_rows, kc, vc.astype(q_rows.dtype), row_limits, live_ends, softmax_scale)
+    return _contiguous_states(q_rows, kc, vc.astype(q_rows.dtype), geo, base, softmax_scale)
 
   compute_dtype = q_rows.dtype
-  if block_tables is not None:
-    page_size = k.shape[2]
+  if paged:
     pages_per_chunk = -(-block_tables.shape[1] // n)
     tables = _pad_tokens(block_tables, pages_per_chunk * n, axis=1)
     chunk = pages_per_chunk * page_size
@@ -128,7 +227,6 @@ def xla_partials(q_rows, k, v, row_limits, *, softmax_scale: float, num_splits: 
         x = dequantize(x, sc, off, compute_dtype)
       return x
   else:
-    s = k.shape[2]
     chunk = max(-(-s // n), 1)
     k, v = _pad_tokens(k, chunk * n), _pad_tokens(v, chunk * n)
     k_scale, v_scale, k_offset, v_offset = (
@@ -142,13 +240,14 @@ def xla_partials(q_rows, k, v, row_limits, *, softmax_scale: float, num_splits: 
         x = dequantize(x, sl(scale), None if offset is None else sl(offset), compute_dtype)
       return x
 
-  heads_outer = block_tables is not None
+  geo.mask, geo.bias = (None if x is None else _pad_tokens(x, chunk * n, axis=3) for x in (geo.mask, geo.bias))
+  heads_outer = paged
   q_loop = q_rows.transpose(1, 0, 2, 3) if heads_outer else q_rows
 
   def one_chunk(i):
     kc = load(i, k, k_scale, k_offset)[:, :, None]
     vc = load(i, v, v_scale, v_offset)[:, :, None]
-    o, lse = _chunk_states(q_loop, kc, vc.astype(compute_dtype), row_limits, live_ends, i * chunk,
+    o, lse = _chunk_states(q_loop, kc, vc.astype(compute_dtype), geo, base, i * chunk,
                            softmax_scale, heads_outer)
     return o[:, :, 0], lse[:, :, 0]
 
