@@ -153,7 +153,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   scale = _static_scale(softmax_scale, q.shape[-1])
   check_concrete_lengths(lengths, None if kv_offset is not None else _seq_capacity(k, block_tables))
   if block_tables is not None:
-    _check_concrete_page_ids(block_tables, lengths, k.shape[1], k.shape[2])
+    _check_concrete_page_ids(block_tables, lengths, k.shape[1], k.shape[2],
+                             num_tokens=1 if single_token else q.shape[1], window=window)
   q4 = q[:, None] if single_token else q
   hkv = k.shape[0] if block_tables is not None else k.shape[1]
   mods, mod_arrays, sinks = modifiers.canonicalize(
@@ -412,12 +413,19 @@ def _xla_default_splits(b, hkv, s, cache, backend):
   return max(n, 1)
 
 
-def _check_concrete_page_ids(block_tables, lengths, num_pages, page_size) -> None:
-  """When table and lengths are concrete: every page a live token needs is in [0, P)."""
+def _check_concrete_page_ids(block_tables, lengths, num_pages, page_size, *, num_tokens=1,
+                             window=None) -> None:
+  """When table and lengths are concrete: every page a live token some query may see
+  needs is in [0, P). With a window, pages wholly before every query's window are never
+  read, so they may be freed (hold anything)."""
   if isinstance(block_tables, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
     return
   tables, lens = np.asarray(block_tables), np.asarray(lengths)
-  needed = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // page_size)
+  cols = np.arange(tables.shape[1])[None, :]
+  needed = cols < -(-lens[:, None] // page_size)
+  if window is not None and isinstance(window, numbers.Integral) and window > 0:
+    first = np.maximum(lens - num_tokens + 1 - window, 0)
+    needed &= (cols + 1) * page_size > first[:, None]
   bad = needed & ((tables < 0) | (tables >= num_pages))
   if bad.any():
     seq, j = map(int, np.argwhere(bad)[0])

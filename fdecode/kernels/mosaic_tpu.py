@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from fdecode.kernels import block as blk
-from fdecode.modifiers import Modifiers
+from fdecode.modifiers import Modifiers, window_start
 
 _LANES = 128
 # Default bytes of K + V one grid step moves: large enough to amortize the ~0.35 us
@@ -130,6 +130,13 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
   scratch = _tile_bytes((rows_p, dv), jnp.float32) + 2 * _tile_bytes((rows_p, 1), jnp.float32)
   # In-flight block values (scores / probabilities, a dequantized block) held in VMEM.
   work = 2 * _tile_bytes((rows_p, block), jnp.float32) + _tile_bytes((block, max(dk, dv)), jnp.float32)
+  for x, dtype in ((mask, jnp.int32), (bias, None)):  # [M, block] blocks, expanded by rows
+    if x is not None:
+      m = x.shape[2] * x.shape[3]
+      streams += _tile_bytes((m, block), dtype or x.dtype)
+      work += _tile_bytes((rows_p, m), jnp.float32) + _tile_bytes((rows_p, block), jnp.float32)
+  if alibi is not None:
+    io += _tile_bytes((rows_p, 1), jnp.float32)
   vmem = 2 * streams + 2 * io + scratch + work
   limit = _round_up(vmem + _VMEM_HEADROOM, 1024 * 1024)
   return Plan(paged=paged, block=block, pages_per_step=pages, rows_p=rows_p,
@@ -155,17 +162,21 @@ def _dequant_pieces(x, pieces, scale, offset, dtype):
 
 
 def _contiguous_kernel(ends_ref, q_ref, k_ref, v_ref, *refs, has_quant, softmax_scale,
-                       steps_per_split, seq_len, num_rows, group, num_tokens, k_pieces, v_pieces):
-  # refs: [k_scale], [k_offset], [v_scale], [v_offset] ([bk|1, nt]), o [R_p, Dv], lse [R_p, 1],
+                       steps_per_split, num_splits, seq_len, num_rows, group, num_tokens, k_pieces,
+                       v_pieces, mods):
+  # refs: [k_scale], [k_offset], [v_scale], [v_offset] ([bk|1, nt]), [mask i32[M, bk]],
+  #       [bias [M, bk]], [alibi f32[R_p, 1]], o [R_p, Dv], lse [R_p, 1],
   #       scratch m [R_p, 1], l [R_p, 1], acc [R_p, w] per value piece.
   refs = list(refs)
   quant = [refs.pop(0) if present else None for present in has_quant]
+  mod_refs = [refs.pop(0) if present else None for present in (mods.mask, mods.bias, mods.alibi)]
   o_ref, lse_ref, m_ref, l_ref, *acc_refs = refs
   b, split, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   rows_p, bk = q_ref.shape[0], k_ref.shape[0]
   end = ends_ref[b]
   live_end = jnp.clip(end, 0, seq_len)
-  start = (split * steps_per_split + step) * bk
+  first, last = blk.split_range(end, split, num_splits, num_tokens, seq_len, bk, mods)
+  start = (first + step) * bk
 
   @pl.when(step == 0)
   def _init():
@@ -174,7 +185,7 @@ def _contiguous_kernel(ends_ref, q_ref, k_ref, v_ref, *refs, has_quant, softmax_
     for ref, a in zip(acc_refs, acc):
       ref[...] = a
 
-  @pl.when(start < live_end)
+  @pl.when(first + step < last)
   def _compute():
     dtype = q_ref.dtype
     q = q_ref[...]
@@ -182,9 +193,11 @@ def _contiguous_kernel(ends_ref, q_ref, k_ref, v_ref, *refs, has_quant, softmax_
     load = lambda ref: None if ref is None else ref[...]
     kb = _dequant_pieces(k_ref[...], k_pieces, load(quant[0]), load(quant[1]), dtype)
     vb = _dequant_pieces(v_ref[...], v_pieces, load(quant[2]), load(quant[3]), dtype)
-    rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, Modifiers())
-    visible, live = blk.block_masks(rows, start, start, live_end, bk)
+    rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, mods)
     s = blk.block_scores(q_pieces, kb, softmax_scale)
+    loaded = [None if ref is None else ref[...] for ref in mod_refs]
+    s, visible, live = _modify(s, mods, rows, start, live_end, bk, loaded, end=end,
+                               seq_len=seq_len, group=group, num_tokens=num_tokens)
     state = (tuple(ref[...] for ref in acc_refs), m_ref[...], l_ref[...])
     acc, m, l = blk.online_update(state, s, visible, live, vb)
     m_ref[...], l_ref[...] = m, l
@@ -197,6 +210,23 @@ def _contiguous_kernel(ends_ref, q_ref, k_ref, v_ref, *refs, has_quant, softmax_
     _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse)
 
 
+def _modify(s, mods, rows, start, live_end, bk, loaded, *, end, seq_len, group, num_tokens):
+  """Score modifiers and masks of a block of ``bk`` tokens from ``start``. ``loaded``:
+  the block's (mask i32 ``[M, bk]``, bias ``[M, bk]``, slopes f32 ``[R_p, 1]``), each
+  None when absent; mask / bias rows are expanded by `block.expand_rows` (no gathers
+  on TPU). Returns (scores, visible, live) for `block.online_update`."""
+  mask, bias, slopes = loaded
+  rows_p = s.shape[0]
+  expand = lambda x, form: blk.expand_rows(x.astype(jnp.float32), rows_p, group, num_tokens, form)
+  pos_row = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+  bias = None if bias is None else expand(bias, mods.bias)
+  s = blk.modify_scores(s, mods, rows, pos_row, slopes, bias)
+  mask = None if mask is None else expand(mask, mods.mask) > 0.5
+  visible, live = blk.block_masks(rows, start, start, live_end, bk, mask=mask,
+                                  first_visible=window_start(end, num_tokens, seq_len, mods))
+  return s, visible, live
+
+
 def _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse):
   if len(v_pieces) == 1:
     o_ref[...] = o_pieces[0]
@@ -206,8 +236,8 @@ def _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse):
   lse_ref[...] = lse
 
 
-def _contiguous_call(q_rows, ends, k, v, quant, p: Plan, *, num_rows, num_tokens, softmax_scale,
-                     num_splits, interpret):
+def _contiguous_call(q_rows, ends, k, v, quant, mod_arrays, p: Plan, *, num_rows, num_tokens,
+                     softmax_scale, num_splits, interpret, mods):
   b, hkv, _, dk = q_rows.shape
   r = num_rows
   seq_len, dv = k.shape[2], v.shape[-1]
@@ -216,8 +246,9 @@ def _contiguous_call(q_rows, ends, k, v, quant, p: Plan, *, num_rows, num_tokens
   steps = pl.cdiv(num_blocks, num_splits)
 
   def kv_block(i, h, split, step, ends_ref):
-    live_blocks = pl.cdiv(jnp.clip(ends_ref[i], 0, seq_len), bk)
-    return jnp.minimum(split * steps + step, jnp.maximum(live_blocks - 1, 0))
+    # This split's blocks (`block.split_range`); past its last, repeat it (no new DMA).
+    first, last = blk.split_range(ends_ref[i], split, num_splits, num_tokens, seq_len, bk, mods)
+    return jnp.clip(jnp.minimum(first + step, last - 1), 0, num_blocks - 1)
 
   def cache_spec(d):
     return pl.BlockSpec((None, None, bk, d), lambda i, h, s, t, e: (i, h, kv_block(i, h, s, t, e), 0))
@@ -229,28 +260,63 @@ def _contiguous_call(q_rows, ends, k, v, quant, p: Plan, *, num_rows, num_tokens
         i if d0 > 1 else 0, h if d1 > 1 else 0, kv_block(i, h, s, t, e) if tok else 0, 0))
 
   present = [a for a in quant if a is not None]
+  mod_ops, mod_specs = _mod_operands(mod_arrays, num_tokens, p.rows_p, num_blocks * bk)
+  mod_specs = [spec((bk,), lambda i, h, s, t, e: (i, h, kv_block(i, h, s, t, e))) for spec in mod_specs]
   k_pieces, v_pieces = _pieces(dk, quant[0]), _pieces(dv, quant[2])
   kernel = functools.partial(
       _contiguous_kernel, has_quant=tuple(a is not None for a in quant),
-      softmax_scale=softmax_scale, steps_per_split=steps, seq_len=seq_len, num_rows=r,
-      group=r // num_tokens, num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces)
+      softmax_scale=softmax_scale, steps_per_split=steps, num_splits=num_splits, seq_len=seq_len,
+      num_rows=r, group=r // num_tokens, num_tokens=num_tokens, k_pieces=k_pieces,
+      v_pieces=v_pieces, mods=mods)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       grid=(b, hkv, num_splits, steps),
       in_specs=[pl.BlockSpec((None, None, p.rows_p, dk), lambda i, h, s, t, e: (i, h, 0, 0)),
-                cache_spec(dk), cache_spec(dv)] + [quant_spec(a) for a in present],
+                cache_spec(dk), cache_spec(dv)] + [quant_spec(a) for a in present] + mod_specs,
       out_specs=_out_specs(p.rows_p, dv, lambda i, h, s, t, e: (i, h, s, 0, 0)),
       scratch_shapes=[pltpu.VMEM((p.rows_p, 1), jnp.float32), pltpu.VMEM((p.rows_p, 1), jnp.float32)]
       + [pltpu.VMEM((p.rows_p, vp.width), jnp.float32) for vp in v_pieces],
   )
   return pl.pallas_call(
       kernel, grid_spec=grid_spec,
-      out_shape=_out_shape(b, hkv, num_splits, p.rows_p, dv, ends, q_rows, k, v, *present),
+      out_shape=_out_shape(b, hkv, num_splits, p.rows_p, dv, ends, q_rows, k, v, *present, *mod_ops),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
           vmem_limit_bytes=p.vmem_limit_bytes),
       interpret=interpret, name="fdecode_split_kv_mosaic",
-  )(ends, q_rows, k, v, *present)
+  )(ends, q_rows, k, v, *present, *mod_ops)
+
+
+def _mod_operands(mod_arrays, num_tokens, rows_p, positions):
+  """Kernel operands of the modifiers and a BlockSpec maker for each.
+
+  mask -> int32 ``[Bm, Hm, M, positions]`` (zero-padded: no partial block), bias likewise
+  in its dtype, alibi -> f32 ``[Hkv, R_p, 1]`` per row. Each spec maker takes the block's
+  token dims (``(bk,)``, or ``()`` for a whole-sequence HBM operand) and a token-block
+  index map ``(i, h, ...) -> (i, h, block)`` and returns the operand's BlockSpec.
+  """
+  ops, specs = [], []
+  for name, dtype in (("mask", jnp.int32), ("bias", None)):
+    x = mod_arrays[name]
+    if x is None:
+      continue
+    bm, hm, tm, gm, s = x.shape
+    x = x.reshape(bm, hm, tm * gm, s).astype(dtype or x.dtype)
+    ops.append(jnp.pad(x, [(0, 0), (0, 0), (0, 0), (0, positions - s)]))
+
+    def spec(tokens, index, bm=bm, hm=hm, m=tm * gm):
+      def index_map(i, h, *rest):
+        _, _, blk_index = index(i, h, *rest)
+        return (i if bm > 1 else 0, h if hm > 1 else 0, 0, blk_index)
+      return pl.BlockSpec((None, None, m) + tokens, index_map)
+    specs.append(spec)
+  if mod_arrays["alibi"] is not None:
+    hkv, g = mod_arrays["alibi"].shape
+    rows = jnp.tile(mod_arrays["alibi"].astype(jnp.float32), (1, num_tokens))
+    ops.append(jnp.pad(rows, [(0, 0), (0, rows_p - g * num_tokens)])[:, :, None])
+    specs.append(lambda tokens, index: pl.BlockSpec(
+        (None, rows_p, 1), lambda i, h, *rest: (h, 0, 0)))
+  return ops, specs
 
 
 def _out_specs(rows_p, dv, index_map):
@@ -267,13 +333,15 @@ def _out_shape(b, hkv, n, rows_p, dv, *inputs):
 # Paged cache: pools in HBM, pages DMA'd into a two-slot VMEM buffer.
 
 
-def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, steps_per_split,
+def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_splits,
                   pages_per_step, page_size, num_pages, table_len, num_rows, group, num_tokens,
-                  k_pieces, v_pieces):
-  # kinds: for (k, v, k_scale, k_offset, v_scale, v_offset), "stream" (an HBM ref, DMA'd
-  #   page by page), "resident" (a VMEM block [1, nt]) or None (absent).
+                  k_pieces, v_pieces, mods):
+  # kinds: for (k, v, k_scale, k_offset, v_scale, v_offset, mask, bias, alibi): "stream"
+  #   (an HBM ref, DMA'd page by page), "step" (an HBM ref [Bm, Hm, M, positions], DMA'd
+  #   one block of positions per step), "resident" (a VMEM block) or None (absent).
   # refs: the present operands in that order; o [R_p, Dv], lse [R_p, 1]; a VMEM buffer
-  #   [2, block, D|nt] per streamed operand; DMA semaphores [n_streamed, 2].
+  #   [2, block, D|nt] (stream) or [2, M, block] (step) per DMA'd operand; DMA
+  #   semaphores [n_dma, 2].
   n_present = sum(kind is not None for kind in kinds)
   present = iter(refs[:n_present])
   srcs = [None if kind is None else next(present) for kind in kinds]
@@ -285,34 +353,40 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, step
   end = ends_ref[b]
   live_end = jnp.clip(end, 0, seq_len)
   live_pages = pl.cdiv(live_end, page_size)
-  first = split * steps_per_split
-  last = jnp.minimum(first + steps_per_split, pl.cdiv(live_end, block))
-  stream_ids = [i for i, kind in enumerate(kinds) if kind == "stream"]
+  first_page = window_start(end, num_tokens, seq_len, mods) // page_size
+  first, last = blk.split_range(end, split, num_splits, num_tokens, seq_len, block, mods)
+  dma_ids = [i for i, kind in enumerate(kinds) if kind in ("stream", "step")]
 
-  def page_copies(step, slot):
-    """(live?, descriptor) for every page of every streamed operand in ``step``."""
-    for p in range(pages_per_step):
-      index = step * pages_per_step + p
-      page = jnp.clip(tables_ref[b * table_len + jnp.minimum(index, table_len - 1)], 0, num_pages - 1)
-      for n, i in enumerate(stream_ids):
-        src = srcs[i]
+  def copies(step, slot):
+    """(needed?, descriptor) for every DMA of ``step``: each live page of every
+    streamed operand, then each per-step operand's block of positions."""
+    for n, i in enumerate(dma_ids):
+      src = srcs[i]
+      if kinds[i] == "step":
+        bm, hm = src.shape[:2]
+        window = src.at[b if bm > 1 else 0, h if hm > 1 else 0, :, pl.ds(step * block, block)]
+        yield True, pltpu.make_async_copy(window, bufs[n].at[slot], sems.at[n, slot])
+        continue
+      for p in range(pages_per_step):
+        index = step * pages_per_step + p
+        page = jnp.clip(tables_ref[b * table_len + jnp.minimum(index, table_len - 1)], 0, num_pages - 1)
         head = h if src.shape[0] > 1 else 0
         copy = pltpu.make_async_copy(src.at[head, page], bufs[n].at[slot, pl.ds(p * page_size, page_size)],
                                      sems.at[n, slot])
-        yield index < live_pages, copy
+        yield (index < live_pages) & (index >= first_page), copy
 
   def start(step, slot):
-    for live, copy in page_copies(step, slot):
-      pl.when(live)(copy.start)
+    for needed, copy in copies(step, slot):
+      pl.when(needed)(copy.start)
 
   def wait(step, slot):
-    for live, copy in page_copies(step, slot):
-      pl.when(live)(copy.wait)
+    for needed, copy in copies(step, slot):
+      pl.when(needed)(copy.wait)
 
   dtype = q_ref.dtype
   q = q_ref[...]
   q_pieces = [q if len(k_pieces) == 1 else q[:, p.offset:p.offset + p.width] for p in k_pieces]
-  rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, Modifiers())
+  rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, mods)
 
   def body(step, state):
     slot = (step - first) % 2
@@ -322,14 +396,15 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, step
       start(step + 1, 1 - slot)
 
     wait(step, slot)
-    buf_of = dict(zip(stream_ids, bufs))
-    kb, vb, ks, ko, vs, vo = (buf_of[i][slot] if i in buf_of else None if src is None else src[...]
-                              for i, src in enumerate(srcs))
+    buf_of = dict(zip(dma_ids, bufs))
+    kb, vb, ks, ko, vs, vo, mask, bias, slopes = (
+        buf_of[i][slot] if i in buf_of else None if src is None else src[...]
+        for i, src in enumerate(srcs))
     kb = _dequant_pieces(kb, k_pieces, ks, ko, dtype)
     vb = _dequant_pieces(vb, v_pieces, vs, vo, dtype)
-    token0 = step * block
-    visible, live = blk.block_masks(rows, token0, token0, live_end, block)
     s = blk.block_scores(q_pieces, kb, softmax_scale)
+    s, visible, live = _modify(s, mods, rows, step * block, live_end, block, (mask, bias, slopes),
+                               end=end, seq_len=seq_len, group=group, num_tokens=num_tokens)
     return blk.online_update(state, s, visible, live, vb)
 
   @pl.when(first < last)
@@ -341,14 +416,14 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, step
   _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse)
 
 
-def _paged_call(q_rows, ends, k, v, tables, quant, p: Plan, *, num_rows, num_tokens, softmax_scale,
-                num_splits, interpret):
+def _paged_call(q_rows, ends, k, v, tables, quant, mod_arrays, p: Plan, *, num_rows, num_tokens,
+                softmax_scale, num_splits, interpret, mods):
   b, hkv, _, dk = q_rows.shape
   r = num_rows
   _, num_pages, page_size, _ = k.shape
   dv = v.shape[-1]
   table_len = tables.shape[1]
-  steps = pl.cdiv(pl.cdiv(table_len, p.pages_per_step), num_splits)
+  steps = pl.cdiv(table_len, p.pages_per_step)
   k_scale, k_offset, v_scale, v_offset = quant
   kinds, present, in_specs, bufs = [], [], [], []
   for i, a in enumerate((k, v, k_scale, k_offset, v_scale, v_offset)):
@@ -367,12 +442,27 @@ def _paged_call(q_rows, ends, k, v, tables, quant, p: Plan, *, num_rows, num_tok
       kinds.append("resident")
       in_specs.append(pl.BlockSpec((None, 1, nt), lambda i, h, s, e, t, d0=d0: (h if d0 > 1 else 0, 0, 0)))
     present.append(a)
+  mod_ops, mod_specs = _mod_operands(mod_arrays, num_tokens, p.rows_p, steps * p.block)
+  mod_ops, mod_specs = iter(mod_ops), iter(mod_specs)
+  for name in ("mask", "bias", "alibi"):
+    if mod_arrays[name] is None:
+      kinds.append(None)
+      continue
+    a, spec = next(mod_ops), next(mod_specs)
+    present.append(a)
+    if name == "alibi":
+      kinds.append("resident")
+      in_specs.append(spec((), None))
+    else:  # whole rows in HBM; one block of positions DMA'd per step
+      kinds.append("step")
+      in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+      bufs.append(pltpu.VMEM((2, a.shape[2], p.block), a.dtype))
   k_pieces, v_pieces = _pieces(dk, k_scale), _pieces(dv, v_scale)
   kernel = functools.partial(
-      _paged_kernel, kinds=tuple(kinds), softmax_scale=softmax_scale,
-      steps_per_split=steps, pages_per_step=p.pages_per_step, page_size=page_size,
+      _paged_kernel, kinds=tuple(kinds), softmax_scale=softmax_scale, num_splits=num_splits,
+      pages_per_step=p.pages_per_step, page_size=page_size,
       num_pages=num_pages, table_len=table_len, num_rows=r, group=r // num_tokens,
-      num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces)
+      num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(b, hkv, num_splits),
@@ -408,18 +498,17 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   Returns:
     ``(o, lse)``: float32 ``[B, Hkv, n_splits, R, Dv]`` and ``[B, Hkv, n_splits, R]``.
   """
-  if not mods.plain or mask is not None or bias is not None or alibi is not None:
-    raise NotImplementedError("score modifiers in the Mosaic kernel")
   r = q_rows.shape[2]
   quant = (k_scale, k_offset, v_scale, v_offset)
   p = plan
   if p.rows_p != r:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, p.rows_p - r), (0, 0)])
   kw = dict(num_rows=r, num_tokens=num_tokens, softmax_scale=softmax_scale,
-            num_splits=num_splits, interpret=interpret)
+            num_splits=num_splits, interpret=interpret, mods=mods)
+  mod_arrays = dict(mask=mask, bias=bias, alibi=alibi)
   ends = ends.astype(jnp.int32)
   if block_tables is None:
-    o, lse = _contiguous_call(q_rows, ends, k, v, quant, p, **kw)
+    o, lse = _contiguous_call(q_rows, ends, k, v, quant, mod_arrays, p, **kw)
   else:
-    o, lse = _paged_call(q_rows, ends, k, v, block_tables.astype(jnp.int32), quant, p, **kw)
+    o, lse = _paged_call(q_rows, ends, k, v, block_tables.astype(jnp.int32), quant, mod_arrays, p, **kw)
   return o[:, :, :, :r], lse[:, :, :, :r, 0]
