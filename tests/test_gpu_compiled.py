@@ -226,3 +226,28 @@ def test_dead_slots_with_inf_nan_do_not_change_the_output(value, layout, kind):
   check(results["poisoned"], reference(q, kk, vv, lengths), "8bit" if scales else dtype)
   for got, clean in zip(results["poisoned"], results["clean"]):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(clean, np.float32))
+
+
+@pytest.mark.parametrize("case", ["window+softcap+alibi+sinks", "mask[B,T,S]+non-causal",
+                                  "mask+bias per head"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_score_modifiers(case, dtype):
+  """Issue 9's modifiers on the compiled kernel, T = 3, GQA 4, against the reference."""
+  b, t, hq, hkv, dk = 5, 3, 8, 2, 128
+  q, k, v = make_problem(11, b=b, t=t, hq=hq, hkv=hkv, s=S_TAIL, dk=dk, dtype=dtype)
+  lengths = jnp.array(LENGTHS)
+  r = np.random.default_rng(11)
+  mods = {
+      "window+softcap+alibi+sinks": dict(
+          window=BLOCK + 3, logits_soft_cap=20.0, sinks=jnp.asarray(r.normal(size=hq), jnp.float32),
+          alibi_slopes=jnp.asarray(2.0 ** -np.arange(1, hq + 1), jnp.float32)),
+      "mask[B,T,S]+non-causal": dict(causal=False, mask=jnp.asarray(r.random((b, t, S_TAIL)) > 0.3)),
+      "mask+bias per head": dict(mask=jnp.asarray(r.random((1, t, hq, S_TAIL)) > 0.3),
+                                 bias=jnp.asarray(r.normal(size=(b, 1, hq, S_TAIL)), jnp.float32)),
+  }[case]
+  out, lse = fdecode.flash_decode(q, k, v, lengths, impl="pallas", interpret=False, block_k=BLOCK,
+                                  num_splits=3, return_lse=True, **mods)
+  ref, ref_lse = reference_decode(q, k, v, lengths, **mods)
+  tl = gpu_tol(dtype)
+  assert_close(out, ref, atol=tl["atol"], rtol=tl["rtol"])
+  assert_close(lse, ref_lse, atol=tl["lse"], rtol=tl["lse"], what="lse")

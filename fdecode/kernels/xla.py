@@ -176,8 +176,35 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
     mods, mask, bias, alibi: `fdecode.modifiers.Modifiers` and their canonical arrays.
 
   Returns:
-    ``(o, lse)``: float32 ``[B, Hkv, n, R, Dv]`` and ``[B, Hkv, n, R]``.
+    ``(o, lse)``: float32 ``[B, Hkv, n, R, Dv]`` and ``[B, Hkv, n, R]``. When no row of
+    any sequence sees a key of this cache (e.g. a sequence-parallel chunk wholly past
+    every end or before every window), nothing is read: the states are empty.
   """
+  b, hkv, r, _ = q_rows.shape
+  paged = block_tables is not None
+  s = block_tables.shape[1] * k.shape[2] if paged else k.shape[2]
+  ends = ends.astype(jnp.int32)
+  seen = jnp.any(window_start(ends, num_tokens, s, mods) < jnp.clip(ends, 0, s))
+  empty = lambda: _varying_like((jnp.zeros((b, hkv, num_splits, r, v.shape[-1]), jnp.float32),
+                                 jnp.full((b, hkv, num_splits, r), -jnp.inf, jnp.float32)),
+                                q_rows, k, v, ends)
+  compute = lambda: _partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                              num_splits=num_splits, block_tables=block_tables, k_scale=k_scale,
+                              v_scale=v_scale, k_offset=k_offset, v_offset=v_offset, mods=mods,
+                              mask=mask, bias=bias, alibi=alibi)
+  return lax.cond(seen, compute, empty)
+
+
+def _varying_like(xs, *inputs):
+  """``xs`` typed as varying over every mesh axis the inputs vary over (inside
+  ``shard_map``), so constants can stand in for computed values in a `lax.cond`."""
+  varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in inputs))
+  return xs if not varying else tuple(lax.pcast(x, tuple(varying), to="varying") for x in xs)
+
+
+def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, block_tables, k_scale,
+              v_scale, k_offset, v_offset, mods, mask, bias, alibi):
+  """`xla_partials`, computed."""
   n = num_splits
   b, hkv, r, _ = q_rows.shape
   paged = block_tables is not None
@@ -187,7 +214,7 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
   base = jnp.zeros((b,), jnp.int32)
   w = window_tokens(s, num_tokens, mods, page_size)
   if w < s:  # read only each sequence's window
-    first = window_start(ends.astype(jnp.int32), num_tokens, s, mods)
+    first = window_start(ends, num_tokens, s, mods)
     if paged:
       pages = w // page_size
       page0 = jnp.clip(first // page_size, 0, block_tables.shape[1] - pages)
