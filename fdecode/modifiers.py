@@ -154,16 +154,6 @@ def user_form(x):
   return x.transpose(0, 2, 1, 3, 4).reshape(bm, tm, hm * gm, s)
 
 
-def rows_of(x, num_tokens: int, group: int):
-  """Canonical ``[Bm, Hm, Tm, Gm, ...S]`` -> ``[Bm, Hm, R|1, ...S]`` broadcast over rows
-  r = t * G + g (a broadcast, fused by XLA where it is used)."""
-  bm, hm, tm, gm = x.shape[:4]
-  if tm == 1 and gm == 1:
-    return x.reshape((bm, hm, 1) + x.shape[4:])
-  x = jnp.broadcast_to(x, (bm, hm, num_tokens, group) + x.shape[4:])
-  return x.reshape((bm, hm, num_tokens * group) + x.shape[4:])
-
-
 def row_bounds(ends, num_tokens: int, group: int, seq_capacity: int, mods: Modifiers):
   """Per query row: ``(lo, hi, qpos)`` int32 ``[B, R]``: row r sees key positions
   ``lo <= j < hi`` (before the mask); qpos is its own position ``ends - T + t``."""

@@ -27,7 +27,7 @@ from jax import lax
 
 from fdecode.cache.paged import gather_pages_head_major, gather_scale_head_major
 from fdecode.combine import MASK_VALUE, finalize_state
-from fdecode.modifiers import Modifiers, row_bounds, rows_of, window_start
+from fdecode.modifiers import Modifiers, row_bounds, window_start
 from fdecode.quant import dequantize
 
 _WINDOW_ALIGN = 128  # a window view's length is rounded up to this (fewer distinct shapes)
@@ -56,48 +56,54 @@ def _slice_seq(x, starts, size, axis):
 
 
 class _Geometry:
-  """Rows and modifiers of one call, broadcast for chunk scores ``[B, Hkv, n, R, C]``."""
+  """Rows and modifiers of one call, applied to chunk scores ``[B, Hkv, n, R, C]`` viewed
+  as ``[B, Hkv, n, T, G, C]``: a mask / bias keeps its canonical ``[Bm, Hm, Tm, Gm, S]``
+  form and broadcasts there (never expanded to rows in memory)."""
 
   def __init__(self, ends, num_tokens, group, seq_capacity, mods, mask, bias, alibi):
-    self.mods = mods
+    self.mods, self.t, self.g = mods, num_tokens, group
     self.lo, self.hi, self.qpos = row_bounds(ends, num_tokens, group, seq_capacity, mods)  # [B, R]
-    # [Bm, Hm, R|1, S'] (S' a window view's length once sliced)
-    self.mask = None if mask is None else rows_of(mask, num_tokens, group)
-    self.bias = None if bias is None else rows_of(bias, num_tokens, group)
+    self.mask, self.bias = mask, bias  # [Bm, Hm, Tm, Gm, S'] (S' a window view's length once sliced)
     self.alibi = None if alibi is None else jnp.tile(alibi, (1, num_tokens))  # [Hkv, R]
 
   def view(self, starts, size):
     """Slices the position-indexed operands to a per-sequence view (see `_slice_seq`)."""
-    if self.mask is not None:
-      self.mask = _slice_seq(self.mask, starts, size, axis=3)
-    if self.bias is not None:
-      self.bias = _slice_seq(self.bias, starts, size, axis=3)
+    self.mask, self.bias = (None if x is None else _slice_seq(x, starts, size, axis=4)
+                            for x in (self.mask, self.bias))
 
-  def chunk(self, x, first, n, c):
-    """``[Bm, Hm, R|1, S']`` -> its chunks ``[Bm, Hm, n, R|1, C]`` from view offset ``first``."""
-    x = lax.dynamic_slice_in_dim(x, first, n * c, axis=3) if x.shape[3] != n * c else x
-    return jnp.moveaxis(x.reshape(x.shape[:3] + (n, c)), 3, 2)
+  def pad(self, total):
+    self.mask, self.bias = (None if x is None else _pad_tokens(x, total, axis=4)
+                            for x in (self.mask, self.bias))
+
+  def _chunk(self, x, first, n, c):
+    """``[Bm, Hm, Tm, Gm, S']`` -> chunks ``[Bm, Hm, n, Tm, Gm, C]`` from view offset ``first``."""
+    x = lax.dynamic_slice_in_dim(x, first, n * c, axis=4) if x.shape[4] != n * c else x
+    return jnp.moveaxis(x.reshape(x.shape[:4] + (n, c)), 4, 2)
 
   def apply(self, scores, pos, first, heads_outer):
     """Modified scores and visibility for chunk scores ``[B, Hkv, n, R, C]`` (or heads
-    first) at positions ``pos`` ``[B|1, 1, n, 1, C]`` of chunks starting at view offset
+    first) at positions ``pos`` ``[B, 1, n, 1, C]`` of chunks starting at view offset
     ``first``."""
     swap = (lambda x: jnp.swapaxes(x, 0, 1)) if heads_outer else (lambda x: x)
-    n, c = scores.shape[2], scores.shape[4]
-    per_row = lambda x: x[:, None, None, :, None]  # [B, R] -> [B, 1, 1, R, 1]
     s = swap(scores)
+    b, h, n, r, c = s.shape
+    s = s.reshape(b, h, n, self.t, self.g, c)
+    pos = pos[:, :, :, :, None]  # [B, 1, n, 1, 1, C]
+    per_row = lambda x: x.reshape(b, 1, 1, self.t, self.g, 1)  # [B, R] -> by (t, g)
     if self.mods.soft_cap is not None:
       s = self.mods.soft_cap * jnp.tanh(s / self.mods.soft_cap)
     if self.alibi is not None:
-      s = s + self.alibi[None, :, None, :, None] * (pos - per_row(self.qpos)).astype(jnp.float32)
+      slopes = self.alibi.reshape(1, h, 1, self.t, self.g, 1)
+      s = s + slopes * (pos - per_row(self.qpos)).astype(jnp.float32)
     if self.bias is not None:
-      s = s + self.chunk(self.bias, first, n, c).astype(jnp.float32)
+      s = s + self._chunk(self.bias, first, n, c).astype(jnp.float32)
     valid = pos < per_row(self.hi)
-    if self.lo is not None and self.mods.window is not None:
+    if self.mods.window is not None:
       valid &= pos >= per_row(self.lo)
     if self.mask is not None:
-      valid &= self.chunk(self.mask, first, n, c)
-    return swap(s), swap(valid)
+      valid &= self._chunk(self.mask, first, n, c)
+    valid = jnp.broadcast_to(valid, valid.shape[:3] + (self.t, self.g, c))
+    return swap(s.reshape(b, h, n, r, c)), swap(valid.reshape(valid.shape[:3] + (r, c)))
 
 
 def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=False, select_dead=True):
@@ -234,7 +240,7 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
     dk = k.shape[-1]
     chunk = max(-(-s // n), 1)
     k, v = _pad_tokens(k, chunk * n), _pad_tokens(v, chunk * n)
-    geo.mask, geo.bias = (None if x is None else _pad_tokens(x, chunk * n, axis=3) for x in (geo.mask, geo.bias))
+    geo.pad(chunk * n)
     kc = k.reshape(b, hkv, n, chunk, dk)
     vc = v.reshape(b, hkv, n, chunk, v.shape[-1])
     return _contiguous_states(q_rows, kc, vc.astype(q_rows.dtype), geo, base, softmax_scale)
@@ -267,7 +273,7 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
         x = dequantize(x, sl(scale), None if offset is None else sl(offset), compute_dtype)
       return x
 
-  geo.mask, geo.bias = (None if x is None else _pad_tokens(x, chunk * n, axis=3) for x in (geo.mask, geo.bias))
+  geo.pad(chunk * n)
   heads_outer = paged
   q_loop = q_rows.transpose(1, 0, 2, 3) if heads_outer else q_rows
 
