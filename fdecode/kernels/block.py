@@ -150,7 +150,7 @@ def row_geometry(end, num_rows: int, rows_p: int, group: int, num_tokens: int, s
   under causality and the window (`fdecode.modifiers`); padding rows see nothing."""
   rows = lax.broadcasted_iota(jnp.int32, (rows_p, 1), 0)
   qpos = end - num_tokens + rows // group
-  hi = jnp.clip(qpos + 1, 0, seq_len) if mods.causal else jnp.clip(end, 0, seq_len) + 0 * rows
+  hi = jnp.clip(qpos + 1, 0, seq_len) if mods.causal else jnp.broadcast_to(jnp.clip(end, 0, seq_len), qpos.shape)
   hi = jnp.where(rows < num_rows, hi, 0)
   lo = None if mods.window is None else jnp.clip(qpos - mods.window + 1, 0, seq_len)
   return Rows(lo, hi, qpos)

@@ -26,11 +26,8 @@ also sets ``vmem_limit_bytes``; it depends on the block sizes only, never on S.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -39,108 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from fdecode.kernels import block as blk
 from fdecode.modifiers import Modifiers, window_start
 
-_LANES = 128
-# Default bytes of K + V one grid step moves: large enough to amortize the ~0.35 us
-# per-step overhead (hundreds of KiB), small enough that double buffering stays far
-# under the smallest scoped-VMEM default (16 MiB on v5e).
-_STEP_BYTES = 512 * 1024
-_MAX_STEP_TOKENS = 2048
-_MAX_PAGES_PER_STEP = 64
-# Headroom above the computed footprint for Mosaic's internal scratch.
-_VMEM_HEADROOM = 4 * 1024 * 1024
-
-
-def _sublanes(dtype) -> int:
-  """Rows of one native VMEM tile: 8 for 32-bit, 16 for 16-bit, 32 for 8-bit dtypes."""
-  return 32 // jnp.dtype(dtype).itemsize
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def _tile_bytes(shape, dtype) -> int:
-  """VMEM bytes of an array of ``shape``, padded to (sublane, 128-lane) tiles."""
-  *lead, rows, cols = (1,) * max(0, 2 - len(shape)) + tuple(shape)
-  return (math.prod(lead) * _round_up(rows, _sublanes(dtype)) * _round_up(cols, _LANES)
-          * jnp.dtype(dtype).itemsize)
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """Static sizes of one Mosaic kernel launch.
-
-  Attributes:
-    paged: paged (manual DMA) or contiguous (BlockSpec) kernel.
-    block: tokens per grid / loop step (contiguous ``bk``; paged pages_per_step * page_size).
-    pages_per_step: pages DMA'd per step (paged only).
-    rows_p: query rows padded to the sublane tiling.
-    vmem_bytes: footprint of the double-buffered blocks and scratch.
-    vmem_limit_bytes: what the kernel asks Mosaic for.
-  """
-  paged: bool
-  block: int
-  pages_per_step: int
-  rows_p: int
-  vmem_bytes: int
-  vmem_limit_bytes: int
-
-
-def _default_step_tokens(dk, dv, k_dtype, v_dtype) -> int:
-  per_token = dk * jnp.dtype(k_dtype).itemsize + dv * jnp.dtype(v_dtype).itemsize
-  tokens = 1 << max(_STEP_BYTES // per_token, 1).bit_length() - 1
-  return max(_LANES, min(tokens, _MAX_STEP_TOKENS))
-
-
-def _per_token(scale, paged: bool) -> bool:
-  """Whether a canonical scale / offset varies along the tokens (then it is streamed with
-  its block): contiguous ``[B|1, Hkv|1, S|1, nt]``, paged ``[Hkv|1, P|1, ps|1, nt]``."""
-  return scale.shape[2] > 1 or (paged and scale.shape[1] > 1)
-
-
-def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offset=None,
-         v_offset=None, block_k: int | None = None, mods: Modifiers = Modifiers(), mask=None,
-         bias=None, alibi=None) -> Plan:
-  """Block sizes and VMEM footprint for these operands (arrays or ShapeDtypeStructs).
-
-  ``block_k``: tokens per step; ``None`` picks about `_STEP_BYTES` of K + V per step.
-  It is rounded up to the cache dtype's sublane tiling (paged: to whole pages).
-  """
-  r, dk = q_rows.shape[-2:]
-  dv = v.shape[-1]
-  paged = block_tables is not None
-  rows_p = _round_up(r, _sublanes(q_rows.dtype))
-  tokens = block_k or _default_step_tokens(dk, dv, k.dtype, v.dtype)
-  quant = [a for a in (k_scale, k_offset, v_scale, v_offset) if a is not None]
-  if paged:
-    page_size, table_len = k.shape[2], block_tables.shape[1]
-    pages = max(1, min(-(-tokens // page_size), _MAX_PAGES_PER_STEP, table_len))
-    block = pages * page_size
-  else:
-    pages = 0
-    seq_len = k.shape[2]
-    align = max(_sublanes(k.dtype), _sublanes(v.dtype))
-    block = seq_len if seq_len <= tokens else _round_up(tokens, align)
-  # Streams (K, V and per-token scales): two buffers each, blocks of `block` rows.
-  streams = _tile_bytes((block, dk), k.dtype) + _tile_bytes((block, dv), v.dtype)
-  streams += sum(_tile_bytes((block if _per_token(a, paged) else 1, a.shape[-1]), jnp.float32)
-                 for a in quant)
-  io = (_tile_bytes((rows_p, dk), q_rows.dtype) + _tile_bytes((rows_p, dv), jnp.float32)
-        + _tile_bytes((rows_p, 1), jnp.float32))
-  scratch = _tile_bytes((rows_p, dv), jnp.float32) + 2 * _tile_bytes((rows_p, 1), jnp.float32)
-  # In-flight block values (scores / probabilities, a dequantized block) held in VMEM.
-  work = 2 * _tile_bytes((rows_p, block), jnp.float32) + _tile_bytes((block, max(dk, dv)), jnp.float32)
-  for x, dtype in ((mask, jnp.int32), (bias, None)):  # [M, block] blocks, expanded by rows
-    if x is not None:
-      m = x.shape[2] * x.shape[3]
-      streams += _tile_bytes((m, block), dtype or x.dtype)
-      work += _tile_bytes((rows_p, m), jnp.float32) + _tile_bytes((rows_p, block), jnp.float32)
-  if alibi is not None:
-    io += _tile_bytes((rows_p, 1), jnp.float32)
-  vmem = 2 * streams + 2 * io + scratch + work
-  limit = _round_up(vmem + _VMEM_HEADROOM, 1024 * 1024)
-  return Plan(paged=paged, block=block, pages_per_step=pages, rows_p=rows_p,
-              vmem_bytes=vmem, vmem_limit_bytes=limit)
+from fdecode.kernels.mosaic_tpu_plan import Plan, per_token as _per_token, plan  # noqa: F401 (re-exported)
 
 
 def _pieces(d, scale):
