@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from fdecode.api import flash_decode
-from fdecode.combine import combine_across
+from fdecode.combine import apply_sinks, combine_across
 from fdecode.meshes import host_values
 from fdecode.quant import canonical_scale
 
@@ -66,7 +66,13 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
       ``v_scale`` / offsets of every granularity are split like the cache on their
       non-broadcast axes (per token: with the tokens). ``kv_offset`` (int or int ``[B]``,
       split with the batch) only without ``seq_axis``, which sets each device's offset
-      itself. Other array options are replicated.
+      itself. Score modifiers: ``mask`` / ``bias`` are split with the cache's token axis
+      (paged: with the table's columns) over ``seq_axis``, with the sequences over
+      ``batch_axis`` and, per-head forms, with the query heads over ``head_axis``;
+      ``alibi_slopes`` / ``sinks`` with the query heads. ``sinks`` join once per head,
+      after the cross-device merge (never per device). With a ``window``, a device whose
+      chunk no query sees reads nothing and contributes an empty state. ``window``,
+      ``logits_soft_cap`` and ``causal`` are static. Other array options are replicated.
 
   Inputs may be unsharded (they are resharded to the layout below) or already sharded
   that way. Mesh axes named by none of the three roles replicate the work.
@@ -268,8 +274,17 @@ def _plan(q_shape, bhs, *, mesh, head_axis, seq_axis, batch_axis, pool_pages=Non
 
 def _local_decode(q, k, v, lengths, arrays, *, plan, single_token, kwargs):
   """One device's share. q ``[b, (T,) hq, Dk]``, k/v ``[b, hkv, S/n_s, D]``, lengths ``[b]``
-  -> (out like q with Dv, lse f32 ``[b, (T,) hq]``), merged over the seq axis."""
+  -> (out like q with Dv, lse f32 ``[b, (T,) hq]``), merged over the seq axis; sinks
+  (this device's heads) join once, after that merge."""
   kwargs = dict(kwargs, **arrays)
+  sinks = kwargs.pop("sinks", None)
+  out, lse = _merged_decode(q, k, v, lengths, plan=plan, single_token=single_token, kwargs=kwargs)
+  if sinks is not None:
+    out, lse = apply_sinks(out, lse, sinks)
+  return out, lse
+
+
+def _merged_decode(q, k, v, lengths, *, plan, single_token, kwargs):
   if plan.kv_replicas > 1:
     # k/v hold every kv head; this device's query heads belong to one of them.
     kv_head = jax.lax.axis_index(plan.head) // plan.kv_replicas
@@ -309,9 +324,19 @@ def _chunk_decode(q, k, v, lengths, *, plan, kwargs):
 
 def _array_spec(name, x, plan):
   """Cache-shaped scales / offsets follow the cache's split on their non-broadcast axes;
+  masks and biases (``[B|1, S]``, ``[B|1, T|1, S]``, ``[B|1, T|1, Hq|1, S]``) split their
+  B, Hq and S axes like q's and the cache's; per-head ``[Hq]`` vectors like q's heads;
   any other array option is replicated."""
   if name == "block_tables":
     return P(plan.batch, plan.seq)
+  if name in ("mask", "bias"):
+    shape = np.shape(x)
+    lead = [plan.batch if shape[0] > 1 else None] + [None] * (len(shape) - 2)
+    if len(shape) == 4 and shape[2] > 1:
+      lead[2] = plan.head
+    return P(*lead, plan.seq)
+  if name in ("alibi_slopes", "sinks"):
+    return P(plan.head)
   if name == "kv_offset":  # int [B]: per sequence, split with them
     return P(plan.batch) if np.ndim(x) == 1 else P()
   if name not in _CACHE_SHAPED:
