@@ -14,9 +14,10 @@ from flax import nnx
 from fdecode.api import flash_decode
 from fdecode.cache.write import write_contiguous, write_paged
 from fdecode.meshes import host_values, replicated
+from fdecode.modifiers import canonicalize
 from fdecode.quant import is_quantized
 
-__all__ = ["DecodeAttention", "apply_rope"]
+__all__ = ["DecodeAttention", "alibi_slopes", "apply_rope"]
 
 
 def apply_rope(x, positions, *, theta: float = 10000.0):
@@ -43,6 +44,16 @@ def apply_rope(x, positions, *, theta: float = 10000.0):
   cos, sin = jnp.cos(angle), jnp.sin(angle)
   x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def alibi_slopes(num_heads: int) -> jnp.ndarray:
+  """The standard ALiBi slopes (Press et al.; BLOOM / MPT / vLLM), float32 ``[Hq]``:
+  ``2 ** (-8 (i + 1) / n)`` for the largest power of two ``n <= Hq``, then every other
+  slope of ``2n`` heads for the rest."""
+  closest = 1 << (num_heads.bit_length() - 1)
+  geometric = lambda n: [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+  slopes = geometric(closest) + geometric(2 * closest)[0::2][:num_heads - closest]
+  return jnp.asarray(slopes, jnp.float32)
 
 
 class DecodeAttention(nnx.Module):
@@ -96,7 +107,10 @@ class DecodeAttention(nnx.Module):
   def __init__(self, in_features: int, num_heads: int, num_kv_heads: int | None = None,
                head_dim: int | None = None, *, rope_theta: float = 10000.0,
                use_bias: bool = False, dtype: Any = None, param_dtype: Any = jnp.float32,
-               decode_fn: Callable[..., jax.Array] | None = None, rngs: nnx.Rngs):
+               decode_fn: Callable[..., jax.Array] | None = None, window: int | None = None,
+               logits_soft_cap: float | None = None, sinks: bool = False, alibi: bool = False,
+               qk_norm: bool = False, norm_eps: float = 1e-6, softmax_scale: float | None = None,
+               rngs: nnx.Rngs):
     """Builds the projections.
 
     Args:
@@ -104,10 +118,20 @@ class DecodeAttention(nnx.Module):
       num_heads: Hq.
       num_kv_heads: Hkv, dividing Hq (Hq: MHA, 1: MQA); default Hq.
       head_dim: D, even (RoPE); default ``E // Hq``.
-      rope_theta: RoPE base.
+      rope_theta: RoPE base (per layer: Gemma 3's local and global layers differ).
       use_bias: biases on the four projections.
       dtype, param_dtype: computation and parameter dtypes of the projections.
       decode_fn: attention over the cache in `decode`; default `fdecode.flash_decode`.
+      window: sliding window of this layer (`fdecode.flash_decode`'s ``window``); a
+        Gemma-3-like model alternates local (windowed) and global (None) layers.
+      logits_soft_cap: `fdecode.flash_decode`'s ``logits_soft_cap`` (Gemma 2).
+      sinks: learn one sink logit per query head (``self.sinks``, ``nnx.Param`` f32
+        ``[Hq]``, zeros at init; gpt-oss).
+      alibi: add ALiBi biases with the standard slopes (`alibi_slopes`); use with
+        ``rope_theta=None`` for ALiBi-only models (BLOOM, MPT).
+      qk_norm: RMSNorm over D on q and k before RoPE (``q_norm`` / ``k_norm``; Gemma 3).
+      norm_eps: epsilon of the QK norms.
+      softmax_scale: scores multiplier; default ``1/sqrt(D)``.
       rngs: parameter initialization.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -117,6 +141,9 @@ class DecodeAttention(nnx.Module):
                        f"multiple of num_kv_heads ({num_kv_heads})")
     if head_dim < 2 or head_dim % 2:
       raise ValueError(f"DecodeAttention: head_dim must be even and >= 2 (RoPE), got {head_dim}")
+    # The same checks flash_decode makes, at construction time.
+    canonicalize((1, 1, num_heads, head_dim), num_kv_heads, 1, window=window,
+                 logits_soft_cap=logits_soft_cap)
     self.in_features = in_features
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
@@ -128,6 +155,12 @@ class DecodeAttention(nnx.Module):
     self.k_proj = nnx.Linear(in_features, num_kv_heads * head_dim, **linear)
     self.v_proj = nnx.Linear(in_features, num_kv_heads * head_dim, **linear)
     self.o_proj = nnx.Linear(num_heads * head_dim, in_features, **linear)
+    self.window, self.logits_soft_cap, self.softmax_scale = window, logits_soft_cap, softmax_scale
+    self.sinks = nnx.Param(jnp.zeros((num_heads,), jnp.float32)) if sinks else nnx.data(None)
+    self.alibi_slopes = nnx.data(alibi_slopes(num_heads) if alibi else None)
+    norm = dict(epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.q_norm = nnx.RMSNorm(head_dim, **norm) if qk_norm else nnx.data(None)
+    self.k_norm = nnx.RMSNorm(head_dim, **norm) if qk_norm else nnx.data(None)
     self.cached_key: nnx.Cache | None = nnx.data(None)
     self.cached_value: nnx.Cache | None = nnx.data(None)
     self.key_scale: nnx.Cache | None = nnx.data(None)
@@ -215,8 +248,10 @@ class DecodeAttention(nnx.Module):
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
     q, k, v = self._qkv(x, positions)
     new_state = self._written(k, v, jnp.zeros((b,), jnp.int32))
-    out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), is_causal=True,
-                                       key_value_seq_lengths=lengths)
+    # The prompt's own keys as a head-major cache; with kv_offset = lengths - L, query t
+    # sits at position t (flash_decode places T new tokens at the sequence's end).
+    out = flash_decode(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3).astype(q.dtype), lengths,
+                       kv_offset=lengths - seq, **self._modifiers())
     out = jnp.where((positions < lengths[:, None])[..., None, None], out, 0)
     out = self.o_proj(out.reshape(b, seq, -1))
     self._commit(new_state, lengths=lengths, overflowed=jnp.zeros((b,), jnp.bool_))
@@ -255,13 +290,21 @@ class DecodeAttention(nnx.Module):
       extra.update(k_scale=new_state["key_scale"], v_scale=new_state["value_scale"])
     if self.block_tables is not None:
       extra.update(block_tables=self.block_tables[...])
-    out = self.decode_fn(q, new_state["cached_key"], new_state["cached_value"], lengths, **extra)
+    out = self.decode_fn(q, new_state["cached_key"], new_state["cached_value"], lengths, **extra,
+                         **self._modifiers())
     # Projections are replicated (not tensor-parallel): gather the small attention output
     # on Explicit meshes, where o_proj's contraction over sharded heads is ambiguous.
     out = self.o_proj(replicated(out).reshape(b, t, -1))
     out = jnp.where(fits[:, None, None], out, jnp.nan)
     self._commit(new_state, lengths=lengths, overflowed=self.overflowed[...] | ~fits)
     return out
+
+  def _modifiers(self) -> dict:
+    """The layer's score modifiers as `fdecode.flash_decode` keywords (only those set, so
+    a custom ``decode_fn`` without them keeps working for a plain layer)."""
+    mods = dict(window=self.window, logits_soft_cap=self.logits_soft_cap, softmax_scale=self.softmax_scale,
+                sinks=None if self.sinks is None else self.sinks[...], alibi_slopes=self.alibi_slopes)
+    return {name: x for name, x in mods.items() if x is not None}
 
   def _written(self, k, v, positions) -> dict:
     """k, v ``[B, T, Hkv, D]`` -> the cache arrays with slots ``positions[b] + t`` written
@@ -321,6 +364,9 @@ class DecodeAttention(nnx.Module):
     q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-    q = apply_rope(q, positions, theta=self.rope_theta)
-    k = apply_rope(k, positions, theta=self.rope_theta)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    if self.rope_theta is not None:
+      q = apply_rope(q, positions, theta=self.rope_theta)
+      k = apply_rope(k, positions, theta=self.rope_theta)
     return q, k, v
