@@ -39,3 +39,15 @@ def test_bench_gpu_builds_its_tables_on_cpu(tmp_path):
   assert re.search(r"\| paged within 1\.1x of contiguous \| worst [\d.]+ \(B=1 S=128\) \| n/a \(not on GPU\) \|", md)
   rows = json.loads((tmp_path / "bench_gpu.json").read_text())["rows"]
   assert len(rows) == 12 and all(r["b"] == 1 and r["s"] == 128 for r in rows)
+
+
+def test_bench_variants_quick_reports_every_row():
+  out = subprocess.run([sys.executable, "benchmarks/bench_variants.py", "--quick", "--iters", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
+  for row in ("floor: read K, V", "plain", "mask [B, S]", "mask [B, 1, Hq, S] (per head)", "bias [B, S]",
+              "alibi_slopes [Hq]", "window=256", "logits_soft_cap=30", "sinks [Hq]", "all of them"):
+    assert re.search(rf"\| {re.escape(row)} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", out), (row, out)
+  # The windowed decode reads the window's blocks only: as many as plain decode over the window.
+  blocks = {name: int(n) for name, n in re.findall(
+      r"\| (plain S=256|window=256, S=4096|plain S=4096) \|.*\| (\d+) \(128, \d+\) \|", out)}
+  assert blocks["window=256, S=4096"] == blocks["plain S=256"] < blocks["plain S=4096"], out

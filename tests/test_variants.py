@@ -63,8 +63,15 @@ CASES = ["non-causal", "window-7", "window-1", "window>S", "soft-cap", "mask[B,S
          "mask[B,T,Hq,S]", "mask[1,1,Hq,S]", "bias[B,S]", "bias[1,T,Hq,S]", "alibi", "sinks", "all"]
 
 
+# Covered for the kernels by "all" (mask [B, S]) or shared by every impl (sinks join after
+# the merge, outside the kernels): the XLA path alone runs them (suite time).
+XLA_ONLY = ("mask[B,S]", "bias[B,S]", "sinks")
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_each_modifier_matches_reference(impl, case):
+  if case in XLA_ONLY and impl != "xla":
+    pytest.skip("covered by 'all' / impl-independent (see XLA_ONLY)")
   q, k, v = _problem(0)
   mods = _mods(case)
   out, lse = fdecode.flash_decode(q, k, v, LENGTHS, impl=impl, block_k=16, num_splits=3,
@@ -91,7 +98,7 @@ def test_window_soft_cap_multi_token(impl, dtype):
   _check(out, lse, q, k, v, lengths, dtype, **mods)
 
 
-@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("g", [1, 8])
 def test_alibi_gqa(impl, g):
   q, k, v = _problem(2, t=2, hq=2 * g, hkv=2, s=50)
   lengths = jnp.array([50, 17, 2, 0])
@@ -125,7 +132,7 @@ def test_empty_rows_give_zero_or_the_sink(impl):
   lengths = jnp.array([S, 5, 0, 30])
   mask = jnp.ones((4, 2, S), bool).at[0].set(False).at[1, 0].set(False)  # seq 0 and (1, t=0): empty
   sinks = jnp.linspace(-1.0, 1.0, HQ)
-  for mods in (dict(mask=mask), dict(mask=mask, sinks=sinks), dict(window=1, mask=mask, sinks=sinks)):
+  for mods in (dict(mask=mask), dict(window=1, mask=mask, sinks=sinks)):
     out, lse = fdecode.flash_decode(q, k, v, lengths, impl=impl, return_lse=True, **mods)
     assert not np.isnan(np.asarray(out)).any() and not np.isnan(np.asarray(lse)).any()
     np.testing.assert_array_equal(np.asarray(out[0]), 0.0)

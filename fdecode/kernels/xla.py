@@ -48,11 +48,14 @@ def window_tokens(seq_capacity: int, num_tokens: int, mods: Modifiers, page_size
 
 def _slice_seq(x, starts, size, axis):
   """Per sequence b, ``x[b]`` sliced to ``[starts[b], starts[b] + size)`` along ``axis``
-  (x's leading axis is B; a size-1 leading axis is broadcast first)."""
-  b = starts.shape[0]
-  if x.shape[0] != b:
-    x = jnp.broadcast_to(x, (b,) + x.shape[1:])
-  return jax.vmap(lambda xb, st: lax.dynamic_slice_in_dim(xb, st, size, axis=axis - 1))(x, starts)
+  (x's leading axis is B or 1). One dynamic slice per sequence: XLA:CPU runs the
+  equivalent gather (``vmap`` of the slice) 10x slower and compiles it for seconds."""
+  def one(b):
+    index = [b if x.shape[0] > 1 else 0] + [0] * (x.ndim - 1)
+    index[axis] = starts[b]
+    sizes = (1,) + x.shape[1:axis] + (size,) + x.shape[axis + 1:]
+    return lax.dynamic_slice(x, index, sizes)
+  return jnp.concatenate([one(b) for b in range(starts.shape[0])])
 
 
 class _Geometry:
@@ -182,22 +185,24 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
     mods, mask, bias, alibi: `fdecode.modifiers.Modifiers` and their canonical arrays.
 
   Returns:
-    ``(o, lse)``: float32 ``[B, Hkv, n, R, Dv]`` and ``[B, Hkv, n, R]``. When no row of
-    any sequence sees a key of this cache (e.g. a sequence-parallel chunk wholly past
-    every end or before every window), nothing is read: the states are empty.
+    ``(o, lse)``: float32 ``[B, Hkv, n, R, Dv]`` and ``[B, Hkv, n, R]``. With a window,
+    when no row of any sequence sees a key of this cache (e.g. a sequence-parallel chunk
+    wholly before every window or past every end), nothing is read: the states are empty.
   """
   b, hkv, r, _ = q_rows.shape
   paged = block_tables is not None
   s = block_tables.shape[1] * k.shape[2] if paged else k.shape[2]
   ends = ends.astype(jnp.int32)
-  seen = jnp.any(window_start(ends, num_tokens, s, mods) < jnp.clip(ends, 0, s))
-  empty = lambda: _varying_like((jnp.zeros((b, hkv, num_splits, r, v.shape[-1]), jnp.float32),
-                                 jnp.full((b, hkv, num_splits, r), -jnp.inf, jnp.float32)),
-                                q_rows, k, v, ends)
   compute = lambda: _partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
                               num_splits=num_splits, block_tables=block_tables, k_scale=k_scale,
                               v_scale=v_scale, k_offset=k_offset, v_offset=v_offset, mods=mods,
                               mask=mask, bias=bias, alibi=alibi)
+  if mods.window is None:  # the skip costs ~7% of a plain decode on CPU (benchmarks/RESULTS.md)
+    return compute()
+  seen = jnp.any(window_start(ends, num_tokens, s, mods) < jnp.clip(ends, 0, s))
+  empty = lambda: _varying_like((jnp.zeros((b, hkv, num_splits, r, v.shape[-1]), jnp.float32),
+                                 jnp.full((b, hkv, num_splits, r), -jnp.inf, jnp.float32)),
+                                q_rows, k, v, ends)
   return lax.cond(seen, compute, empty)
 
 
@@ -227,6 +232,9 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
       block_tables = _slice_seq(block_tables, page0, pages, axis=1)
       base = page0 * page_size
     else:
+      # One copy of each sequence's window: XLA:CPU materializes a dynamic slice (slicing
+      # chunk by chunk inside the loop below measured 20x slower: the loop copies the
+      # whole cache it closes over).
       base = jnp.clip(first, 0, s - w)
       k, v = _slice_seq(k, base, w, axis=2), _slice_seq(v, base, w, axis=2)
       k_scale, v_scale, k_offset, v_offset = (
