@@ -13,6 +13,7 @@ from jax import export
 
 import fdecode
 from fdecode.kernels.triton import triton_partials
+from test_tpu_kernel import MODIFIER_CASES, modifier_call
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 HEAD_DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (576, 512)]
@@ -67,17 +68,11 @@ def test_any_page_size_lowers_to_triton(page_size, dtype):
   assert TRITON_CALL in lower_for_cuda(_decode_fn(impl="pallas"), *args, opts)
 
 
-@pytest.mark.parametrize("case", ["window+softcap+alibi+sinks", "mask[B,T,S]", "mask+bias per head"])
+@pytest.mark.parametrize("case", MODIFIER_CASES)
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_score_modifiers_lower_to_triton(case, page_size):
-  from test_tpu_kernel import modifier_cases  # pylint: disable=g-import-not-at-top
   args, opts = _problem(dk=128, dv=128, dtype=jnp.bfloat16, page_size=page_size, t=2, g=4)
-  q, k = args[:2]
-  s = k.shape[2] if page_size is None else opts["block_tables"].shape[1] * page_size
-  static, arrays = modifier_cases(q.shape[0], 2, q.shape[2], s, jnp.bfloat16)[case]
-  fn = lambda q, k, v, n, opts, arrays: fdecode.flash_decode(q, k, v, n, **opts, **arrays, **static,
-                                                             impl="pallas", num_splits=2)
-  assert TRITON_CALL in lower_for_cuda(fn, *args, opts, arrays)
+  assert TRITON_CALL in lower_for_cuda(*modifier_call(case, args, opts, page_size))
 
 
 def test_tile_wise_scales_lower_to_triton():

@@ -89,27 +89,32 @@ def test_tile_wise_scales_lower_for_tpu():
   assert TPU_CALL in lower_for_tpu(_decode_fn(impl="pallas"), *args, opts)
 
 
-def modifier_cases(b, t, hq, s, dtype):
-  """Abstract score-modifier operands (issue 9), shared with the CUDA lowering tests."""
+MODIFIER_CASES = ["window+softcap+alibi+sinks", "mask[B,T,S]", "mask+bias per head"]
+
+
+def modifier_call(case, args, opts, page_size):
+  """(fn, *operands) of a ``flash_decode(impl="pallas")`` call with the score modifiers of
+  ``case`` (issue 9) on an abstract problem (T=2); shared with the CUDA lowering tests."""
+  q, k = args[:2]
+  b, t, hq = q.shape[:3]
+  s = k.shape[2] if page_size is None else opts["block_tables"].shape[1] * page_size
   f32 = jnp.float32
-  return {
+  static, arrays = {
       "window+softcap+alibi+sinks": (dict(window=100, logits_soft_cap=30.0),
                                      dict(alibi_slopes=_sds((hq,), f32), sinks=_sds((hq,), f32))),
       "mask[B,T,S]": (dict(causal=False), dict(mask=_sds((b, t, s), jnp.bool_))),
-      "mask+bias per head": ({}, dict(mask=_sds((1, t, hq, s), jnp.bool_), bias=_sds((b, 1, hq, s), dtype))),
-  }
+      "mask+bias per head": ({}, dict(mask=_sds((1, t, hq, s), jnp.bool_), bias=_sds((b, 1, hq, s), q.dtype))),
+  }[case]
+  fn = lambda q, k, v, n, opts, arrays: fdecode.flash_decode(q, k, v, n, **opts, **arrays, **static,
+                                                             impl="pallas", num_splits=2)
+  return (fn, *args, opts, arrays)
 
 
-@pytest.mark.parametrize("case", ["window+softcap+alibi+sinks", "mask[B,T,S]", "mask+bias per head"])
+@pytest.mark.parametrize("case", MODIFIER_CASES)
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_score_modifiers_lower_for_tpu(case, page_size):
   args, opts = _abstract_problem(dk=128, dv=128, dtype=jnp.bfloat16, page_size=page_size, t=2, g=4)
-  q, k = args[:2]
-  s = k.shape[2] if page_size is None else opts["block_tables"].shape[1] * page_size
-  static, arrays = modifier_cases(q.shape[0], 2, q.shape[2], s, jnp.bfloat16)[case]
-  fn = lambda q, k, v, n, opts, arrays: fdecode.flash_decode(q, k, v, n, **opts, **arrays, **static,
-                                                             impl="pallas", num_splits=2)
-  assert TPU_CALL in lower_for_tpu(fn, *args, opts, arrays)
+  assert TPU_CALL in lower_for_tpu(*modifier_call(case, args, opts, page_size))
 
 
 # -------------------------------------------------------------------------------------
