@@ -31,12 +31,12 @@ def _check(out, lse, q, k, v, lengths, **mods):
   assert_close(lse, ref_lse, atol=3e-5, rtol=3e-5, what="lse")
 
 
-@pytest.mark.parametrize("shape,names,roles,axis_types", [
-    ((8,), ("s",), dict(seq_axis="s"), None),                              # Explicit axes
-    ((2, 4), ("h", "s"), dict(head_axis="h", seq_axis="s"), AUTO(2)),
-    ((2, 2, 2), ("b", "h", "s"), dict(batch_axis="b", head_axis="h", seq_axis="s"), None),
-], ids=["seq8", "h2-s4-auto", "b-h-s"])
-@pytest.mark.parametrize("per_head", [False, True], ids=["mask[B,S]", "mask[B,T,Hq,S]"])
+@pytest.mark.parametrize("shape,names,roles,axis_types,per_head", [
+    ((8,), ("s",), dict(seq_axis="s"), None, False),                       # Explicit axes
+    ((8,), ("s",), dict(seq_axis="s"), None, True),
+    ((2, 4), ("h", "s"), dict(head_axis="h", seq_axis="s"), AUTO(2), True),
+    ((2, 2, 2), ("b", "h", "s"), dict(batch_axis="b", head_axis="h", seq_axis="s"), None, True),
+], ids=["seq8-mask[B,S]", "seq8-per-head", "h2-s4-auto-per-head", "b-h-s-per-head"])
 def test_modifiers_and_sinks_sharded(shape, names, roles, axis_types, per_head):
   """Sinks count once (not once per device or split), masks / biases split with the
   cache, heads and batch."""
