@@ -16,13 +16,15 @@ Two entry points, for two cache layouts:
   Flax's own ``dot_product_attention`` unchanged.
 * `DecodeAttention` owns its cache, head-major ``[B, Hkv, S, D]`` with per-sequence
   lengths (continuous batching), and attends with `fdecode.flash_decode` directly, so it
-  gets the Pallas kernel on GPU/TPU.
+  gets the Pallas kernel on GPU/TPU. Per layer it takes the score modifiers (sliding
+  ``window``, ``logits_soft_cap``, learned ``sinks``, ``alibi``), QK-norm and its own
+  RoPE base, so a Gemma-3-like stack of local and global layers is a list of them.
 
 Import as ``import fdecode.flax`` (this package is not re-exported by ``fdecode``).
 They live in `fdecode.flax.token_major` and `fdecode.flax.decode_attention`.
 """
 
 from fdecode.flax.token_major import attention_fn, token_major_decode
-from fdecode.flax.decode_attention import DecodeAttention, apply_rope
+from fdecode.flax.decode_attention import DecodeAttention, alibi_slopes, apply_rope
 
-__all__ = ["DecodeAttention", "apply_rope", "attention_fn", "token_major_decode"]
+__all__ = ["DecodeAttention", "alibi_slopes", "apply_rope", "attention_fn", "token_major_decode"]
