@@ -248,10 +248,15 @@ class DecodeAttention(nnx.Module):
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (b, seq))
     q, k, v = self._qkv(x, positions)
     new_state = self._written(k, v, jnp.zeros((b,), jnp.int32))
-    # The prompt's own keys as a head-major cache; with kv_offset = lengths - L, query t
-    # sits at position t (flash_decode places T new tokens at the sequence's end).
-    out = flash_decode(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3).astype(q.dtype), lengths,
-                       kv_offset=lengths - seq, **self._modifiers())
+    mods = self._modifiers()
+    if set(mods) <= {"softmax_scale"}:  # plain causal attention: XLA's fused prefill
+      out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), is_causal=True,
+                                         scale=mods.get("softmax_scale"), key_value_seq_lengths=lengths)
+    else:
+      # The prompt's own keys as a head-major cache; with kv_offset = lengths - L, query t
+      # sits at position t (flash_decode places T new tokens at the sequence's end).
+      out = flash_decode(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3).astype(q.dtype), lengths,
+                         kv_offset=lengths - seq, **mods)
     out = jnp.where((positions < lengths[:, None])[..., None, None], out, 0)
     out = self.o_proj(out.reshape(b, seq, -1))
     self._commit(new_state, lengths=lengths, overflowed=jnp.zeros((b,), jnp.bool_))
