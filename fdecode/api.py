@@ -29,7 +29,7 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
                  softmax_scale=None, num_splits=None, block_k=None, impl=None,
                  interpret=None, return_lse=False, k_offset=None, v_offset=None, kv_offset=None,
                  causal=True, mask=None, bias=None, alibi_slopes=None, window=None,
-                 logits_soft_cap=None, sinks=None):
+                 logits_soft_cap=None, sinks=None, v_head_dim=None, k_rope=None):
   """FlashDecode attention of new tokens over a KV cache.
 
   Legend: B batch, T new tokens per sequence, Hq query heads, Hkv kv heads
@@ -43,7 +43,9 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     k: ``[B, Hkv, S, Dk]`` head-major contiguous key cache, or with ``block_tables`` a
       paged pool ``[Hkv, P, page_size, Dk]``. Float, or int8 / float8_e4m3fn /
       float8_e5m2 with ``k_scale``.
-    v: ``[B, Hkv, S, Dv]`` or ``[Hkv, P, page_size, Dv]``; Dv may differ from Dk.
+    v: ``[B, Hkv, S, Dv]`` or ``[Hkv, P, page_size, Dv]``; Dv may differ from Dk. Or
+      ``None`` (MLA, FlashMLA's ``head_dim_v``): the values are ``k[..., :v_head_dim]``,
+      the first columns of the same cache, read once for both (never a second copy).
     lengths: int ``[B]`` valid tokens per sequence, new ones included, each in ``[0, S]``.
       Concrete values outside that range raise ValueError; under ``jit`` they are
       clipped to ``[0, S]``.
@@ -85,6 +87,14 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       ``interpret=``. Under ``pltpu.force_tpu_interpret_mode(params)``, ``None`` means
       ``params``.
     return_lse: also return the log-sum-exp of the scores.
+    v_head_dim: static int Dv, required with ``v=None`` (``1 <= Dv <= k.shape[-1]``; DeepSeek
+      MLA: 512 of a 576-wide latent key). With ``v`` given it must equal its head dim.
+    k_rope: optional key-only columns appended after k's own, ``[B, Hkv, S, Dr]`` or
+      ``[Hkv, P, page_size, Dr]`` (paged), float, never quantized: the logical key is
+      ``concat(k, k_rope)`` of width ``Dk = k.shape[-1] + Dr`` (q's head dim) and the
+      values never include them. FlashMLA's FP8 cache is ``k`` float8_e4m3fn
+      ``[..., 512]`` with ``k_scale [..., 4]`` (1x128 tiles) plus ``k_rope`` bfloat16
+      ``[..., 64]``: 656 bytes per token (`fdecode.quant` documents the layout).
 
   Score modifiers (all off by default; exact semantics in `fdecode.modifiers`). With
   ``p = lengths - T + t`` the position of query t and ``j`` a key position:
@@ -134,9 +144,12 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   """
   if isinstance(lengths, (list, tuple)):
     lengths = np.asarray(lengths)
-  single_token = validate_args(q, k, v, lengths, block_tables)
+  single_token, dv = validate_args(q, k, v, lengths, block_tables, v_head_dim=v_head_dim, k_rope=k_rope)
   k_scale, k_offset = validate_quant("k", k, k_scale, k_offset)
-  v_scale, v_offset = validate_quant("v", v, v_scale, v_offset)
+  if v is None and (v_scale is not None or v_offset is not None):
+    raise ValueError("flash_decode: v_scale / v_offset given with v=None: the values are k's first "
+                     "v_head_dim columns and use k_scale / k_offset")
+  v_scale, v_offset = (None, None) if v is None else validate_quant("v", v, v_scale, v_offset)
   if impl is not None and impl not in IMPLS:
     raise ValueError(f"flash_decode: impl must be one of {IMPLS} or None, got {impl!r}")
   if not (interpret is None or isinstance(interpret, (bool, np.bool_, pltpu.InterpretParams))):
@@ -161,7 +174,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       q4.shape, hkv, _seq_capacity(k, block_tables), causal=causal, mask=mask, bias=bias,
       alibi_slopes=alibi_slopes, sinks=sinks, window=window, logits_soft_cap=logits_soft_cap)
   cache = dict(block_tables=None if block_tables is None else jnp.asarray(block_tables, jnp.int32),
-               k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset)
+               k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset,
+               k_rope=None if k_rope is None else jnp.asarray(k_rope))
   # The kernels take each sequence's end relative to the cache's first token.
   ends = jnp.asarray(lengths).astype(jnp.int32)
   if kv_offset is not None:
@@ -172,11 +186,11 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       raise ValueError(f"flash_decode: kv_offset must be integer, got dtype {jnp.result_type(kv_offset)}")
     ends = ends - jnp.asarray(kv_offset, jnp.int32)
   if q4.shape[0] == 0 or q4.shape[1] == 0:  # no sequence or no new token: nothing to attend
-    out = jnp.zeros(q4.shape[:-1] + (v.shape[-1],), q.dtype)
+    out = jnp.zeros(q4.shape[:-1] + (dv,), q.dtype)
     lse = jnp.full(q4.shape[:-1], -jnp.inf, jnp.float32)
   else:
     out, lse = _decode(q4, k, v, ends, cache, mod_arrays, sinks, impl=impl, softmax_scale=scale,
-                       cfg=cfg, interpret=interpret, mods=mods)
+                       cfg=cfg, interpret=interpret, mods=mods, v_head_dim=None if v is not None else dv)
   if single_token:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out
@@ -190,19 +204,23 @@ def _forced_tpu_interpret():
   return None if flag is None else flag.value
 
 
-def compute_dtype(q_dtype, k_dtype, v_dtype):
+def compute_dtype(q_dtype, *cache_dtypes):
   """The dtype the matmuls read: q's dtype promoted with every float cache's dtype (an
-  8-bit cache contributes nothing: it is dequantized to q's dtype). A float32 query on a
-  bfloat16 cache computes in float32; a bfloat16 query on a float32 cache too."""
-  dtypes = [q_dtype] + [d for d in (k_dtype, v_dtype) if not is_quantized(d)]
+  8-bit cache contributes nothing: it is dequantized to q's dtype; None entries are
+  absent caches). A float32 query on a bfloat16 cache computes in float32; a bfloat16
+  query on a float32 cache too."""
+  dtypes = [q_dtype] + [d for d in cache_dtypes if d is not None and not is_quantized(d)]
   return jnp.result_type(*dtypes)
 
 
-@functools.partial(jax.jit, static_argnames=("impl", "softmax_scale", "cfg", "interpret", "mods"))
-def _decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg, interpret, mods):
+@functools.partial(jax.jit, static_argnames=("impl", "softmax_scale", "cfg", "interpret", "mods",
+                                             "v_head_dim"))
+def _decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg, interpret, mods,
+            v_head_dim):
   """q ``[B, T, Hq, Dk]`` -> (out ``[B, T, Hq, Dv]`` in q.dtype, lse f32 ``[B, T, Hq]``).
 
-  ``cache``: dict of block_tables and canonical scales / offsets (None when absent).
+  ``cache``: dict of block_tables, canonical scales / offsets and k_rope (None when absent).
+  ``v`` None: the values are ``k[..., :v_head_dim]`` (MLA).
   ``mods`` / ``mod_arrays``: the score modifiers (`fdecode.modifiers.canonicalize`);
   ``sinks`` (f32 ``[Hq]`` or None) join the softmax once, after the merge.
   The one dispatch: by the platform being *lowered for* (`jax.lax.platform_dependent`),
@@ -212,7 +230,11 @@ def _decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg
   hkv = k.shape[0] if cache["block_tables"] is not None else k.shape[1]
   g = hq // hkv
   if impl == "reference":
-    kf, vf = _materialize(k, cache, "k"), _materialize(v, cache, "v")
+    tables = cache["block_tables"]
+    kf = _materialize(k, tables, cache["k_scale"], cache["k_offset"])
+    vf = kf[..., :v_head_dim] if v is None else _materialize(v, tables, cache["v_scale"], cache["v_offset"])
+    if cache["k_rope"] is not None:  # key-only columns after k's own
+      kf = jnp.concatenate([kf, _materialize(cache["k_rope"], tables)], axis=-1)
     user = lambda x: None if x is None else modifiers.user_form(x)
     alibi = mod_arrays["alibi"]
     out, lse = reference_decode(
@@ -222,9 +244,11 @@ def _decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg
         logits_soft_cap=mods.soft_cap, sinks=sinks)
     return out.astype(q.dtype), lse
   # Rows of one kv head: r = t * G + g, in the compute dtype.
-  cd = compute_dtype(q.dtype, k.dtype, v.dtype)
+  rope = cache["k_rope"]
+  cd = compute_dtype(q.dtype, k.dtype, None if v is None else v.dtype, None if rope is None else rope.dtype)
   q_rows = q.reshape(b, t, hkv, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dk).astype(cd)
-  kw = dict(num_tokens=t, softmax_scale=softmax_scale, cfg=cfg, mods=mods, **cache, **mod_arrays)
+  kw = dict(num_tokens=t, softmax_scale=softmax_scale, cfg=cfg, mods=mods, v_head_dim=v_head_dim,
+            **cache, **mod_arrays)
 
   # Each path yields per-split states, merged in-branch (the branches' split counts differ).
   merged = lambda states: merge_states(*states, axis=2)  # [B, Hkv, R, Dv], [B, Hkv, R]
@@ -242,7 +266,7 @@ def _decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg
     # platform_dependent traces every branch and lowers only the target's. A shape Triton
     # cannot tile gets the XLA path on GPU, except that impl="pallas" traced on a GPU host
     # raises (triton_partials names the shape) rather than silently not using Pallas.
-    if triton_supports(q_rows, k, v, cache) or (impl == "pallas" and jax.default_backend() == "gpu"):
+    if triton_supports(k, v, cache, v_head_dim) or (impl == "pallas" and jax.default_backend() == "gpu"):
       gpu = lambda: triton("gpu", False)
     else:
       gpu = lambda: xla("gpu")
@@ -294,17 +318,17 @@ def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, **
                          num_splits=splits, plan=p, interpret=interpret, **cache)
 
 
-def triton_supports(q_rows, k, v, cache) -> bool:
+def triton_supports(k, v, cache, v_head_dim=None) -> bool:
   """Whether the compiled Triton kernel takes these shapes (see `triton_unsupported`)."""
   tiles = lambda sc: 1 if sc is None else sc.shape[-1]
-  return triton_unsupported(q_rows.shape[-1], v.shape[-1], tiles(cache["k_scale"]),
-                            tiles(cache["v_scale"])) is None
+  rope = cache["k_rope"]
+  return triton_unsupported(k.shape[-1], v_head_dim if v is None else v.shape[-1], tiles(cache["k_scale"]),
+                            tiles(cache["v_scale"]), v_from_k=v is None,
+                            rope_dim=0 if rope is None else rope.shape[-1]) is None
 
 
-def _materialize(x, cache, name):
+def _materialize(x, tables, scale=None, offset=None):
   """Float32 contiguous ``[B, Hkv, S, D]`` copy of a cache (the reference's input)."""
-  scale, offset = cache[f"{name}_scale"], cache[f"{name}_offset"]
-  tables = cache["block_tables"]
   if tables is not None:
     page_size = x.shape[2]
     x = gather_pages(x, tables)

@@ -32,17 +32,26 @@ def static_scale(softmax_scale, dk) -> float:
   return value
 
 
-def validate_args(q, k, v, lengths, block_tables) -> bool:
-  """Trace-time shape/dtype checks. Returns True for the single-token q layout."""
-  shapes = f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+def validate_args(q, k, v, lengths, block_tables, *, v_head_dim=None, k_rope=None) -> tuple[bool, int]:
+  """Trace-time shape/dtype checks. Returns (True for the single-token q layout, Dv).
+
+  ``v`` may be None (MLA): the values are then ``k[..., :v_head_dim]``, read from the
+  key cache itself. ``k_rope`` (optional) holds extra key-only columns appended after
+  k's own, so q's head dim is ``k.shape[-1] + k_rope.shape[-1]``.
+  """
+  v_shape = None if v is None else tuple(v.shape)
+  shapes = f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={v_shape}"
+  if k_rope is not None:
+    shapes += f", k_rope.shape={tuple(np.shape(k_rope))}"
   paged = block_tables is not None
   layout = "[Hkv, P, page_size, {}]" if paged else "[B, Hkv, S, {}]"
   if q.ndim not in (3, 4):
     raise ValueError(f"flash_decode: q must be [B, Hq, Dk] or [B, T, Hq, Dk]; got {shapes}")
   if k.ndim != 4:
     raise ValueError(f"flash_decode: k must be {layout.format('Dk')}; got {shapes}")
-  if v.ndim != 4:
+  if v is not None and v.ndim != 4:
     raise ValueError(f"flash_decode: v must be {layout.format('Dv')}; got {shapes}")
+  dv = _value_head_dim(k, v, v_head_dim, shapes)
   b, hq, dk = q.shape[0], q.shape[-2], q.shape[-1]
   kdk = k.shape[-1]
   if paged:
@@ -52,19 +61,29 @@ def validate_args(q, k, v, lengths, block_tables) -> bool:
                        f"block_tables.shape={bt_shape}, {shapes}")
     if not jnp.issubdtype(jnp.result_type(block_tables), jnp.integer):
       raise ValueError(f"flash_decode: block_tables must be integer, got dtype {jnp.result_type(block_tables)}")
-    if v.shape[:3] != k.shape[:3]:
+    if v is not None and v.shape[:3] != k.shape[:3]:
       raise ValueError(f"flash_decode: paged k and v must have the same [Hkv, P, page_size]; got {shapes}")
     hkv = k.shape[0]
   else:
-    if k.shape[0] != b or v.shape[0] != b:
+    if k.shape[0] != b or (v is not None and v.shape[0] != b):
       raise ValueError(f"flash_decode: batch of q, k and v must agree; got {shapes}")
-    if v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+    if v is not None and (v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]):
       raise ValueError(f"flash_decode: k and v must have the same [B, Hkv, S]; got {shapes}")
     hkv = k.shape[1]
-  if dk == 0 or v.shape[-1] == 0:
+  if k_rope is not None:
+    rope_shape = tuple(np.shape(k_rope))
+    if len(rope_shape) != 4 or rope_shape[:3] != tuple(k.shape[:3]) or rope_shape[3] < 1:
+      lead = "[Hkv, P, page_size]" if paged else "[B, Hkv, S]"
+      raise ValueError(f"flash_decode: k_rope must be {layout.format('Dr')} with the same {lead} as k "
+                       f"(extra key-only columns); got {shapes}")
+    if not jnp.issubdtype(jnp.result_type(k_rope), jnp.floating):
+      raise ValueError(f"flash_decode: k_rope must be floating point, got k_rope.dtype={jnp.result_type(k_rope)}")
+    kdk += rope_shape[3]
+  if dk == 0 or dv == 0:
     raise ValueError(f"flash_decode: head dims Dk and Dv must be positive; got {shapes}")
   if kdk != dk:
-    raise ValueError(f"flash_decode: head dim Dk of q ({dk}) and k ({kdk}) must agree; got {shapes}")
+    what = "k + k_rope" if k_rope is not None else "k"
+    raise ValueError(f"flash_decode: head dim Dk of q ({dk}) and {what} ({kdk}) must agree; got {shapes}")
   if hkv == 0 or hq % hkv != 0:
     raise ValueError(f"flash_decode: Hq ({hq}) must be a multiple of Hkv ({hkv}); got {shapes}")
   if not jnp.issubdtype(q.dtype, jnp.floating):
@@ -74,7 +93,24 @@ def validate_args(q, k, v, lengths, block_tables) -> bool:
     raise ValueError(f"flash_decode: lengths must be [B]=({b},); got lengths.shape={lengths_shape}")
   if not jnp.issubdtype(jnp.result_type(lengths), jnp.integer):
     raise ValueError(f"flash_decode: lengths must be integer, got dtype {jnp.result_type(lengths)}")
-  return q.ndim == 3
+  return q.ndim == 3, dv
+
+
+def _value_head_dim(k, v, v_head_dim, shapes) -> int:
+  """Dv: v's head dim, or with ``v=None`` the static ``v_head_dim`` (k's first columns)."""
+  if v_head_dim is not None:
+    if (isinstance(v_head_dim, (bool, np.bool_)) or not isinstance(v_head_dim, numbers.Integral)
+        or not 1 <= v_head_dim <= k.shape[-1]):
+      raise ValueError(f"flash_decode: v_head_dim must be a static int in [1, k.shape[-1]={k.shape[-1]}] "
+                       f"(the values are k's first v_head_dim columns); got v_head_dim={v_head_dim!r}, {shapes}")
+    if v is not None and v.shape[-1] != v_head_dim:
+      raise ValueError(f"flash_decode: v_head_dim={v_head_dim} disagrees with v's head dim; pass v=None to "
+                       f"read the values from k (MLA), or drop v_head_dim; got {shapes}")
+    return int(v_head_dim)
+  if v is None:
+    raise ValueError(f"flash_decode: v=None reads the values from the key cache (MLA): pass v_head_dim, "
+                     f"the number of k's leading columns that are the values (e.g. 512 of 576); got {shapes}")
+  return v.shape[-1]
 
 
 def validate_quant(name, cache, scale, offset):

@@ -110,7 +110,8 @@ class _Geometry:
 
 
 def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=False, select_dead=True):
-  """States of chunks: kc ``[B, Hkv, n, C, Dk]``, vc ``[B, Hkv, n, C, Dv]``, chunk i holding
+  """States of chunks: kc ``[B, Hkv, n, C, Dk]`` (or a tuple of column parts whose widths
+  sum to Dk: k's own columns, then k_rope's), vc ``[B, Hkv, n, C, Dv]``, chunk i holding
   view offsets ``first + i*C``, i.e. cache positions ``base + first + i*C`` (base int32
   ``[B]``, the view's start) -> (o f32 ``[B, Hkv, n, R, Dv]``, lse ``[B, Hkv, n, R]``).
 
@@ -121,9 +122,15 @@ def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=F
   ``heads_outer``: q_rows, kc, vc and the results have their two batch axes swapped
   (``[Hkv, B, ...]``, a paged pool's gather order, so the cache chunk is never transposed).
   """
-  n, c = kc.shape[2], kc.shape[3]
-  scores = jnp.einsum("bhrd,bhncd->bhnrc", q_rows, kc.astype(q_rows.dtype),
-                      preferred_element_type=jnp.float32) * softmax_scale
+  parts = kc if isinstance(kc, tuple) else (kc,)
+  n, c = parts[0].shape[2], parts[0].shape[3]
+  scores, col = None, 0
+  for part in parts:  # the key's column parts: one matmul each, no concatenated copy
+    w = part.shape[-1]
+    s = jnp.einsum("bhrd,bhncd->bhnrc", q_rows[..., col:col + w], part.astype(q_rows.dtype),
+                   preferred_element_type=jnp.float32)
+    scores, col = s if scores is None else scores + s, col + w
+  scores = scores * softmax_scale
   offsets = first + jnp.arange(n * c, dtype=jnp.int32).reshape(1, 1, n, 1, c)
   pos = base[:, None, None, None, None] + offsets  # [B, 1, n, 1, C]
   scores, valid = geo.apply(scores, pos, first, heads_outer)
@@ -168,7 +175,8 @@ def _pad_tokens(x, total, axis=2, broadcast_ok=False):
 
 def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, num_splits: int,
                  block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
-                 mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None):
+                 mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None, v_head_dim=None,
+                 k_rope=None):
   """Per-split partial states.
 
   Args:
@@ -176,7 +184,9 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
       of a kv head as rows (r = t * G + g); cache blocks are cast to it after the load.
     k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables [B, n]``, paged
       ``[Hkv, P, page_size, D]``; float, or 8-bit with canonical rank-4 scales
-      (`fdecode.quant.canonical_scale`) and optional offsets.
+      (`fdecode.quant.canonical_scale`) and optional offsets. ``v`` None: the values are
+      the loaded (dequantized) ``k[..., :v_head_dim]`` (MLA).
+    k_rope: optional key-only columns laid out like k (float), after k's own.
     ends: int32 ``[B]``: each sequence's end relative to the cache's first token.
     num_tokens: T.
     softmax_scale: multiplies the scores (in float32).
@@ -196,13 +206,14 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
   compute = lambda: _partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
                               num_splits=num_splits, block_tables=block_tables, k_scale=k_scale,
                               v_scale=v_scale, k_offset=k_offset, v_offset=v_offset, mods=mods,
-                              mask=mask, bias=bias, alibi=alibi)
+                              mask=mask, bias=bias, alibi=alibi, v_head_dim=v_head_dim, k_rope=k_rope)
   if mods.window is None:  # the skip costs ~7% of a plain decode on CPU (benchmarks/RESULTS.md)
     return compute()
   seen = jnp.any(window_start(ends, num_tokens, s, mods) < jnp.clip(ends, 0, s))
-  empty = lambda: _varying_like((jnp.zeros((b, hkv, num_splits, r, v.shape[-1]), jnp.float32),
+  dv = v_head_dim if v is None else v.shape[-1]
+  empty = lambda: _varying_like((jnp.zeros((b, hkv, num_splits, r, dv), jnp.float32),
                                  jnp.full((b, hkv, num_splits, r), -jnp.inf, jnp.float32)),
-                                q_rows, k, v, ends)
+                                q_rows, k, ends, *(x for x in (v, k_rope) if x is not None))
   return lax.cond(seen, compute, empty)
 
 
@@ -214,8 +225,9 @@ def _varying_like(xs, *inputs):
 
 
 def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, block_tables, k_scale,
-              v_scale, k_offset, v_offset, mods, mask, bias, alibi):
+              v_scale, k_offset, v_offset, mods, mask, bias, alibi, v_head_dim, k_rope):
   """`xla_partials`, computed."""
+  maybe = lambda f, x: None if x is None else f(x)
   n = num_splits
   b, hkv, r, _ = q_rows.shape
   paged = block_tables is not None
@@ -236,7 +248,7 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
       # chunk by chunk inside the loop below measured 20x slower: the loop copies the
       # whole cache it closes over).
       base = jnp.clip(first, 0, s - w)
-      k, v = _slice_seq(k, base, w, axis=2), _slice_seq(v, base, w, axis=2)
+      k, v, k_rope = (maybe(lambda x: _slice_seq(x, base, w, axis=2), x) for x in (k, v, k_rope))
       k_scale, v_scale, k_offset, v_offset = (
           a if a is None or a.shape[2] == 1 else _slice_seq(a, base, w, axis=2)
           for a in (k_scale, v_scale, k_offset, v_offset))
@@ -245,13 +257,14 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
 
   quantized = k_scale is not None or v_scale is not None
   if not paged and not quantized:
-    dk = k.shape[-1]
     chunk = max(-(-s // n), 1)
-    k, v = _pad_tokens(k, chunk * n), _pad_tokens(v, chunk * n)
+    k, v, k_rope = (maybe(lambda x: _pad_tokens(x, chunk * n), x) for x in (k, v, k_rope))
     geo.pad(chunk * n)
-    kc = k.reshape(b, hkv, n, chunk, dk)
-    vc = v.reshape(b, hkv, n, chunk, v.shape[-1])
-    return _contiguous_states(q_rows, kc, vc.astype(q_rows.dtype), geo, base, softmax_scale)
+    chunks = lambda x: x.reshape(b, hkv, n, chunk, x.shape[-1])
+    kc = chunks(k)
+    vc = kc[..., :v_head_dim] if v is None else chunks(v)  # MLA: the values are k's first columns
+    keys = kc if k_rope is None else (kc, chunks(k_rope))
+    return _contiguous_states(q_rows, keys, vc.astype(q_rows.dtype), geo, base, softmax_scale)
 
   compute_dtype = q_rows.dtype
   if paged:
@@ -269,7 +282,7 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
       return x
   else:
     chunk = max(-(-s // n), 1)
-    k, v = _pad_tokens(k, chunk * n), _pad_tokens(v, chunk * n)
+    k, v, k_rope = (maybe(lambda x: _pad_tokens(x, chunk * n), x) for x in (k, v, k_rope))
     k_scale, v_scale, k_offset, v_offset = (
         None if a is None else _pad_tokens(a, chunk * n, broadcast_ok=True)
         for a in (k_scale, v_scale, k_offset, v_offset))
@@ -287,8 +300,10 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
 
   def one_chunk(i):
     kc = load(i, k, k_scale, k_offset)[:, :, None]
-    vc = load(i, v, v_scale, v_offset)[:, :, None]
-    o, lse = _chunk_states(q_loop, kc, vc.astype(compute_dtype), geo, base, i * chunk,
+    # MLA: the values are the loaded (dequantized) key's first columns, not a second read.
+    vc = kc[..., :v_head_dim] if v is None else load(i, v, v_scale, v_offset)[:, :, None]
+    keys = kc if k_rope is None else (kc, load(i, k_rope, None, None)[:, :, None])
+    o, lse = _chunk_states(q_loop, keys, vc.astype(compute_dtype), geo, base, i * chunk,
                            softmax_scale, heads_outer)
     return o[:, :, 0], lse[:, :, 0]
 
