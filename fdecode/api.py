@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -13,10 +14,13 @@ from jax.experimental.pallas import tpu as pltpu
 from fdecode import config as config_lib
 from fdecode.cache.paged import gather_pages, gather_scale
 from fdecode import modifiers
+from fdecode import sparse as sparse_lib
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels.mosaic_tpu import mosaic_partials, plan as mosaic_plan
+from fdecode.kernels.mosaic_tpu_sparse import mosaic_sparse_partials
 from fdecode.kernels.triton import block_size as triton_block_size, triton_partials, triton_unsupported
 from fdecode.kernels.xla import window_tokens, xla_partials
+from fdecode.kernels.xla_sparse import sparse_partials
 from fdecode.quant import dequantize, is_quantized
 from fdecode.reference import reference_decode
 from fdecode.validation import (check_concrete_lengths, check_concrete_page_ids, static_scale,
@@ -29,7 +33,7 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
                  softmax_scale=None, num_splits=None, block_k=None, impl=None,
                  interpret=None, return_lse=False, k_offset=None, v_offset=None, kv_offset=None,
                  causal=True, mask=None, bias=None, alibi_slopes=None, window=None,
-                 logits_soft_cap=None, sinks=None, v_head_dim=None, k_rope=None):
+                 logits_soft_cap=None, sinks=None, v_head_dim=None, k_rope=None, indices=None):
   """FlashDecode attention of new tokens over a KV cache.
 
   Legend: B batch, T new tokens per sequence, Hq query heads, Hkv kv heads
@@ -95,6 +99,13 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       values never include them. FlashMLA's FP8 cache is ``k`` float8_e4m3fn
       ``[..., 512]`` with ``k_scale [..., 4]`` (1x128 tiles) plus ``k_rope`` bfloat16
       ``[..., 64]``: 656 bytes per token (`fdecode.quant` documents the layout).
+    indices: sparse top-k attention (DeepSeek V3.2): int ``[B, K]`` (shared by the T new
+      tokens), ``[B, T, K]`` (per token) or ``[B, T, Hkv, K]`` (per token and kv head;
+      with a single-token q: ``[B, K]`` or ``[B, Hkv, K]``): the sequence positions each
+      query may attend to, -1 = none. Only those tokens are read (gathered per block,
+      through the block table when paged). Positions outside the cache, at or past the
+      length, or hidden by causality / the window are masked; duplicates count once.
+      Not combinable with ``mask`` / ``bias``. Exact semantics: `fdecode.sparse`.
 
   Score modifiers (all off by default; exact semantics in `fdecode.modifiers`). With
   ``p = lengths - T + t`` the position of query t and ``j`` a key position:
@@ -173,6 +184,9 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   mods, mod_arrays, sinks = modifiers.canonicalize(
       q4.shape, hkv, _seq_capacity(k, block_tables), causal=causal, mask=mask, bias=bias,
       alibi_slopes=alibi_slopes, sinks=sinks, window=window, logits_soft_cap=logits_soft_cap)
+  if indices is not None:
+    indices = sparse_lib.validate(indices, q.shape, hkv, mods=mods, has_mask=mask is not None,
+                                  has_bias=bias is not None)
   cache = dict(block_tables=None if block_tables is None else jnp.asarray(block_tables, jnp.int32),
                k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset,
                k_rope=None if k_rope is None else jnp.asarray(k_rope))
@@ -189,11 +203,32 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     out = jnp.zeros(q4.shape[:-1] + (dv,), q.dtype)
     lse = jnp.full(q4.shape[:-1], -jnp.inf, jnp.float32)
   else:
+    b, t = q4.shape[:2]
+    sparse = None
+    if indices is not None:
+      q4, ends, sparse = _sparse_setup(q4, ends, indices, cache, kv_offset, _seq_capacity(k, block_tables), mods)
     out, lse = _decode(q4, k, v, ends, cache, mod_arrays, sinks, impl=impl, softmax_scale=scale,
-                       cfg=cfg, interpret=interpret, mods=mods, v_head_dim=None if v is not None else dv)
+                       cfg=cfg, interpret=interpret, mods=mods, v_head_dim=None if v is not None else dv,
+                       sparse=sparse)
+    out, lse = out.reshape(b, t, *out.shape[2:]), lse.reshape(b, t, -1)  # undo a sparse fold
   if single_token:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out
+
+
+def _sparse_setup(q4, ends, indices, cache, kv_offset, seq_capacity, mods):
+  """Canonical index lists into ``cache`` (`fdecode.sparse.canonicalize`); per-token lists
+  fold the T new tokens into the batch: q ``[B*T, 1, Hq, Dk]``, one end per token, a paged
+  table repeated per token (contiguous caches are read at row ``b' // fold``)."""
+  sparse, cache["indices"], cache["index_bounds"], ends = sparse_lib.canonicalize(
+      indices, ends, 0 if kv_offset is None else kv_offset, seq_capacity, q4.shape[1], mods)
+  if sparse.fold > 1:
+    b, t = q4.shape[:2]
+    q4 = q4.reshape(b * t, 1, *q4.shape[2:])
+    if cache["block_tables"] is not None:
+      cache["block_tables"] = jnp.repeat(cache["block_tables"], t, axis=0)
+      sparse = dataclasses.replace(sparse, fold=1)
+  return q4, ends, sparse
 
 
 def _forced_tpu_interpret():
@@ -214,13 +249,15 @@ def compute_dtype(q_dtype, *cache_dtypes):
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "softmax_scale", "cfg", "interpret", "mods",
-                                             "v_head_dim"))
+                                             "v_head_dim", "sparse"))
 def _decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg, interpret, mods,
-            v_head_dim):
+            v_head_dim, sparse):
   """q ``[B, T, Hq, Dk]`` -> (out ``[B, T, Hq, Dv]`` in q.dtype, lse f32 ``[B, T, Hq]``).
 
   ``cache``: dict of block_tables, canonical scales / offsets and k_rope (None when absent).
-  ``v`` None: the values are ``k[..., :v_head_dim]`` (MLA).
+  ``v`` None: the values are ``k[..., :v_head_dim]`` (MLA). ``sparse`` (`fdecode.sparse.Sparse`):
+  ``cache`` holds canonical ``indices`` / ``index_bounds`` and q row b' reads cache row
+  ``b' // sparse.fold``.
   ``mods`` / ``mod_arrays``: the score modifiers (`fdecode.modifiers.canonicalize`);
   ``sinks`` (f32 ``[Hq]`` or None) join the softmax once, after the merge.
   The one dispatch: by the platform being *lowered for* (`jax.lax.platform_dependent`),
@@ -235,11 +272,19 @@ def _decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg
     vf = kf[..., :v_head_dim] if v is None else _materialize(v, tables, cache["v_scale"], cache["v_offset"])
     if cache["k_rope"] is not None:  # key-only columns after k's own
       kf = jnp.concatenate([kf, _materialize(cache["k_rope"], tables)], axis=-1)
+    mask = mod_arrays["mask"]
+    if sparse is not None:  # the selected positions as a mask, each pseudo-sequence's cache row
+      src = jnp.arange(b) // sparse.fold
+      kf, vf = kf[src], vf[src]
+      sel = sparse_lib.dense_mask(cache["indices"], kf.shape[2])  # [B', Hi, S]
+      mask = sel[:, :, None, None, :]  # canonical [B', Hi, 1, 1, S] ...
+      if sel.shape[1] > 1:  # ... per kv head: the same list for its G query heads
+        mask = jnp.broadcast_to(mask, (b, hkv, 1, g, sel.shape[2]))
     user = lambda x: None if x is None else modifiers.user_form(x)
     alibi = mod_arrays["alibi"]
     out, lse = reference_decode(
         q, kf, vf, ends, softmax_scale=softmax_scale, causal=mods.causal,
-        mask=user(mod_arrays["mask"]), bias=user(mod_arrays["bias"]),
+        mask=user(mask), bias=user(mod_arrays["bias"]),
         alibi_slopes=None if alibi is None else alibi.reshape(-1), window=mods.window,
         logits_soft_cap=mods.soft_cap, sinks=sinks)
     return out.astype(q.dtype), lse
@@ -249,6 +294,8 @@ def _decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg
   q_rows = q.reshape(b, t, hkv, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dk).astype(cd)
   kw = dict(num_tokens=t, softmax_scale=softmax_scale, cfg=cfg, mods=mods, v_head_dim=v_head_dim,
             **cache, **mod_arrays)
+  if sparse is not None:
+    kw["sparse"] = sparse
 
   # Each path yields per-split states, merged in-branch (the branches' split counts differ).
   merged = lambda states: merge_states(*states, axis=2)  # [B, Hkv, R, Dv], [B, Hkv, R]
@@ -290,6 +337,11 @@ def _seq_capacity(k, block_tables):
 def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, **cache):
   b, hkv = q_rows.shape[:2]
   tables = cache["block_tables"]
+  if "sparse" in cache:  # the K selected tokens, in chunks of about XLA_CHUNK_TOKENS
+    kk = cache["indices"].shape[-1]
+    splits = cfg.num_splits or max(1, kk // config_lib.XLA_CHUNK_TOKENS)
+    return sparse_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                           num_splits=splits, mods=mods, **cache)
   s = window_tokens(_seq_capacity(k, tables), num_tokens, mods, None if tables is None else k.shape[2])
   splits = cfg.num_splits or _xla_default_splits(b, hkv, s, cache, platform)
   return xla_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
@@ -299,7 +351,10 @@ def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
 def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, interpret, **cache):
   b, hkv = q_rows.shape[:2]
   bk = triton_block_size(cfg.block_k or config_lib.DEFAULT_BLOCK_K)
-  seen = window_tokens(_seq_capacity(k, cache["block_tables"]), num_tokens, cache["mods"])
+  if "sparse" in cache:  # blocks of index-list slots
+    seen = cache["indices"].shape[-1]
+  else:
+    seen = window_tokens(_seq_capacity(k, cache["block_tables"]), num_tokens, cache["mods"])
   num_blocks = max(-(-seen // bk), 1)
   splits = cfg.num_splits or config_lib.default_num_splits(
       b, hkv, num_blocks, config_lib.num_parallel_units(platform))
@@ -309,6 +364,14 @@ def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, int
 
 def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, **cache):
   b, hkv = q_rows.shape[:2]
+  if "sparse" in cache:  # blocks of index-list slots, each token DMA'd on its own
+    slots = cache["indices"].shape[-1]
+    plan_args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
+    p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, num_slots=slots, **plan_args)
+    splits = cfg.num_splits or config_lib.default_num_splits(
+        b, hkv, max(-(-slots // p.block), 1), config_lib.num_parallel_units("tpu"))
+    return mosaic_sparse_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                                  num_splits=splits, plan=p, interpret=interpret, **cache)
   p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, **cache)
   seen = window_tokens(_seq_capacity(k, cache["block_tables"]), num_tokens, cache["mods"])
   num_blocks = max(-(-seen // p.block), 1)

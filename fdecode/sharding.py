@@ -37,6 +37,8 @@ from fdecode.quant import canonical_scale
 
 # Options laid out like the cache ([B|1, Hkv|1, S|1, n_tiles]): split with it.
 _CACHE_SHAPED = ("k_scale", "v_scale", "k_offset", "v_offset")
+# Cache-shaped options that are not scales: MLA's key-only RoPE columns.
+_CACHE_LIKE = _CACHE_SHAPED + ("k_rope",)
 # Options whose values flash_decode checks when they are concrete (with lengths).
 _VALUE_CHECKED = ("block_tables", "kv_offset")
 
@@ -127,7 +129,7 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
       kwargs[name] = canonical_scale(kwargs[name], (k if name[0] == "k" else v).shape, name)
   static = tuple(sorted((n, x) for n, x in kwargs.items() if not _is_array(x)))
   arrays = {n: x for n, x in kwargs.items() if _is_array(x)}
-  array_specs = tuple(sorted((n, _array_spec(n, x, plan)) for n, x in arrays.items()))
+  array_specs = tuple(sorted((n, _array_spec(n, x, plan, q.ndim == 3)) for n, x in arrays.items()))
   try:
     fn = _build(mesh, plan, q.ndim == 3, static, array_specs)
   except TypeError:  # an unhashable option: build without the cache
@@ -197,8 +199,8 @@ def _build(mesh, plan, single_token, static_kwargs, array_specs):
                          check_vma=not interpreted)
 
   @jax.jit
-  def step(q, k, v, lengths, arrays):
-    args = [_reshard(x, mesh, spec) for x, spec in zip((q, k, v, lengths), in_specs)]
+  def step(q, k, v, lengths, arrays):  # v None: MLA, the values are k's first columns
+    args = [None if x is None else _reshard(x, mesh, spec) for x, spec in zip((q, k, v, lengths), in_specs)]
     arrays = {n: _reshard(x, mesh, array_specs[n]) for n, x in arrays.items()}
     return mapped(*args, arrays)
 
@@ -289,11 +291,15 @@ def _merged_decode(q, k, v, lengths, *, plan, single_token, kwargs):
     # k/v hold every kv head; this device's query heads belong to one of them.
     kv_head = jax.lax.axis_index(plan.head) // plan.kv_replicas
     head_dim_axis = 0 if plan.paged else 1
-    k = jax.lax.dynamic_slice_in_dim(k, kv_head, 1, axis=head_dim_axis)
-    v = jax.lax.dynamic_slice_in_dim(v, kv_head, 1, axis=head_dim_axis)
-    for name in _CACHE_SHAPED:
+    one_head = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, kv_head, 1, axis=axis)
+    k = one_head(k, head_dim_axis)
+    v = None if v is None else one_head(v, head_dim_axis)
+    for name in _CACHE_LIKE:
       if name in kwargs and kwargs[name].shape[head_dim_axis] > 1:
-        kwargs[name] = jax.lax.dynamic_slice_in_dim(kwargs[name], kv_head, 1, axis=head_dim_axis)
+        kwargs[name] = one_head(kwargs[name], head_dim_axis)
+    axis = _index_head_axis(kwargs.get("indices"), single_token)
+    if axis is not None:
+      kwargs["indices"] = one_head(kwargs["indices"], axis)
   if plan.paged and plan.seq is not None:
     # This shard's table columns name pages of this shard's pool slice: make them local.
     kwargs["block_tables"] = kwargs["block_tables"] - jax.lax.axis_index(plan.seq) * plan.pages_per_shard
@@ -322,8 +328,18 @@ def _chunk_decode(q, k, v, lengths, *, plan, kwargs):
   return flash_decode(q, k, v, lengths, kv_offset=offset, return_lse=True, **kwargs)
 
 
-def _array_spec(name, x, plan):
-  """Cache-shaped scales / offsets follow the cache's split on their non-broadcast axes;
+def _index_head_axis(indices, single_token):
+  """The kv-head axis of sparse ``indices`` (`fdecode.sparse`), None without one (or size 1):
+  ``[B, Hkv, K]`` for a single-token q, ``[B, T, Hkv, K]``."""
+  if indices is None:
+    return None
+  axis = {(3, True): 1, (4, False): 2}.get((np.ndim(indices), single_token))
+  return axis if axis is not None and np.shape(indices)[axis] > 1 else None
+
+
+def _array_spec(name, x, plan, single_token):
+  """Cache-shaped scales / offsets (and MLA's ``k_rope``) follow the cache's split on their
+  non-broadcast axes; sparse ``indices`` split with the sequences and kv heads;
   masks and biases (``[B|1, S]``, ``[B|1, T|1, S]``, ``[B|1, T|1, Hq|1, S]``) split their
   B, Hq and S axes like q's and the cache's; per-head ``[Hq]`` vectors like q's heads;
   any other array option is replicated."""
@@ -339,7 +355,13 @@ def _array_spec(name, x, plan):
     return P(plan.head)
   if name == "kv_offset":  # int [B]: per sequence, split with them
     return P(plan.batch) if np.ndim(x) == 1 else P()
-  if name not in _CACHE_SHAPED:
+  if name == "indices":  # global positions: split with the sequences and (per-head lists) kv heads
+    spec = [plan.batch] + [None] * (np.ndim(x) - 1)
+    head = _index_head_axis(x, single_token)
+    if head is not None:
+      spec[head] = plan.kv_head
+    return P(*spec)
+  if name not in _CACHE_LIKE:
     return P()
   axes = (plan.kv_head, plan.seq, None) if plan.paged else (plan.batch, plan.kv_head, plan.seq)
   return P(*(axis if size > 1 else None for axis, size in zip(axes, x.shape[:3])), None)

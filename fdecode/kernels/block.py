@@ -48,17 +48,21 @@ def _pow2_parts(width: int) -> list[int]:
   return [1 << b for b in range(width.bit_length() - 1, -1, -1) if width >> b & 1]
 
 
-def head_pieces(d: int, n_tiles: int = 1, *, pow2: bool) -> tuple[Piece, ...]:
+def head_pieces(d: int, n_tiles: int = 1, *, pow2: bool, limit: int | None = None) -> tuple[Piece, ...]:
   """Static pieces of a head dim of ``d`` columns with ``n_tiles`` scale tiles.
 
   ``pow2``: split each tile into power-of-two widths (Triton); otherwise one piece per
-  tile (Mosaic, whose blocks may span the full head dim).
+  tile (Mosaic, whose blocks may span the full head dim). ``limit``: only the first
+  ``limit`` columns (MLA values: k's leading columns); tiles wholly inside give the same
+  pieces as without it, so a kernel can reuse those loaded key pieces as values.
   """
   tile_w = d // n_tiles
+  limit = d if limit is None else limit
   pieces = []
-  for t in range(n_tiles):
+  for t in range(-(-limit // tile_w)):
     offset = t * tile_w
-    for w in (_pow2_parts(tile_w) if pow2 else [tile_w]):
+    width = min(tile_w, limit - offset)
+    for w in (_pow2_parts(width) if pow2 else [width]):
       pieces.append(Piece(offset, w, t))
       offset += w
   return tuple(pieces)
@@ -145,10 +149,11 @@ class Rows(NamedTuple):
 
 
 def row_geometry(end, num_rows: int, rows_p: int, group: int, num_tokens: int, seq_len: int,
-                 mods: Modifiers) -> Rows:
+                 mods: Modifiers, first_row=0) -> Rows:
   """Row r (query token ``t = r // group`` at position ``end - T + t``): its visible range
-  under causality and the window (`fdecode.modifiers`); padding rows see nothing."""
-  rows = lax.broadcasted_iota(jnp.int32, (rows_p, 1), 0)
+  under causality and the window (`fdecode.modifiers`); padding rows see nothing. A
+  program holding rows ``[first_row, first_row + rows_p)`` gets theirs."""
+  rows = first_row + lax.broadcasted_iota(jnp.int32, (rows_p, 1), 0)
   qpos = end - num_tokens + rows // group
   hi = jnp.clip(qpos + 1, 0, seq_len) if mods.causal else jnp.broadcast_to(jnp.clip(end, 0, seq_len), qpos.shape)
   hi = jnp.where(rows < num_rows, hi, 0)
@@ -173,11 +178,12 @@ def split_range(end, split, num_splits: int, num_tokens: int, seq_len: int, bk: 
   return first, jnp.minimum(first + per, hi)
 
 
-def row_source(rows_p: int, group: int, num_tokens: int, form, shape):
-  """int32 iota of ``shape`` (leading dim R_p): for each row r = t * G + g, the row of a
-  canonical mask / bias block ``[Tm * Gm, bk]`` it reads (form = (Tm, Gm))."""
+def row_source(rows_p: int, group: int, num_tokens: int, form, shape, first_row=0):
+  """int32 iota of ``shape`` (leading dim R_p): for each row r = t * G + g (from
+  ``first_row``), the row of a canonical mask / bias block ``[Tm * Gm, bk]`` it reads
+  (form = (Tm, Gm))."""
   tm, gm = form
-  rows = lax.broadcasted_iota(jnp.int32, shape, 0)
+  rows = first_row + lax.broadcasted_iota(jnp.int32, shape, 0)
   t = jnp.minimum(rows // group, num_tokens - 1)
   return (t if tm > 1 else 0) * gm + (rows % group if gm > 1 else 0)
 
@@ -238,6 +244,27 @@ def block_masks(rows: Rows, load_start, start, live_end, bk: int, *, first_visib
   pos_col = load_start + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
   live = (pos_col >= jnp.maximum(start, first_visible)) & (pos_col < live_end)
   return visible, live
+
+
+def sparse_block_masks(rows: Rows, pos_row, live_end, first_visible, pos_col=None):
+  """Masks of a block of sparse index slots (`fdecode.sparse`): slot j holds the key at
+  position ``pos[j]`` (a dropped slot holds S, past every row's end).
+
+  Args:
+    rows: `row_geometry`.
+    pos_row: int32 ``[1, bk]`` the slots' positions; ``pos_col``: the same ``[bk, 1]``,
+      or None to derive liveness from the rows' visibility (kernels without a cheap
+      transpose of an int vector).
+    live_end, first_visible: as `block_masks`.
+
+  Returns ``(visible [R_p, bk], live [bk, 1])``.
+  """
+  visible = pos_row < rows.hi
+  if rows.lo is not None:
+    visible &= pos_row >= rows.lo
+  if pos_col is None:
+    return visible, column_any(visible)
+  return visible, (pos_col >= first_visible) & (pos_col < live_end)
 
 
 def out_struct(shape, dtype, *inputs):

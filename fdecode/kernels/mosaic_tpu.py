@@ -39,17 +39,47 @@ from fdecode.modifiers import Modifiers, window_start
 from fdecode.kernels.mosaic_tpu_plan import Plan, per_token as _per_token, plan  # noqa: F401 (re-exported)
 
 
-def _pieces(d, scale):
-  return blk.head_pieces(d, 1 if scale is None else scale.shape[-1], pow2=False)
+def _pieces(d, scale, limit=None):
+  return blk.head_pieces(d, 1 if scale is None else scale.shape[-1], pow2=False, limit=limit)
 
 
-def _dequant_pieces(x, pieces, scale, offset, dtype):
-  """A loaded block ``[bk, D]`` -> its pieces, dequantized with ``scale`` ``[bk|1, nt]``."""
+def _all_pieces(k, v, k_scale, v_scale, v_head_dim):
+  """(k pieces, v pieces): MLA values (``v`` None) are k's leading pieces."""
+  k_pieces = _pieces(k.shape[-1], k_scale)
+  v_pieces = _pieces(k.shape[-1], k_scale, limit=v_head_dim) if v is None else _pieces(v.shape[-1], v_scale)
+  return k_pieces, v_pieces
+
+
+def _dequant_pieces(x, pieces, scale, offset, dtype, done=None):
+  """A loaded block ``[bk, D]`` -> its pieces, dequantized with ``scale`` ``[bk|1, nt]``.
+  ``done``: pieces already dequantized from this same block (MLA values reuse the keys')."""
   out = []
   for p in pieces:
-    xp = x if len(pieces) == 1 else x[:, p.offset:p.offset + p.width]
+    if done and p in done:
+      out.append(done[p])
+      continue
+    xp = x if p.offset == 0 and p.width == x.shape[1] else x[:, p.offset:p.offset + p.width]
     col = lambda a: None if a is None else a[:, p.tile:p.tile + 1]
     out.append(blk.dequantize_piece(xp, col(scale), col(offset), dtype))
+  return out
+
+
+def _block_kv(kx, vx, rx, k_pieces, v_pieces, quant, dtype):
+  """Loaded blocks (k, v or None for MLA, k_rope or None) -> (key pieces, value pieces)."""
+  kb = _dequant_pieces(kx, k_pieces, quant[0], quant[1], dtype)
+  if vx is None:  # MLA: the values are the key block's first columns, read once
+    vb = _dequant_pieces(kx, v_pieces, quant[0], quant[1], dtype, done=dict(zip(k_pieces, kb)))
+  else:
+    vb = _dequant_pieces(vx, v_pieces, quant[2], quant[3], dtype)
+  return kb + ([] if rx is None else [rx.astype(dtype)]), vb
+
+
+def _q_pieces(q, k_pieces, rope):
+  """q ``[R_p, Dq]`` split like the key pieces (and k_rope's columns after them)."""
+  out = [q if len(k_pieces) == 1 and not rope else q[:, p.offset:p.offset + p.width] for p in k_pieces]
+  if rope:
+    dk = k_pieces[-1].offset + k_pieces[-1].width
+    out.append(q[:, dk:])
   return out
 
 
@@ -57,13 +87,15 @@ def _dequant_pieces(x, pieces, scale, offset, dtype):
 # Contiguous cache: BlockSpec pipeline over a kv-step grid axis.
 
 
-def _contiguous_kernel(ends_ref, q_ref, k_ref, v_ref, *refs, has_quant, softmax_scale,
+def _contiguous_kernel(ends_ref, q_ref, k_ref, *refs, has_v, has_rope, has_quant, softmax_scale,
                        steps_per_split, num_splits, seq_len, num_rows, group, num_tokens, k_pieces,
                        v_pieces, mods):
-  # refs: [k_scale], [k_offset], [v_scale], [v_offset] ([bk|1, nt]), [mask i32[M, bk]],
-  #       [bias [M, bk]], [alibi f32[R_p, 1]], o [R_p, Dv], lse [R_p, 1],
-  #       scratch m [R_p, 1], l [R_p, 1], acc [R_p, w] per value piece.
+  # refs: [v] (absent for MLA), [k_rope], [k_scale], [k_offset], [v_scale], [v_offset]
+  #       ([bk|1, nt]), [mask i32[M, bk]], [bias [M, bk]], [alibi f32[R_p, 1]], o [R_p, Dv],
+  #       lse [R_p, 1], scratch m [R_p, 1], l [R_p, 1], acc [R_p, w] per value piece.
   refs = list(refs)
+  v_ref = refs.pop(0) if has_v else None
+  rope_ref = refs.pop(0) if has_rope else None
   quant = [refs.pop(0) if present else None for present in has_quant]
   mod_refs = [refs.pop(0) if present else None for present in (mods.mask, mods.bias, mods.alibi)]
   o_ref, lse_ref, m_ref, l_ref, *acc_refs = refs
@@ -84,11 +116,10 @@ def _contiguous_kernel(ends_ref, q_ref, k_ref, v_ref, *refs, has_quant, softmax_
   @pl.when(first + step < last)
   def _compute():
     dtype = q_ref.dtype
-    q = q_ref[...]
-    q_pieces = [q if len(k_pieces) == 1 else q[:, p.offset:p.offset + p.width] for p in k_pieces]
+    q_pieces = _q_pieces(q_ref[...], k_pieces, has_rope)
     load = lambda ref: None if ref is None else ref[...]
-    kb = _dequant_pieces(k_ref[...], k_pieces, load(quant[0]), load(quant[1]), dtype)
-    vb = _dequant_pieces(v_ref[...], v_pieces, load(quant[2]), load(quant[3]), dtype)
+    kb, vb = _block_kv(k_ref[...], load(v_ref), load(rope_ref), k_pieces, v_pieces,
+                       [load(x) for x in quant], dtype)
     rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, mods)
     s = blk.block_scores(q_pieces, kb, softmax_scale)
     loaded = [None if ref is None else ref[...] for ref in mod_refs]
@@ -132,11 +163,12 @@ def _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse):
   lse_ref[...] = lse
 
 
-def _contiguous_call(q_rows, ends, k, v, quant, mod_arrays, p: Plan, *, num_rows, num_tokens,
-                     softmax_scale, num_splits, interpret, mods):
-  b, hkv, _, dk = q_rows.shape
+def _contiguous_call(q_rows, ends, k, v, k_rope, quant, mod_arrays, p: Plan, *, num_rows, num_tokens,
+                     softmax_scale, num_splits, interpret, mods, v_head_dim):
+  b, hkv, _, dq = q_rows.shape
   r = num_rows
-  seq_len, dv = k.shape[2], v.shape[-1]
+  seq_len = k.shape[2]
+  dv = v_head_dim if v is None else v.shape[-1]
   bk = p.block
   num_blocks = pl.cdiv(max(seq_len, 1), bk)
   steps = pl.cdiv(num_blocks, num_splits)
@@ -155,32 +187,34 @@ def _contiguous_call(q_rows, ends, k, v, quant, mod_arrays, p: Plan, *, num_rows
     return pl.BlockSpec((None, None, bk if tok else 1, nt), lambda i, h, s, t, e: (
         i if d0 > 1 else 0, h if d1 > 1 else 0, kv_block(i, h, s, t, e) if tok else 0, 0))
 
+  streams = [x for x in (k, v, k_rope) if x is not None]
   present = [a for a in quant if a is not None]
   mod_ops, mod_specs = _mod_operands(mod_arrays, num_tokens, p.rows_p, num_blocks * bk)
   mod_specs = [spec((bk,), lambda i, h, s, t, e: (i, h, kv_block(i, h, s, t, e))) for spec in mod_specs]
-  k_pieces, v_pieces = _pieces(dk, quant[0]), _pieces(dv, quant[2])
+  k_pieces, v_pieces = _all_pieces(k, v, quant[0], quant[2], v_head_dim)
   kernel = functools.partial(
-      _contiguous_kernel, has_quant=tuple(a is not None for a in quant),
+      _contiguous_kernel, has_v=v is not None, has_rope=k_rope is not None,
+      has_quant=tuple(a is not None for a in quant),
       softmax_scale=softmax_scale, steps_per_split=steps, num_splits=num_splits, seq_len=seq_len,
       num_rows=r, group=r // num_tokens, num_tokens=num_tokens, k_pieces=k_pieces,
       v_pieces=v_pieces, mods=mods)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=1,
       grid=(b, hkv, num_splits, steps),
-      in_specs=[pl.BlockSpec((None, None, p.rows_p, dk), lambda i, h, s, t, e: (i, h, 0, 0)),
-                cache_spec(dk), cache_spec(dv)] + [quant_spec(a) for a in present] + mod_specs,
+      in_specs=[pl.BlockSpec((None, None, p.rows_p, dq), lambda i, h, s, t, e: (i, h, 0, 0))]
+      + [cache_spec(x.shape[-1]) for x in streams] + [quant_spec(a) for a in present] + mod_specs,
       out_specs=_out_specs(p.rows_p, dv, lambda i, h, s, t, e: (i, h, s, 0, 0)),
       scratch_shapes=[pltpu.VMEM((p.rows_p, 1), jnp.float32), pltpu.VMEM((p.rows_p, 1), jnp.float32)]
       + [pltpu.VMEM((p.rows_p, vp.width), jnp.float32) for vp in v_pieces],
   )
   return pl.pallas_call(
       kernel, grid_spec=grid_spec,
-      out_shape=_out_shape(b, hkv, num_splits, p.rows_p, dv, ends, q_rows, k, v, *present, *mod_ops),
+      out_shape=_out_shape(b, hkv, num_splits, p.rows_p, dv, ends, q_rows, *streams, *present, *mod_ops),
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
           vmem_limit_bytes=p.vmem_limit_bytes),
       interpret=interpret, name="fdecode_split_kv_mosaic",
-  )(ends, q_rows, k, v, *present, *mod_ops)
+  )(ends, q_rows, *streams, *present, *mod_ops)
 
 
 def _mod_operands(mod_arrays, num_tokens, rows_p, positions):
@@ -232,7 +266,7 @@ def _out_shape(b, hkv, n, rows_p, dv, *inputs):
 def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_splits,
                   pages_per_step, page_size, num_pages, table_len, num_rows, group, num_tokens,
                   k_pieces, v_pieces, mods):
-  # kinds: for (k, v, k_scale, k_offset, v_scale, v_offset, mask, bias, alibi): "stream"
+  # kinds: for (k, v, k_rope, k_scale, k_offset, v_scale, v_offset, mask, bias, alibi): "stream"
   #   (an HBM ref, DMA'd page by page), "step" (an HBM ref [Bm, Hm, M, positions], DMA'd
   #   one block of positions per step), "resident" (a VMEM block) or None (absent).
   # refs: the present operands in that order; o [R_p, Dv], lse [R_p, 1]; a VMEM buffer
@@ -281,7 +315,7 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
 
   dtype = q_ref.dtype
   q = q_ref[...]
-  q_pieces = [q if len(k_pieces) == 1 else q[:, p.offset:p.offset + p.width] for p in k_pieces]
+  q_pieces = _q_pieces(q, k_pieces, kinds[2] is not None)
   rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, mods)
 
   def body(step, state):
@@ -293,11 +327,10 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
 
     wait(step, slot)
     buf_of = dict(zip(dma_ids, bufs))
-    kb, vb, ks, ko, vs, vo, mask, bias, slopes = (
+    kx, vx, rx, ks, ko, vs, vo, mask, bias, slopes = (
         buf_of[i][slot] if i in buf_of else None if src is None else src[...]
         for i, src in enumerate(srcs))
-    kb = _dequant_pieces(kb, k_pieces, ks, ko, dtype)
-    vb = _dequant_pieces(vb, v_pieces, vs, vo, dtype)
+    kb, vb = _block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
     s = blk.block_scores(q_pieces, kb, softmax_scale)
     s, visible, live = _modify(s, mods, rows, step * block, live_end, block, (mask, bias, slopes),
                                end=end, seq_len=seq_len, group=group, num_tokens=num_tokens)
@@ -312,22 +345,22 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
   _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse)
 
 
-def _paged_call(q_rows, ends, k, v, tables, quant, mod_arrays, p: Plan, *, num_rows, num_tokens,
-                softmax_scale, num_splits, interpret, mods):
-  b, hkv, _, dk = q_rows.shape
+def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, *, num_rows, num_tokens,
+                softmax_scale, num_splits, interpret, mods, v_head_dim):
+  b, hkv, _, dq = q_rows.shape
   r = num_rows
   _, num_pages, page_size, _ = k.shape
-  dv = v.shape[-1]
+  dv = v_head_dim if v is None else v.shape[-1]
   table_len = tables.shape[1]
   steps = pl.cdiv(table_len, p.pages_per_step)
   k_scale, k_offset, v_scale, v_offset = quant
   kinds, present, in_specs, bufs = [], [], [], []
-  for i, a in enumerate((k, v, k_scale, k_offset, v_scale, v_offset)):
+  for i, a in enumerate((k, v, k_rope, k_scale, k_offset, v_scale, v_offset)):
     if a is None:
       kinds.append(None)
       continue
-    if i < 2 or _per_token(a, paged=True):
-      if i >= 2:  # a per-token / per-page scale, made [Hkv|1, P, ps, nt]
+    if i < 3 or _per_token(a, paged=True):
+      if i >= 3:  # a per-token / per-page scale, made [Hkv|1, P, ps, nt]
         a = jnp.broadcast_to(a, (a.shape[0], num_pages, page_size, a.shape[-1]))
       kinds.append("stream")
       in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
@@ -353,7 +386,7 @@ def _paged_call(q_rows, ends, k, v, tables, quant, mod_arrays, p: Plan, *, num_r
       kinds.append("step")
       in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
       bufs.append(pltpu.VMEM((2, a.shape[2], p.block), a.dtype))
-  k_pieces, v_pieces = _pieces(dk, k_scale), _pieces(dv, v_scale)
+  k_pieces, v_pieces = _all_pieces(k, v, k_scale, v_scale, v_head_dim)
   kernel = functools.partial(
       _paged_kernel, kinds=tuple(kinds), softmax_scale=softmax_scale, num_splits=num_splits,
       pages_per_step=p.pages_per_step, page_size=page_size,
@@ -362,7 +395,7 @@ def _paged_call(q_rows, ends, k, v, tables, quant, mod_arrays, p: Plan, *, num_r
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(b, hkv, num_splits),
-      in_specs=[pl.BlockSpec((None, None, p.rows_p, dk), lambda i, h, s, e, t: (i, h, 0, 0))] + in_specs,
+      in_specs=[pl.BlockSpec((None, None, p.rows_p, dq), lambda i, h, s, e, t: (i, h, 0, 0))] + in_specs,
       out_specs=_out_specs(p.rows_p, dv, lambda i, h, s, e, t: (i, h, s, 0, 0)),
       scratch_shapes=bufs + [pltpu.SemaphoreType.DMA((max(len(bufs), 1), 2))],
   )
@@ -379,7 +412,8 @@ def _paged_call(q_rows, ends, k, v, tables, quant, mod_arrays, p: Plan, *, num_r
 def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float,
                     num_splits: int, plan: Plan, interpret,
                     block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
-                    mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None):
+                    mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None,
+                    v_head_dim=None, k_rope=None):
   """Per-split partial states from the Mosaic (TPU) kernels.
 
   Args:
@@ -387,6 +421,9 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     ends: int32 ``[B]``: each sequence's end relative to the cache's first token.
     k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables`` int32 ``[B, n]``, paged
       ``[Hkv, P, page_size, D]``; float or 8-bit with canonical rank-4 scales / offsets.
+      ``v`` None (MLA): no value stream; the values are the key block's first
+      ``v_head_dim`` columns (each cache byte is DMA'd once).
+    k_rope: optional key-only columns laid out like k (float): a second key stream.
     plan: the launch's sizes, `fdecode.kernels.mosaic_tpu.plan` of these operands.
     interpret: False (compile for TPU) or a ``pltpu.InterpretParams`` (TPU semantics on
       CPU: simulated HBM / VMEM / SMEM, DMAs and semaphores).
@@ -400,11 +437,12 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   if p.rows_p != r:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, p.rows_p - r), (0, 0)])
   kw = dict(num_rows=r, num_tokens=num_tokens, softmax_scale=softmax_scale,
-            num_splits=num_splits, interpret=interpret, mods=mods)
+            num_splits=num_splits, interpret=interpret, mods=mods, v_head_dim=v_head_dim)
   mod_arrays = dict(mask=mask, bias=bias, alibi=alibi)
   ends = ends.astype(jnp.int32)
   if block_tables is None:
-    o, lse = _contiguous_call(q_rows, ends, k, v, quant, mod_arrays, p, **kw)
+    o, lse = _contiguous_call(q_rows, ends, k, v, k_rope, quant, mod_arrays, p, **kw)
   else:
-    o, lse = _paged_call(q_rows, ends, k, v, block_tables.astype(jnp.int32), quant, mod_arrays, p, **kw)
+    o, lse = _paged_call(q_rows, ends, k, v, k_rope, block_tables.astype(jnp.int32), quant, mod_arrays,
+                         p, **kw)
   return o[:, :, :, :r], lse[:, :, :, :r, 0]

@@ -60,8 +60,7 @@ class Plan:
   vmem_limit_bytes: int
 
 
-def _default_step_tokens(dk, dv, k_dtype, v_dtype) -> int:
-  token_bytes = dk * jnp.dtype(k_dtype).itemsize + dv * jnp.dtype(v_dtype).itemsize
+def _default_step_tokens(token_bytes: int) -> int:
   tokens = 1 << max(_STEP_BYTES // token_bytes, 1).bit_length() - 1
   return max(_LANES, min(tokens, _MAX_STEP_TOKENS))
 
@@ -74,36 +73,43 @@ def per_token(scale, paged: bool) -> bool:
 
 def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offset=None,
          v_offset=None, block_k: int | None = None, mods: Modifiers = Modifiers(), mask=None,
-         bias=None, alibi=None) -> Plan:
+         bias=None, alibi=None, v_head_dim=None, k_rope=None, num_slots: int | None = None) -> Plan:
   """Block sizes and VMEM footprint for these operands (arrays or ShapeDtypeStructs).
 
   ``block_k``: tokens per step; ``None`` picks about `_STEP_BYTES` of K + V per step.
-  It is rounded up to the cache dtype's sublane tiling (paged: to whole pages).
+  It is rounded up to the cache dtype's sublane tiling (paged: to whole pages). ``v``
+  None (MLA): no value stream, the values are the key block's first ``v_head_dim``
+  columns; ``k_rope``: a second key stream. ``num_slots``: a sparse call's index-list
+  length K (`fdecode.kernels.mosaic_tpu_sparse`): blocks are slots of the list.
   """
-  r, dk = q_rows.shape[-2:]
-  dv = v.shape[-1]
+  r, dq = q_rows.shape[-2:]
+  dk = k.shape[-1]
+  dv = v_head_dim if v is None else v.shape[-1]
   paged = block_tables is not None
   rows_p = _round_up(r, _sublanes(q_rows.dtype))
-  tokens = block_k or _default_step_tokens(dk, dv, k.dtype, v.dtype)
+  # Streams besides K: (width, dtype) of V (absent for MLA) and k_rope.
+  extra = [(x.shape[-1], x.dtype) for x in (v, k_rope) if x is not None]
+  token_bytes = dk * jnp.dtype(k.dtype).itemsize + sum(w * jnp.dtype(d).itemsize for w, d in extra)
+  tokens = block_k or _default_step_tokens(token_bytes)
   quant = [a for a in (k_scale, k_offset, v_scale, v_offset) if a is not None]
-  if paged:
+  if paged and num_slots is None:
     page_size, table_len = k.shape[2], block_tables.shape[1]
     pages = max(1, min(-(-tokens // page_size), _MAX_PAGES_PER_STEP, table_len))
     block = pages * page_size
   else:
     pages = 0
-    seq_len = k.shape[2]
-    align = max(_sublanes(k.dtype), _sublanes(v.dtype))
+    seq_len = k.shape[2] if num_slots is None else num_slots
+    align = max([_sublanes(k.dtype)] + [_sublanes(d) for _, d in extra])
     block = seq_len if seq_len <= tokens else _round_up(tokens, align)
-  # Streams (K, V and per-token scales): two buffers each, blocks of `block` rows.
-  streams = _tile_bytes((block, dk), k.dtype) + _tile_bytes((block, dv), v.dtype)
+  # Streams (K, V, k_rope and per-token scales): two buffers each, blocks of `block` rows.
+  streams = _tile_bytes((block, dk), k.dtype) + sum(_tile_bytes((block, w), d) for w, d in extra)
   streams += sum(_tile_bytes((block if per_token(a, paged) else 1, a.shape[-1]), jnp.float32)
                  for a in quant)
-  io = (_tile_bytes((rows_p, dk), q_rows.dtype) + _tile_bytes((rows_p, dv), jnp.float32)
+  io = (_tile_bytes((rows_p, dq), q_rows.dtype) + _tile_bytes((rows_p, dv), jnp.float32)
         + _tile_bytes((rows_p, 1), jnp.float32))
   scratch = _tile_bytes((rows_p, dv), jnp.float32) + 2 * _tile_bytes((rows_p, 1), jnp.float32)
   # In-flight block values (scores / probabilities, a dequantized block) held in VMEM.
-  work = 2 * _tile_bytes((rows_p, block), jnp.float32) + _tile_bytes((block, max(dk, dv)), jnp.float32)
+  work = 2 * _tile_bytes((rows_p, block), jnp.float32) + _tile_bytes((block, max(dq, dv)), jnp.float32)
   for x, dtype in ((mask, jnp.int32), (bias, None)):  # [M, block] blocks, expanded by rows
     if x is not None:
       m = x.shape[2] * x.shape[3]
@@ -113,5 +119,5 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
     io += _tile_bytes((rows_p, 1), jnp.float32)
   vmem = 2 * streams + 2 * io + scratch + work
   limit = _round_up(vmem + _VMEM_HEADROOM, 1024 * 1024)
-  return Plan(paged=paged, block=block, pages_per_step=pages, rows_p=rows_p,
+  return Plan(paged=paged and num_slots is None, block=block, pages_per_step=pages, rows_p=rows_p,
               vmem_bytes=vmem, vmem_limit_bytes=limit)

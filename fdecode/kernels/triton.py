@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 
 from fdecode.kernels import block as blk
 from fdecode.modifiers import Modifiers, window_start
+from fdecode.sparse import Sparse, pad_slots, slot_range
 
 # tl.dot needs every dimension >= 16; rows are padded to it, pieces must reach it.
 _MIN_DOT = 16
@@ -55,6 +56,25 @@ class _Plan:
   quant: tuple                # per stream (k_scale, k_offset, v_scale, v_offset): None or
                               # its (pages|1, page_size|1) (paged) / (S|1,) (contiguous) dims
   mods: Modifiers = Modifiers()
+  v_from_k: bool = False      # MLA: the values are k's first columns (v_pieces index k)
+  r_pieces: tuple = ()        # k_rope's pieces (key-only columns after k's own)
+  sparse: bool = False        # blocks are index-list slots (`fdecode.sparse`), not positions
+
+
+# Placeholder of a row-blocked operand's BlockSpec while the others are built.
+_ROWS = pl.BlockSpec((None,), lambda i, h, j: (0,))
+# Elements of q (and of the float32 accumulator) one program holds: with 4 warps about
+# 64-128 registers a thread. Wider rows (MLA's 576 / 512) get fewer rows per program
+# (sglang's Triton MLA decode: 16 heads a program); the cache block is then read once
+# per row block (from L2 after the first).
+_ROW_BUDGET = 16 * 1024
+
+
+def rows_per_program(rows: int, dq: int, dv: int) -> int:
+  """Query rows one Triton program holds: all ``rows`` when ``rows * max(Dq, Dv)`` fits
+  `_ROW_BUDGET`, else the largest power of two (>= 16) that does."""
+  per = max(_MIN_DOT, 1 << ((_ROW_BUDGET // max(dq, dv)).bit_length() - 1))
+  return rows if rows <= per else per
 
 
 def block_size(block_k: int) -> int:
@@ -62,10 +82,22 @@ def block_size(block_k: int) -> int:
   return max(_MIN_DOT, 1 << max(block_k - 1, 0).bit_length())
 
 
-def triton_unsupported(dk: int, dv: int, k_tiles: int = 1, v_tiles: int = 1) -> str | None:
-  """Why the compiled Triton kernel cannot take these head dims / scale tiles, or None."""
-  for name, d, nt in (("Dk", dk, k_tiles), ("Dv", dv, v_tiles)):
-    narrow = [p.width for p in blk.head_pieces(d, nt, pow2=True) if p.width < _MIN_DOT]
+def _pieces(dk, dv, k_tiles, v_tiles, v_from_k, rope_dim):
+  """(k, v, k_rope) column pieces; MLA values (``v_from_k``) are k's leading pieces."""
+  k_pieces = blk.head_pieces(dk, k_tiles, pow2=True)
+  v_pieces = (blk.head_pieces(dk, k_tiles, pow2=True, limit=dv) if v_from_k
+              else blk.head_pieces(dv, v_tiles, pow2=True))
+  return k_pieces, v_pieces, blk.head_pieces(rope_dim, pow2=True) if rope_dim else ()
+
+
+def triton_unsupported(dk: int, dv: int, k_tiles: int = 1, v_tiles: int = 1, *, v_from_k: bool = False,
+                       rope_dim: int = 0) -> str | None:
+  """Why the compiled Triton kernel cannot take these head dims / scale tiles, or None.
+  ``dk``: k's own columns (without ``rope_dim`` k_rope columns)."""
+  pieces = _pieces(dk, dv, k_tiles, v_tiles, v_from_k, rope_dim)
+  for name, d, nt, ps in (("Dk", dk, k_tiles, pieces[0]), ("Dv", dv, k_tiles if v_from_k else v_tiles, pieces[1]),
+                          ("k_rope's Dr", rope_dim, 1, pieces[2])):
+    narrow = [p.width for p in ps if p.width < _MIN_DOT]
     if narrow:
       return (f"{name}={d} with {nt} scale tile(s) has a column piece {narrow[0]} wide; "
               f"Triton's dot needs head dims and scale tiles that are multiples of {_MIN_DOT}")
@@ -84,42 +116,54 @@ def _load_piece(ref, index, piece, quant_refs, quant_index, dtype):
   return blk.dequantize_piece(x, scale, offset, dtype)
 
 
-def _kernel(*refs, plan: _Plan, softmax_scale, num_splits, num_rows, group, num_tokens):
-  # refs: end i32[1] (lengths - kv_offset), [table i32[n]], q [R_p, Dk], k, v,
+def _kernel(*refs, plan: _Plan, softmax_scale, num_splits, num_rows, group, num_tokens, row_blocks):
+  # refs: end i32[1] (lengths - kv_offset), [table i32[n]], q [R_p, Dk], k, [v], [k_rope],
   #       [k_scale], [k_offset], [v_scale], [v_offset], [mask i8[M, S_p]], [bias [M, S_p]],
   #       [alibi f32[R_p]], o f32[R_p, Dv], lse f32[R_p]
+  #       sparse: [indices i32[K_p], bounds i32[2]] after the table.
   refs = list(refs)
   mods = plan.mods
   end_ref = refs.pop(0)
   table_ref = refs.pop(0) if plan.paged else None
-  q_ref, k_ref, v_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+  idx_ref, bounds_ref = (refs.pop(0), refs.pop(0)) if plan.sparse else (None, None)
+  q_ref, k_ref = refs.pop(0), refs.pop(0)
+  v_ref = None if plan.v_from_k else refs.pop(0)
+  rope_ref = refs.pop(0) if plan.r_pieces else None
   quant = [refs.pop(0) if dims is not None else None for dims in plan.quant]
   mask_ref = refs.pop(0) if mods.mask else None
   bias_ref = refs.pop(0) if mods.bias else None
   alibi_ref = refs.pop(0) if mods.alibi else None
   o_ref, lse_ref = refs
-  rows_p = q_ref.shape[0]
+  rows_p = q_ref.shape[0]  # this program's rows: block pl.program_id(1) % row_blocks
+  first_row = (pl.program_id(1) % row_blocks) * rows_p
   bk = plan.block
   dtype = q_ref.dtype  # the compute dtype (the wrapper casts q to it)
   end = end_ref[0]
   live_end = jnp.clip(end, 0, plan.seq_len)
-  rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, plan.seq_len, mods)
+  rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, plan.seq_len, mods, first_row)
   first_visible = window_start(end, num_tokens, plan.seq_len, mods)
-  q_pieces = [q_ref[:, pl.ds(p.offset, p.width)] for p in plan.k_pieces]
+  dk_own = plan.k_pieces[-1].offset + plan.k_pieces[-1].width
+  q_pieces = ([q_ref[:, pl.ds(p.offset, p.width)] for p in plan.k_pieces]
+              + [q_ref[:, pl.ds(dk_own + p.offset, p.width)] for p in plan.r_pieces])
   slopes = None if alibi_ref is None else alibi_ref[...][:, None]
-  first, last = blk.split_range(end, pl.program_id(2), num_splits, num_tokens, plan.seq_len, bk, mods)
+  if plan.sparse:
+    first, last = slot_range((bounds_ref[0], bounds_ref[1]), pl.program_id(2), num_splits, bk)
+  else:
+    first, last = blk.split_range(end, pl.program_id(2), num_splits, num_tokens, plan.seq_len, bk, mods)
 
   def by_rows(ref, form, load_start):
     """A mask / bias block for the rows: ``[R_p | 1, bk]``, gathered by row."""
     cols = pl.ds(load_start, bk)
     if form == (1, 1):
       return ref[pl.ds(0, 1), cols]
-    return ref[blk.row_source(rows_p, group, num_tokens, form, (rows_p,)), cols]
+    return ref[blk.row_source(rows_p, group, num_tokens, form, (rows_p,), first_row), cols]
 
   def quant_index(dims, start, page, slot):
     """Row index into a scale / offset ref for this block."""
     if dims is None:
       return None
+    if plan.sparse and not plan.paged:  # per-token scales: the gathered rows
+      return pl.ds(0, 1) if dims[0] == 1 else start
     if plan.paged:
       pages, slots = dims
       if pages == 1 and slots == 1:
@@ -129,7 +173,17 @@ def _kernel(*refs, plan: _Plan, softmax_scale, num_splits, num_rows, group, num_
 
   def body(j, state):
     start = j * bk
-    if plan.paged:
+    if plan.sparse:  # slot j holds the key at position idx[j]: gather its row
+      pos = idx_ref[pl.ds(start, bk)]
+      if plan.paged:
+        page = jnp.clip(table_ref[jnp.clip(pos // plan.page_size, 0, plan.table_len - 1)],
+                        0, plan.num_pages - 1)
+        slot = pos % plan.page_size
+        load_start, index = None, page * plan.page_size + slot
+      else:
+        page = slot = None
+        load_start = index = jnp.clip(pos, 0, plan.rows - 1)
+    elif plan.paged:
       pos = start + lax.iota(jnp.int32, bk)
       page = jnp.clip(table_ref[jnp.minimum(pos // plan.page_size, plan.table_len - 1)],
                       0, plan.num_pages - 1)
@@ -141,8 +195,18 @@ def _kernel(*refs, plan: _Plan, softmax_scale, num_splits, num_rows, group, num_
       index = pl.ds(load_start, bk)
     qi = [quant_index(d, load_start, page, slot) for d in plan.quant]
     k_pieces = [_load_piece(k_ref, index, p, quant[0:2], qi[0:2], dtype) for p in plan.k_pieces]
-    v_pieces = [_load_piece(v_ref, index, p, quant[2:4], qi[2:4], dtype) for p in plan.v_pieces]
+    if plan.v_from_k:  # MLA: a value piece is the loaded key piece itself (one read)
+      loaded = dict(zip(plan.k_pieces, k_pieces))
+      v_pieces = [loaded[p] if p in loaded else _load_piece(k_ref, index, p, quant[0:2], qi[0:2], dtype)
+                  for p in plan.v_pieces]
+    else:
+      v_pieces = [_load_piece(v_ref, index, p, quant[2:4], qi[2:4], dtype) for p in plan.v_pieces]
+    k_pieces += [_load_piece(rope_ref, index, p, (None, None), None, dtype) for p in plan.r_pieces]
     s = blk.block_scores(q_pieces, k_pieces, softmax_scale)
+    if plan.sparse:
+      s = blk.modify_scores(s, mods, rows, pos[None, :], slopes)
+      visible, live = blk.sparse_block_masks(rows, pos[None, :], live_end, first_visible, pos[:, None])
+      return blk.online_update(state, s, visible, live, v_pieces)
     pos_row = load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     bias = None if bias_ref is None else by_rows(bias_ref, mods.bias, load_start).astype(jnp.float32)
     s = blk.modify_scores(s, mods, rows, pos_row, slopes, bias)
@@ -158,7 +222,7 @@ def _kernel(*refs, plan: _Plan, softmax_scale, num_splits, num_rows, group, num_
   lse_ref[...] = lse[:, 0]
 
 
-def _quant_operand(x, paged):
+def _quant_operand(x, paged, fold=1):
   """A canonical rank-4 scale / offset -> (operand, its BlockSpec, its static dims)."""
   d0, d1, d2, nt = x.shape
   if paged:  # [Hkv|1, P|1, ps|1, nt] -> [Hkv|1, P|1 * ps|1, nt]
@@ -166,14 +230,16 @@ def _quant_operand(x, paged):
     spec = pl.BlockSpec((None, d1 * d2, nt), lambda i, h, j: (h if d0 > 1 else 0, 0, 0))
     return flat, spec, (d1, d2)
   spec = pl.BlockSpec((None, None, d2, nt),
-                      lambda i, h, j: (i if d0 > 1 else 0, h if d1 > 1 else 0, 0, 0))
+                      lambda i, h, j: (i // fold if d0 > 1 else 0, h if d1 > 1 else 0, 0, 0))
   return x, spec, (d2,)
 
 
 def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float,
                     num_splits: int, block_k: int, interpret: bool,
                     block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
-                    mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None):
+                    mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None,
+                    v_head_dim=None, k_rope=None, indices=None, index_bounds=None,
+                    sparse: Sparse | None = None):
   """Per-split partial states from the Triton kernel (``interpret``: Pallas' interpreter).
 
   Args:
@@ -181,6 +247,13 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     ends: int32 ``[B]``: each sequence's end relative to the cache's first token.
     k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables`` int32 ``[B, n]``, paged
       ``[Hkv, P, page_size, D]``; float or 8-bit with canonical rank-4 scales / offsets.
+      ``v`` None (MLA): the values are ``k[..., :v_head_dim]``, taken from the loaded key
+      pieces (each cache byte is read once for both).
+    k_rope: optional key-only columns laid out like k (float), after k's own.
+    indices, index_bounds, sparse: a sparse call's canonical index lists ``[B', Hi, K]``,
+      their live slots ``[B', Hi, 2]`` and `fdecode.sparse.Sparse` (row b' reads
+      contiguous cache row ``b' // sparse.fold``); blocks are then ``block_k`` slots of
+      the list, each slot's row gathered by position.
     num_tokens: T (rows are T groups of G).
     block_k: tokens per block (rounded by `block_size`).
     mods, mask, bias, alibi: the static `fdecode.modifiers.Modifiers` and their canonical
@@ -193,14 +266,17 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   Raises:
     ValueError: compiled (not ``interpret``) for shapes `triton_unsupported` names.
   """
-  b, hkv, r, dk = q_rows.shape
-  dv = v.shape[-1]
+  b, hkv, r, dq = q_rows.shape
+  dk = k.shape[-1]
+  v_from_k = v is None
+  dv = v_head_dim if v_from_k else v.shape[-1]
+  rope_dim = 0 if k_rope is None else k_rope.shape[-1]
   paged = block_tables is not None
   quant_arrays = (k_scale, k_offset, v_scale, v_offset)
   k_tiles = 1 if k_scale is None else k_scale.shape[-1]
   v_tiles = 1 if v_scale is None else v_scale.shape[-1]
   if not interpret:
-    reason = triton_unsupported(dk, dv, k_tiles, v_tiles)
+    reason = triton_unsupported(dk, dv, k_tiles, v_tiles, v_from_k=v_from_k, rope_dim=rope_dim)
     if reason:
       raise ValueError(f"flash_decode: impl='pallas' on GPU cannot take this shape: {reason}. "
                        "Use impl='xla' (impl=None picks it for such shapes)")
@@ -210,21 +286,25 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     table_len = block_tables.shape[1]
     seq_len = table_len * page_size
     rows = num_pages * page_size
-    k = k.reshape(hkv_pool, rows, dk)  # free: merges contiguous axes
-    v = v.reshape(hkv_pool, rows, dv)
+    flat = lambda x: None if x is None else x.reshape(hkv_pool, rows, x.shape[-1])  # free: merges axes
+    k, v, k_rope = flat(k), flat(v), flat(k_rope)
   else:
     num_pages = page_size = table_len = 0
     seq_len = k.shape[2]
     if seq_len < bk:  # a cache shorter than one block: pad it (cheap: < bk tokens)
       pad = [(0, 0), (0, 0), (0, bk - seq_len), (0, 0)]
-      k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+      k, v, k_rope = (None if x is None else jnp.pad(x, pad) for x in (k, v, k_rope))
       quant_arrays = tuple(a if a is None or a.shape[2] == 1 else jnp.pad(a, pad) for a in quant_arrays)
     rows = k.shape[2]
   rows_p = r if interpret else -(-r // _MIN_DOT) * _MIN_DOT
+  block_r = rows_per_program(rows_p, dq, dv)
+  rows_p = -(-rows_p // block_r) * block_r
+  row_blocks = rows_p // block_r
   if rows_p != r:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, rows_p - r), (0, 0)])
   num_blocks = pl.cdiv(max(seq_len, 1), bk)
 
+  fold = 1 if sparse is None else sparse.fold  # contiguous cache row of q row i: i // fold
   operands = [ends.astype(jnp.int32)]
   in_specs = [pl.BlockSpec((1,), lambda i, h, j: (i,))]
   if paged:
@@ -232,16 +312,25 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     in_specs.append(pl.BlockSpec((None, table_len), lambda i, h, j: (i, 0)))
     cache_spec = lambda d: pl.BlockSpec((None, rows, d), lambda i, h, j: (h, 0, 0))
   else:
-    cache_spec = lambda d: pl.BlockSpec((None, None, rows, d), lambda i, h, j: (i, h, 0, 0))
-  operands += [q_rows, k, v]
-  in_specs += [pl.BlockSpec((None, None, rows_p, dk), lambda i, h, j: (i, h, 0, 0)),
-               cache_spec(dk), cache_spec(dv)]
+    cache_spec = lambda d: pl.BlockSpec((None, None, rows, d), lambda i, h, j: (i // fold, h, 0, 0))
+  if sparse is not None:
+    idx = pad_slots(indices, bk, seq_len)
+    per_head = lambda h: h if idx.shape[1] > 1 else 0
+    operands += [idx, index_bounds.astype(jnp.int32)]
+    in_specs += [pl.BlockSpec((None, None, idx.shape[2]), lambda i, h, j: (i, per_head(h), 0)),
+                 pl.BlockSpec((None, None, 2), lambda i, h, j: (i, per_head(h), 0))]
+  operands += [q_rows, k]
+  in_specs += [_ROWS, cache_spec(dk)]
+  for x in (v, k_rope):  # MLA: no v operand, the values are read from k
+    if x is not None:
+      operands.append(x)
+      in_specs.append(cache_spec(x.shape[-1]))
   quant_dims = []
   for a in quant_arrays:
     if a is None:
       quant_dims.append(None)
       continue
-    operand, spec, dims = _quant_operand(a, paged)
+    operand, spec, dims = _quant_operand(a, paged, fold)
     operands.append(operand)
     in_specs.append(spec)
     quant_dims.append(dims)
@@ -258,26 +347,34 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   if alibi is not None:  # [Hkv, G] -> per row r = t * G + g: [Hkv, R_p]
     slopes = jnp.pad(jnp.tile(alibi.astype(jnp.float32), (1, num_tokens)), [(0, 0), (0, rows_p - r)])
     operands.append(slopes)
-    in_specs.append(pl.BlockSpec((None, rows_p), lambda i, h, j: (h, 0)))
+    in_specs.append(_ROWS)
+  k_pieces, v_pieces, r_pieces = _pieces(dk, dv, k_tiles, v_tiles, v_from_k, rope_dim)
   plan = _Plan(paged=paged, block=bk, seq_len=seq_len, rows=rows, page_size=page_size,
                num_pages=num_pages, table_len=table_len,
-               k_pieces=blk.head_pieces(dk, k_tiles, pow2=True),
-               v_pieces=blk.head_pieces(dv, v_tiles, pow2=True), quant=tuple(quant_dims), mods=mods)
+               k_pieces=k_pieces, v_pieces=v_pieces, quant=tuple(quant_dims), mods=mods,
+               v_from_k=v_from_k, r_pieces=r_pieces, sparse=sparse is not None)
   kernel = functools.partial(
       _kernel, plan=plan, softmax_scale=softmax_scale,
       num_splits=num_splits, num_rows=r, group=r // num_tokens,
-      num_tokens=num_tokens)
+      num_tokens=num_tokens, row_blocks=row_blocks)
+  # Grid axis 1 is (kv head, row block): kv head = axis // row_blocks, block = axis % row_blocks.
+  by_head = lambda spec: pl.BlockSpec(spec.block_shape, lambda i, hr, j, f=spec.index_map: f(i, hr // row_blocks, j))
+  row_specs = iter([  # q [B, Hkv, R_p, Dq] and slopes [Hkv, R_p]: this program's rows
+      pl.BlockSpec((None, None, block_r, dq), lambda i, hr, j: (i, hr // row_blocks, hr % row_blocks, 0)),
+      pl.BlockSpec((None, block_r), lambda i, hr, j: (hr // row_blocks, hr % row_blocks))])
+  in_specs = [next(row_specs) if spec is _ROWS else by_head(spec) for spec in in_specs]
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
     compiler_params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+  out_map = lambda i, hr, j: (i, hr // row_blocks, j, hr % row_blocks)
   o, lse = pl.pallas_call(
       kernel,
-      grid=(b, hkv, num_splits),
+      grid=(b, hkv * row_blocks, num_splits),
       in_specs=in_specs,
       out_specs=[
-          pl.BlockSpec((None, None, None, rows_p, dv), lambda i, h, j: (i, h, j, 0, 0)),
-          pl.BlockSpec((None, None, None, rows_p), lambda i, h, j: (i, h, j, 0)),
+          pl.BlockSpec((None, None, None, block_r, dv), lambda i, hr, j: out_map(i, hr, j) + (0,)),
+          pl.BlockSpec((None, None, None, block_r), out_map),
       ],
       out_shape=[
           blk.out_struct((b, hkv, num_splits, rows_p, dv), jnp.float32, *operands),

@@ -109,7 +109,8 @@ class _Geometry:
     return swap(s.reshape(b, h, n, r, c)), swap(valid.reshape(valid.shape[:3] + (r, c)))
 
 
-def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=False, select_dead=True):
+def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=False, select_dead=True,
+                  pos=None):
   """States of chunks: kc ``[B, Hkv, n, C, Dk]`` (or a tuple of column parts whose widths
   sum to Dk: k's own columns, then k_rope's), vc ``[B, Hkv, n, C, Dv]``, chunk i holding
   view offsets ``first + i*C``, i.e. cache positions ``base + first + i*C`` (base int32
@@ -121,6 +122,8 @@ def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=F
 
   ``heads_outer``: q_rows, kc, vc and the results have their two batch axes swapped
   (``[Hkv, B, ...]``, a paged pool's gather order, so the cache chunk is never transposed).
+  ``pos``: int32 ``[B, 1|Hkv, n, 1, C]`` the slots' positions, when they are not
+  ``base + first + offset`` (sparse index lists).
   """
   parts = kc if isinstance(kc, tuple) else (kc,)
   n, c = parts[0].shape[2], parts[0].shape[3]
@@ -131,8 +134,9 @@ def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=F
                    preferred_element_type=jnp.float32)
     scores, col = s if scores is None else scores + s, col + w
   scores = scores * softmax_scale
-  offsets = first + jnp.arange(n * c, dtype=jnp.int32).reshape(1, 1, n, 1, c)
-  pos = base[:, None, None, None, None] + offsets  # [B, 1, n, 1, C]
+  if pos is None:
+    offsets = first + jnp.arange(n * c, dtype=jnp.int32).reshape(1, 1, n, 1, c)
+    pos = base[:, None, None, None, None] + offsets  # [B, 1, n, 1, C]
   scores, valid = geo.apply(scores, pos, first, heads_outer)
   scores = jnp.where(valid, scores, MASK_VALUE)
   m = jnp.max(scores, axis=-1)

@@ -1,0 +1,196 @@
+"""Sparse top-k attention on TPUs (Pallas Mosaic): only the selected tokens are DMA'd.
+
+Grid ``(B', Hkv, n_splits)``, one program per pseudo-sequence and kv head (legend and
+canonical index lists in `fdecode.sparse`). The caches (contiguous ``[B, Hkv, S, D]`` or
+paged ``[Hkv, P, page_size, D]``) stay in HBM (``memory_space=pl.ANY``). A step covers
+``bk`` slots of the program's sorted index list: each live slot's token row is copied by
+its own DMA (contiguous: ``k[b // fold, h, pos]``; paged: through the block table) into
+one slot of a two-slot VMEM buffer while the other slot computes, as the paged kernel
+does with pages (`fdecode.kernels.mosaic_tpu`). The list reaches the kernel twice: in
+SMEM (a BlockSpec of the program's row; DMA addresses) and in VMEM as ``[K_p / bk, bk]``
+(one row per step: the slots' positions for the masks). Slots outside the row's live
+range are not copied; whatever their buffer rows hold is selected away (their position
+is past every row's end, or before the window), as in every other kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from fdecode.kernels import block as blk
+from fdecode.kernels.mosaic_tpu import (_all_pieces, _block_kv, _mod_operands, _out_shape, _out_specs,
+                                        _q_pieces, _store_out)
+from fdecode.kernels.mosaic_tpu_plan import Plan, per_token
+from fdecode.modifiers import Modifiers, window_start
+from fdecode.sparse import Sparse, pad_slots, slot_range
+
+
+def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *refs, kinds, paged, fold,
+                   heads, softmax_scale, num_splits, bk, seq_len, page_size, num_pages, table_len,
+                   num_rows, group, num_tokens, k_pieces, v_pieces, mods):
+  # kinds: for (k, v, k_rope, k_scale, k_offset, v_scale, v_offset, alibi): "stream" (an
+  #   HBM ref, DMA'd token by token), "resident" (a VMEM block) or None (absent).
+  # refs: the present operands; o [R_p, Dv], lse [R_p, 1]; a VMEM buffer [2, bk, D|nt]
+  #   per streamed operand; DMA semaphores [n_streams, 2].
+  n_present = sum(kind is not None for kind in kinds)
+  present = iter(refs[:n_present])
+  srcs = [None if kind is None else next(present) for kind in kinds]
+  o_ref, lse_ref, *bufs, sems = refs[n_present:]
+  b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows_p = q_ref.shape[0]
+  end = ends_ref[b]
+  live_end = jnp.clip(end, 0, seq_len)
+  row = (b * heads + (h if heads > 1 else 0)) * 2
+  lo, hi = bounds_ref[row], bounds_ref[row + 1]
+  first, last = slot_range((lo, hi), split, num_splits, bk)
+  streams = [i for i, kind in enumerate(kinds) if kind == "stream"]
+
+  def copy(n, i, pos, slot, j):
+    """The DMA of the token at position ``pos`` of stream ``i`` into buffer row ``j``."""
+    src = srcs[i]
+    head = h if src.shape[1 if not paged else 0] > 1 else 0
+    if paged:
+      page = jnp.clip(tables_ref[b * table_len + jnp.clip(pos // page_size, 0, table_len - 1)],
+                      0, num_pages - 1)
+      row_src = src.at[head, page if src.shape[1] > 1 else 0, pl.ds(pos % page_size, 1)]
+    else:
+      seq = b // fold if src.shape[0] > 1 else 0
+      row_src = src.at[seq, head, pl.ds(jnp.clip(pos, 0, seq_len - 1), 1)]
+    return pltpu.make_async_copy(row_src, bufs[n].at[slot, pl.ds(j, 1)], sems.at[n, slot])
+
+  def each_live_slot(step, slot, action):
+    """Runs ``action`` on the DMA of every stream for each live slot of ``step``."""
+    def one(j, carry):
+      n_slot = step * bk + j
+
+      @pl.when((n_slot >= lo) & (n_slot < hi))
+      def _():
+        pos = idx_ref[n_slot]
+        for n, i in enumerate(streams):
+          action(copy(n, i, pos, slot, j))
+      return carry
+    lax.fori_loop(0, bk, one, 0)
+
+  start = lambda step, slot: each_live_slot(step, slot, lambda c: c.start())
+  wait = lambda step, slot: each_live_slot(step, slot, lambda c: c.wait())
+  dtype = q_ref.dtype
+  q_pieces = _q_pieces(q_ref[...], k_pieces, kinds[2] is not None)
+  rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, mods)
+  first_visible = window_start(end, num_tokens, seq_len, mods)
+  slopes = None if srcs[7] is None else srcs[7][...]
+
+  def body(step, state):
+    slot = (step - first) % 2
+
+    @pl.when(step + 1 < last)
+    def _prefetch():
+      start(step + 1, 1 - slot)
+
+    wait(step, slot)
+    buf_of = dict(zip(streams, bufs))
+    kx, vx, rx, ks, ko, vs, vo = (buf_of[i][slot] if i in buf_of else None if src is None else src[...]
+                                  for i, src in enumerate(srcs[:7]))
+    kb, vb = _block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
+    s = blk.block_scores(q_pieces, kb, softmax_scale)
+    pos_row = pos_ref[pl.ds(step, 1), :]  # [1, bk] the slots' positions
+    s = blk.modify_scores(s, mods, rows, pos_row, slopes)
+    visible, live = blk.sparse_block_masks(rows, pos_row, live_end, first_visible)
+    return blk.online_update(state, s, visible, live, vb)
+
+  @pl.when(first < last)
+  def _first_fetch():
+    start(first, 0)
+
+  state = lax.fori_loop(first, last, body, blk.init_state(rows_p, v_pieces))
+  o_pieces, lse = blk.finalize(state)
+  _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse)
+
+
+def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse: Sparse, num_tokens: int,
+                           softmax_scale: float, num_splits: int, plan: Plan, interpret,
+                           block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
+                           mods: Modifiers = Modifiers(), alibi=None, v_head_dim=None, k_rope=None,
+                           mask=None, bias=None):
+  """Per-split partial states over the selected tokens (arguments as
+  `fdecode.kernels.mosaic_tpu.mosaic_partials`, plus the canonical ``indices`` ``[B', Hi, K]``,
+  ``index_bounds`` ``[B', Hi, 2]`` and ``sparse``; ``plan.block`` slots per step).
+
+  Returns:
+    ``(o, lse)``: float32 ``[B', Hkv, n_splits, R, Dv]`` and ``[B', Hkv, n_splits, R]``.
+  """
+  del mask, bias  # not combinable with indices (`fdecode.sparse.validate`)
+  b, hkv, r, dq = q_rows.shape
+  paged = block_tables is not None
+  bk = plan.block
+  if paged:
+    _, num_pages, page_size, _ = k.shape
+    table_len = block_tables.shape[1]
+    seq_len = table_len * page_size
+    tables = block_tables.astype(jnp.int32).reshape(-1)
+  else:
+    num_pages = page_size = table_len = 0
+    seq_len = k.shape[2]
+    tables = jnp.zeros((1,), jnp.int32)
+  dv = v_head_dim if v is None else v.shape[-1]
+  if plan.rows_p != r:
+    q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, plan.rows_p - r), (0, 0)])
+  idx = pad_slots(indices, bk, seq_len)
+  heads, k_p = idx.shape[1], idx.shape[2]
+  per_head = lambda h: h if heads > 1 else 0
+  kinds, present, in_specs, bufs = [], [], [], []
+  for i, a in enumerate((k, v, k_rope, k_scale, k_offset, v_scale, v_offset)):
+    if a is None:
+      kinds.append(None)
+      continue
+    if i < 3 or per_token(a, paged=paged):
+      if i >= 3 and paged:  # a per-token / per-page scale, made [Hkv|1, P, ps, nt]
+        a = jnp.broadcast_to(a, (a.shape[0], num_pages, page_size, a.shape[-1]))
+      kinds.append("stream")
+      in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+      bufs.append(pltpu.VMEM((2, bk, a.shape[-1]), a.dtype))
+    else:  # per sequence / head / tensor: one resident [1, nt] block
+      kinds.append("resident")
+      d0, d1 = a.shape[:2]
+      if paged:  # [Hkv|1, 1, 1, nt]
+        spec = pl.BlockSpec((None, None, 1, a.shape[-1]), lambda i, h, s, *_, d0=d0: (
+            h if d0 > 1 else 0, 0, 0, 0))
+      else:  # [B|1, Hkv|1, 1, nt]
+        spec = pl.BlockSpec((None, None, 1, a.shape[-1]), lambda i, h, s, *_, d0=d0, d1=d1: (
+            i // sparse.fold if d0 > 1 else 0, h if d1 > 1 else 0, 0, 0))
+      in_specs.append(spec)
+    present.append(a)
+  mod_ops, mod_specs = _mod_operands(dict(mask=None, bias=None, alibi=alibi), num_tokens, plan.rows_p, 0)
+  kinds.append("resident" if alibi is not None else None)
+  present += mod_ops
+  in_specs += [spec((), None) for spec in mod_specs]
+  k_pieces, v_pieces = _all_pieces(k, v, k_scale, v_scale, v_head_dim)
+  kernel = functools.partial(
+      _sparse_kernel, kinds=tuple(kinds), paged=paged, fold=sparse.fold, heads=heads,
+      softmax_scale=softmax_scale, num_splits=num_splits, bk=bk, seq_len=seq_len, page_size=page_size,
+      num_pages=num_pages, table_len=table_len, num_rows=r, group=r // num_tokens,
+      num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods)
+  index_map = lambda i, h, s, *_: (i, per_head(h), 0)
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=3,
+      grid=(b, hkv, num_splits),
+      in_specs=[pl.BlockSpec((None, None, k_p), index_map, memory_space=pltpu.SMEM),
+                pl.BlockSpec((None, None, k_p // bk, bk), lambda i, h, s, *_: (i, per_head(h), 0, 0)),
+                pl.BlockSpec((None, None, plan.rows_p, dq), lambda i, h, s, *_: (i, h, 0, 0))] + in_specs,
+      out_specs=_out_specs(plan.rows_p, dv, lambda i, h, s, *_: (i, h, s, 0, 0)),
+      scratch_shapes=bufs + [pltpu.SemaphoreType.DMA((max(len(bufs), 1), 2))],
+  )
+  o, lse = pl.pallas_call(
+      kernel, grid_spec=grid_spec,
+      out_shape=_out_shape(b, hkv, num_splits, plan.rows_p, dv, ends, q_rows, idx, *present),
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel"),
+          vmem_limit_bytes=plan.vmem_limit_bytes),
+      interpret=interpret, name="fdecode_sparse_mosaic",
+  )(ends.astype(jnp.int32), tables, index_bounds.astype(jnp.int32).reshape(-1), idx,
+    idx.reshape(b, heads, k_p // bk, bk), q_rows, *present)
+  return o[:, :, :, :r], lse[:, :, :, :r, 0]

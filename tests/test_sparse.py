@@ -1,0 +1,210 @@
+"""Sparse top-k attention (DeepSeek V3.2, FlashMLA sparse): ``flash_decode(..., indices=...)``.
+
+The oracle is `reference_decode` over the whole cache with a boolean mask built here, in
+numpy, from the index lists (independent of `fdecode.sparse`): position j is visible to a
+query iff some entry of its list equals j (duplicates count once, -1 and out-of-cache
+entries select nothing), ANDed with lengths, causality and the window as usual.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fdecode
+from fdecode.cache.paged import gather_pages
+from fdecode.quant import dequantize, quantize
+from fdecode.reference import reference_decode
+from conftest import assert_close, make_problem, tol
+from test_gpu_lowering import TRITON_CALL, lower_for_cuda
+from test_tpu_kernel import TPU_CALL, lower_for_tpu
+
+BLOCK = 16
+S = 3 * BLOCK + 5
+
+
+def index_mask(indices, q_shape, hkv, s, kv_offset=0):
+  """bool ``[B, T, Hq, S]``: cache slot j (sequence position ``kv_offset + j``) is selected."""
+  idx = np.asarray(indices)
+  single = len(q_shape) == 3
+  b, hq = q_shape[0], q_shape[-2]
+  t = 1 if single else q_shape[1]
+  if idx.ndim == 2:
+    idx = idx[:, None, None]
+  elif idx.ndim == 3:
+    idx = idx[:, None] if single else idx[:, :, None]
+  g = hq // hkv
+  pos = kv_offset + np.arange(s)
+  sel = (idx[..., None] == pos) & (idx[..., None] >= 0)       # [B, T|1, Hi, K, S]
+  sel = sel.any(axis=3)                                       # [B, T|1, Hi, S]
+  sel = np.repeat(sel, g, axis=2) if sel.shape[2] > 1 else sel
+  return np.broadcast_to(sel, (b, t, hq, s))
+
+
+def check(q, k, v, lengths, indices, *, impl, dtype=jnp.float32, kv_offset=0, ref_kv=None, **kw):
+  out, lse = fdecode.flash_decode(q, k, v, lengths, indices=indices, impl=impl, return_lse=True,
+                                  kv_offset=kv_offset if kv_offset else None, **kw)
+  kf, vf = ref_kv if ref_kv is not None else (k, v)
+  q4 = q if q.ndim == 4 else q[:, None]
+  hkv, s = kf.shape[1], kf.shape[2]
+  mask = index_mask(indices, q.shape, hkv, s, kv_offset)
+  mods = {n: kw[n] for n in ("window", "logits_soft_cap", "causal", "sinks", "alibi_slopes") if n in kw}
+  ref, ref_lse = reference_decode(q4, kf.astype(jnp.float32), vf.astype(jnp.float32),
+                                  jnp.asarray(lengths) - kv_offset, mask=jnp.asarray(mask), **mods)
+  if q.ndim == 3:
+    ref, ref_lse = ref[:, 0], ref_lse[:, 0]
+  t = tol(dtype)
+  assert_close(out, ref, atol=t["atol"], rtol=t["rtol"], what="out")
+  assert_close(lse, ref_lse, atol=t["lse"], rtol=t["lse"], what="lse")
+  return out, lse
+
+
+def random_indices(seed, shape, s, *, dup=True):
+  """Positions in [-1, S + 3): -1 (none), out of the cache, and (``dup``) repeats."""
+  r = np.random.default_rng(seed)
+  idx = r.integers(-1, s + 3, size=shape)
+  if dup:
+    idx[..., 1] = idx[..., 0]
+  return idx.astype(np.int32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("form", ["[B,K]", "[B,T,K]", "[B,T,Hkv,K]"])
+def test_sparse_matches_reference(impl, dtype, form):
+  """T = 3 new tokens; lengths 0, 1, block±1 and S; K = 40 (not a block multiple), with
+  -1 entries, out-of-cache entries and duplicates; num_splits 3."""
+  lengths = [0, 1, BLOCK - 1, BLOCK + 1, S]
+  q, k, v = make_problem(0, b=5, t=3, hq=8, hkv=2, s=S, dk=32, dtype=dtype)
+  shape = {"[B,K]": (5, 40), "[B,T,K]": (5, 3, 40), "[B,T,Hkv,K]": (5, 3, 2, 40)}[form]
+  idx = random_indices(1, shape, S)
+  out, lse = check(q, k, v, jnp.array(lengths), idx, impl=impl, dtype=dtype, block_k=BLOCK, num_splits=3)
+  assert np.all(np.asarray(out[0]) == 0) and np.isneginf(np.asarray(lse[0])).all()
+
+
+def test_single_token_forms(impl):
+  """q ``[B, Hq, D]`` with ``[B, K]`` and ``[B, Hkv, K]``; more splits than blocks."""
+  q, k, v = make_problem(2, b=3, t=None, hq=6, hkv=3, s=S, dk=32)
+  lengths = jnp.array([S, 20, 3])
+  for shape in ((3, 24), (3, 3, 24)):
+    check(q, k, v, lengths, random_indices(3, shape, S), impl=impl, block_k=BLOCK, num_splits=5)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_paged(impl, page_size):
+  """Gathered through the block table; stale (-1) table entries past each length."""
+  b, s = 3, 37
+  q, k, v = make_problem(4, b=b, t=2, hq=4, hkv=2, s=s, dk=32)
+  n = -(-s // page_size)
+  r = np.random.default_rng(0)
+  tables = r.permutation(b * n + 2)[: b * n].reshape(b, n).astype(np.int32)
+  pool = lambda x: jnp.asarray(r.normal(size=(2, b * n + 2, page_size, 32)), jnp.float32)
+  kp, vp = pool(k), pool(v)
+  lengths = np.array([s, 10, 0])
+  tables[1, -(-10 // page_size):] = -1
+  full = lambda x: gather_pages(x, jnp.asarray(np.maximum(tables, 0)))
+  idx = random_indices(5, (b, 2, 2, 20), n * page_size)
+  check(q, kp, vp, lengths, idx, impl=impl, block_tables=tables, block_k=BLOCK, num_splits=2,
+        ref_kv=(full(kp), full(vp)))
+
+
+def test_mla_fp8_with_rope(impl):
+  """Sparse over FlashMLA's cache: fp8 latent (1x32 tiles) + bf16 RoPE columns, v=None."""
+  b, s, dc, dr = 2, 40, 64, 32
+  q = jax.random.normal(jax.random.key(6), (b, 2, 16, dc + dr), jnp.bfloat16)
+  k = jax.random.normal(jax.random.key(7), (b, 1, s, dc + dr), jnp.bfloat16)
+  latent, scale = quantize(k[..., :dc], jnp.float8_e4m3fn, tile=32)
+  rope = k[..., dc:]
+  full = jnp.concatenate([dequantize(latent, scale), rope.astype(jnp.float32)], axis=-1)
+  idx = random_indices(8, (b, 2, 12), s)
+  check(q, latent, None, jnp.array([40, 25]), idx, impl=impl, dtype=jnp.bfloat16, v_head_dim=dc,
+        k_scale=scale, k_rope=rope, block_k=BLOCK, ref_kv=(full, full[..., :dc]))
+
+
+def test_with_window_soft_cap_and_kv_offset(impl):
+  """Indices are sequence positions: with kv_offset (a chunk of a longer sequence) the
+  cache holds ``[kv_offset, kv_offset + S)``; a window and a soft cap still apply."""
+  q, k, v = make_problem(9, b=2, t=2, hq=4, hkv=2, s=S, dk=32)
+  offset = 30
+  lengths = jnp.array([offset + S, offset + 20])
+  idx = random_indices(10, (2, 2, 30), offset + S) 
+  check(q, k, v, lengths, idx, impl=impl, kv_offset=offset, window=25, logits_soft_cap=5.0, block_k=BLOCK)
+
+
+def test_unselected_garbage_never_leaks(impl):
+  """inf / NaN in every slot no list selects (and past the lengths) changes no bit."""
+  q, k, v = make_problem(11, b=2, t=2, hq=4, hkv=2, s=S, dk=32)
+  lengths = jnp.array([S, 30])
+  idx = random_indices(12, (2, 2, 16), S, dup=False)
+  sel = index_mask(idx, q.shape, 2, S)[:, :, ::2].any(axis=1)  # [B, Hkv, S]: a slot some query may read
+  bad = jnp.asarray(~sel)[..., None]
+  dirty = lambda x: jnp.where(bad, jnp.where(jnp.arange(S)[:, None] % 2 == 0, jnp.nan, jnp.inf), x)
+  run = lambda kk, vv: fdecode.flash_decode(q, kk, vv, lengths, indices=idx, impl=impl, block_k=BLOCK,
+                                            return_lse=True)
+  (a, a_lse), (b, b_lse) = run(k, v), run(dirty(k), dirty(v))
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_array_equal(np.asarray(a_lse), np.asarray(b_lse))
+
+
+def test_everything_selected_equals_dense():
+  """Every position selected once: exactly the dense decode (one more independent check)."""
+  q, k, v = make_problem(13, b=2, t=3, hq=4, hkv=2, s=S, dk=32)
+  lengths = jnp.array([S, 19])
+  idx = np.broadcast_to(np.random.default_rng(0).permutation(S), (2, S)).astype(np.int32)
+  dense = fdecode.flash_decode(q, k, v, lengths, impl="xla")
+  for impl in ("xla", "pallas"):
+    out = fdecode.flash_decode(q, k, v, lengths, indices=idx, impl=impl, block_k=BLOCK)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(dense), atol=3e-5, rtol=3e-5)
+
+
+def test_sharded_over_sequence_and_heads():
+  """Global positions, split with the sequences and the kv heads; each device's chunk of
+  the cache reads only its own selected tokens."""
+  q, k, v = make_problem(14, b=2, t=2, hq=8, hkv=2, s=64, dk=16)
+  lengths = jnp.array([64, 21])
+  idx = random_indices(15, (2, 2, 2, 24), 64)
+  mesh = jax.make_mesh((2, 4), ("h", "s"))
+  mask = jnp.asarray(index_mask(idx, q.shape, 2, 64))
+  ref, ref_lse = reference_decode(q, k, v, lengths, mask=mask)
+  for impl, extra in (("xla", {}), ("pallas", dict(interpret=True))):
+    out, lse = fdecode.sharded_flash_decode(q, k, v, lengths, mesh=mesh, head_axis="h", seq_axis="s",
+                                            indices=idx, impl=impl, return_lse=True, **extra)
+    assert_close(out, ref, atol=3e-5, rtol=3e-5)
+    assert_close(lse, ref_lse, atol=3e-5, rtol=3e-5, what="lse")
+
+
+@pytest.mark.parametrize("indices, message", [
+    (np.zeros((2,), np.int32), "indices must be"),
+    (np.zeros((2, 3, 2, 4, 5), np.int32), "indices must be"),
+    (np.zeros((2, 8), np.float32), "integer"),
+    (np.zeros((3, 8), np.int32), "indices must be"),
+    (np.zeros((2, 5, 8), np.int32), "indices must be"),
+])
+def test_bad_indices(indices, message):
+  q, k, v = make_problem(16, b=2, t=3, hq=4, hkv=2, s=16, dk=16)
+  with pytest.raises(ValueError, match=message):
+    fdecode.flash_decode(q, k, v, jnp.array([16, 4]), indices=indices)
+
+
+def test_indices_with_mask_is_an_error():
+  q, k, v = make_problem(17, b=2, t=None, hq=4, hkv=2, s=16, dk=16)
+  with pytest.raises(ValueError, match="mask"):
+    fdecode.flash_decode(q, k, v, jnp.array([16, 4]), indices=np.zeros((2, 4), np.int32),
+                         mask=jnp.ones((2, 16), bool))
+
+
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_sparse_mla_lowers_for_tpu_and_cuda(page_size):
+  """DeepSeek V3.2: G = 64 rows on one 576-wide latent head, K = 2048 per token, T = 2."""
+  b, s, hq = 2, 8192, 64
+  sds = jax.ShapeDtypeStruct
+  q = sds((b, 2, hq, 576), jnp.bfloat16)
+  opts = dict(indices=sds((b, 2, 2048), jnp.int32))
+  if page_size is None:
+    k = sds((b, 1, s, 576), jnp.bfloat16)
+  else:
+    k = sds((1, b * s // page_size, page_size, 576), jnp.bfloat16)
+    opts["block_tables"] = sds((b, s // page_size), jnp.int32)
+  fn = lambda q, k, n, opts: fdecode.flash_decode(q, k, None, n, v_head_dim=512, impl="pallas", **opts)
+  args = (q, k, sds((b,), jnp.int32), opts)
+  assert TPU_CALL in lower_for_tpu(fn, *args)
+  assert TRITON_CALL in lower_for_cuda(fn, *args)
