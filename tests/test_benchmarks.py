@@ -51,3 +51,14 @@ def test_bench_variants_quick_reports_every_row():
   blocks = {name: int(n) for name, n in re.findall(
       r"\| (plain S=256|window=256, S=4096|plain S=4096) \|.*\| (\d+) \(128, \d+\) \|", out)}
   assert blocks["window=256, S=4096"] == blocks["plain S=256"] < blocks["plain S=4096"], out
+
+
+def test_bench_cascade_quick_reports_every_contender():
+  out = subprocess.run([sys.executable, "benchmarks/bench_cascade.py", "--quick", "--iters", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
+  for row in ("floor: read prefix once + suffixes", "cascade_decode (default impl)", "floor: read 4 full copies",
+              "flash_decode over 4 full copies (default impl)"):
+    assert re.search(rf"\| {re.escape(row)} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", out), (row, out)
+  diff = re.search(r"cascade speed-up over full copies: [\d.]+x; bytes read: [\d.]+x fewer; "
+                   r"max \|cascade - full\| = ([\d.e-]+)", out)
+  assert diff and float(diff.group(1)) < 2e-2, out  # the same attention, bf16 rounding apart
