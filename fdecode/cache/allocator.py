@@ -1,4 +1,6 @@
-"""Host-side page allocator for paged KV caches (a free list, as in vLLM's block manager)."""
+"""Host-side page allocator for paged KV caches: a free list with reference counts and
+copy-on-write (as in vLLM's block manager), so that beams and parallel samples share the
+pages of their common prefix."""
 
 from __future__ import annotations
 
@@ -7,16 +9,33 @@ import operator
 import numpy as np
 
 
-class PoolExhaustedError(RuntimeError):
-  """Raised when the page pool has too few free pages for a request."""
+class PoolExhaustedError(RuntimeError, ValueError):
+  """Raised when the page pool has too few free pages for a request; the failed call
+  changed nothing (no page taken, none leaked)."""
+
+
+class UnknownSequenceError(KeyError, ValueError):
+  """Raised for a sequence id the allocator does not hold (a KeyError, and a ValueError
+  for callers that expect one)."""
+
+  def __str__(self):  # KeyError's own str() would quote the message
+    return str(self.args[0]) if self.args else ""
 
 
 class PageAllocator:
   """Hands out pages of a pool of ``num_pages`` pages of ``page_size`` tokens.
 
-  No page is ever owned by two live sequences; freed pages return to the pool. The block
-  table it builds (`block_table`) is what `fdecode.flash_decode(..., block_tables=...)`
-  and `fdecode.cache.write_paged` take; unused entries hold -1 (never read).
+  Every page has a reference count: the number of live sequences whose page list holds
+  it. `allocate` / `extend` take free pages (count 1); `fork` lets a new sequence share
+  all of its parent's pages (each count + 1); `free` drops a sequence's references, and a
+  page returns to the free list only when its count reaches 0. Before writing into a
+  sequence, call `prepare_write`: it gives the sequence a private copy of every shared
+  page the write touches (copy-on-write) and returns the ``(src, dst)`` page copies to
+  perform on the device pool first (`fdecode.cache.copy_pages`).
+
+  The block table it builds (`block_table`) is what `fdecode.flash_decode(...,
+  block_tables=...)` and `fdecode.cache.write_paged` take; unused entries hold -1 (never
+  read). A call that raises changes nothing.
 
   Args:
     num_pages: P, pages in the pool.
@@ -33,6 +52,7 @@ class PageAllocator:
     self.num_pages, self.page_size, self.max_pages_per_seq = (
         sizes["num_pages"], sizes["page_size"], sizes["max_pages_per_seq"])
     self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low ids first
+    self._refs = [0] * self.num_pages  # live sequences holding each page
     self._pages: dict[object, list[int]] = {}
     self._tokens: dict[object, int] = {}
 
@@ -40,9 +60,25 @@ class PageAllocator:
   def num_free(self) -> int:
     return len(self._free)
 
+  @property
+  def seq_ids(self) -> list:
+    """The live sequences' ids, in allocation order."""
+    return list(self._pages)
+
   def pages(self, seq_id) -> list[int]:
     """The pool page ids of a sequence, in token order."""
     return list(self._pages[self._known(seq_id)])
+
+  def num_tokens(self, seq_id) -> int:
+    """Tokens a sequence holds room for (what `allocate` / `extend` / `prepare_write` asked)."""
+    return self._tokens[self._known(seq_id)]
+
+  def ref_count(self, page: int) -> int:
+    """How many live sequences hold pool page ``page`` (0: free)."""
+    page = _count("page", page, "ref_count")
+    if not 0 <= page < self.num_pages:
+      raise ValueError(f"PageAllocator.ref_count: page must lie in [0, {self.num_pages}), got {page}")
+    return self._refs[page]
 
   def allocate(self, seq_id, num_tokens: int) -> list[int]:
     """Registers a new sequence with room for ``num_tokens`` (int >= 0) tokens.
@@ -52,39 +88,102 @@ class PageAllocator:
         int >= 0 or needing more than ``max_pages_per_seq`` pages.
       PoolExhaustedError: too few free pages. On any error nothing is registered.
     """
-    _hashable(seq_id, "allocate")
-    if seq_id in self._pages:
-      raise ValueError(f"PageAllocator.allocate: sequence {seq_id!r} is already allocated")
+    self._new_id(seq_id, "allocate")
     n, need = self._pages_needed(seq_id, num_tokens, have=0, method="allocate")
-    self._pages[seq_id] = [self._free.pop() for _ in range(need)]
+    self._pages[seq_id] = self._take(need)
     self._tokens[seq_id] = n
     return list(self._pages[seq_id])
 
   def extend(self, seq_id, num_tokens: int) -> list[int]:
     """Grows a sequence to hold ``num_tokens`` (int >= 0) tokens in all; returns its pages.
-    A count below what the sequence already holds changes nothing.
+    A count below what the sequence already holds changes nothing. New pages are private
+    (count 1); pages already held stay shared (write through `prepare_write`).
 
     Raises:
-      KeyError: an unknown ``seq_id``.
+      UnknownSequenceError: an unknown ``seq_id`` (a KeyError and a ValueError).
       ValueError, PoolExhaustedError: as `allocate`; on any error nothing changes.
     """
     seq_id = self._known(seq_id)
     n, need = self._pages_needed(seq_id, num_tokens, have=len(self._pages[seq_id]), method="extend")
-    self._pages[seq_id].extend(self._free.pop() for _ in range(need))
+    self._pages[seq_id].extend(self._take(need))
     self._tokens[seq_id] = max(self._tokens[seq_id], n)
     return list(self._pages[seq_id])
 
+  def fork(self, parent, child) -> list[int]:
+    """Registers ``child`` sharing all of ``parent``'s pages (each count + 1) and its token
+    count; returns the child's pages. Takes no free page: the first write into a shared
+    page (`prepare_write`) copies it.
+
+    Raises:
+      UnknownSequenceError: an unknown ``parent`` (a ValueError too).
+      ValueError: an unhashable or already allocated ``child``. Nothing changes.
+    """
+    parent = self._known(parent, "fork")
+    self._new_id(child, "fork")
+    pages = list(self._pages[parent])
+    for page in pages:
+      self._refs[page] += 1
+    self._pages[child] = pages
+    self._tokens[child] = self._tokens[parent]
+    return list(pages)
+
+  def prepare_write(self, seq_id, start: int, num_tokens: int) -> list[tuple[int, int]]:
+    """Makes tokens ``[start, start + num_tokens)`` of a sequence writable.
+
+    Extends the sequence to hold ``start + num_tokens`` tokens (as `extend`), and replaces
+    every page the write touches that another live sequence also holds (count > 1) by a
+    fresh private page (the shared page's count - 1). The caller must copy each returned
+    ``(src, dst)`` page on the device pool (`fdecode.cache.copy_pages`) BEFORE writing.
+
+    Returns:
+      ``[(src_page, dst_page), ...]`` in token order; empty when nothing was shared.
+
+    Raises:
+      UnknownSequenceError: an unknown ``seq_id``.
+      ValueError: ``start`` / ``num_tokens`` not ints >= 0, or an end past the capacity.
+      PoolExhaustedError: too few free pages for the new and the copied pages together.
+        On any error nothing changes.
+    """
+    seq_id = self._known(seq_id, "prepare_write")
+    start = _count("start", start, "prepare_write")
+    count = _count("num_tokens", num_tokens, "prepare_write")
+    if start < 0 or count < 0:
+      raise ValueError(f"PageAllocator.prepare_write: start and num_tokens must be >= 0, got "
+                       f"{start=}, num_tokens={count} for sequence {seq_id!r}")
+    pages = self._pages[seq_id]
+    end = start + count
+    first, stop = start // self.page_size, min(-(-end // self.page_size), len(pages))
+    shared = [j for j in range(first, stop) if count and self._refs[pages[j]] > 1]
+    n, need = self._pages_needed(seq_id, end, have=len(pages), method="prepare_write",
+                                 extra=len(shared))
+    copies = []
+    for j, dst in zip(shared, self._take(len(shared))):
+      src, pages[j] = pages[j], dst
+      self._refs[src] -= 1  # was > 1: never reaches 0 here
+      copies.append((src, dst))
+    pages.extend(self._take(need))
+    self._tokens[seq_id] = max(self._tokens[seq_id], n)
+    return copies
+
   def free(self, seq_id) -> None:
-    """Returns a sequence's pages to the pool (KeyError for an unknown ``seq_id``)."""
+    """Drops a sequence's references; pages no other sequence holds return to the pool.
+
+    Raises:
+      UnknownSequenceError: an unknown ``seq_id`` (a KeyError and a ValueError).
+    """
     seq_id = self._known(seq_id)
-    self._free.extend(reversed(self._pages.pop(seq_id)))
+    for page in reversed(self._pages.pop(seq_id)):  # reversed: pop() reuses low ids first
+      self._refs[page] -= 1
+      if not self._refs[page]:
+        self._free.append(page)
     del self._tokens[seq_id]
 
   def block_table(self, seq_ids) -> np.ndarray:
     """int32 ``[len(seq_ids), max_pages_per_seq]``, -1 past each sequence's pages.
 
     ``seq_ids``: a sequence (list, tuple) of known, distinct ids; row b is ``seq_ids[b]``.
-    A repeated id is a ValueError (two rows writing the same pages); an unknown one a KeyError.
+    A repeated id is a ValueError (two rows writing the same pages); an unknown one an
+    `UnknownSequenceError`. Forked sequences share page ids until `prepare_write`.
     """
     if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__"):
       raise ValueError(f"PageAllocator.block_table: seq_ids must be a list of sequence ids, got "
@@ -102,9 +201,39 @@ class PageAllocator:
       table[row, :len(pages)] = pages
     return table
 
-  def _pages_needed(self, seq_id, num_tokens, *, have: int, method: str) -> tuple[int, int]:
+  def check_invariants(self) -> None:
+    """Verifies the bookkeeping (for tests and debugging); RuntimeError on a violation:
+    every page is free or referenced, never both; each page's count equals the number of
+    live sequences holding it; no page is free twice; free + referenced == num_pages."""
+    counts = [0] * self.num_pages
+    for sid, pages in self._pages.items():
+      if len(set(pages)) != len(pages):
+        raise RuntimeError(f"PageAllocator: sequence {sid!r} holds a page twice: {pages}")
+      for page in pages:
+        counts[page] += 1
+    if counts != self._refs:
+      bad = next(p for p in range(self.num_pages) if counts[p] != self._refs[p])
+      raise RuntimeError(f"PageAllocator: page {bad} has count {self._refs[bad]} but {counts[bad]} "
+                         "live sequences hold it")
+    free = set(self._free)
+    if len(free) != len(self._free):
+      raise RuntimeError(f"PageAllocator: a page is in the free list twice: {sorted(self._free)}")
+    held = {p for p in range(self.num_pages) if counts[p]}
+    if free & held or len(free) + len(held) != self.num_pages:
+      raise RuntimeError(f"PageAllocator: free pages {sorted(free)} and held pages {sorted(held)} "
+                         f"must partition the {self.num_pages} pages")
+
+  def _take(self, n: int) -> list[int]:
+    """``n`` free pages, count 1 (the caller checked there are enough)."""
+    pages = [self._free.pop() for _ in range(n)]
+    for page in pages:
+      self._refs[page] = 1
+    return pages
+
+  def _pages_needed(self, seq_id, num_tokens, *, have: int, method: str,
+                    extra: int = 0) -> tuple[int, int]:
     """(num_tokens as an int, pages to add to a sequence holding ``have`` pages); every
-    check happens here, before any change."""
+    check happens here, before any change. ``extra``: more pages taken by the same call."""
     n = _count("num_tokens", num_tokens, method)
     if n < 0:
       raise ValueError(f"PageAllocator.{method}: num_tokens must be >= 0, got {num_tokens!r} for "
@@ -114,16 +243,22 @@ class PageAllocator:
       raise ValueError(f"PageAllocator.{method}: {n} tokens need more than max_pages_per_seq="
                        f"{self.max_pages_per_seq} pages of {self.page_size}")
     need = max(total - have, 0)
-    if need > len(self._free):
-      raise PoolExhaustedError(f"PageAllocator: sequence {seq_id!r} needs {need} more pages, "
-                               f"{len(self._free)} of {self.num_pages} free")
+    if need + extra > len(self._free):
+      copies = f" ({extra} of them copies of shared pages)" if extra else ""
+      raise PoolExhaustedError(f"PageAllocator: sequence {seq_id!r} needs {need + extra} more pages"
+                               f"{copies}, {len(self._free)} of {self.num_pages} free")
     return n, need
 
-  def _known(self, seq_id):
-    _hashable(seq_id, "lookup")
+  def _known(self, seq_id, method: str = "lookup"):
+    _hashable(seq_id, method)
     if seq_id not in self._pages:
-      raise KeyError(f"PageAllocator: unknown sequence {seq_id!r}")
+      raise UnknownSequenceError(f"PageAllocator.{method}: unknown sequence {seq_id!r}")
     return seq_id
+
+  def _new_id(self, seq_id, method: str) -> None:
+    _hashable(seq_id, method)
+    if seq_id in self._pages:
+      raise ValueError(f"PageAllocator.{method}: sequence {seq_id!r} is already allocated")
 
 
 def _count(name: str, x, method: str) -> int:

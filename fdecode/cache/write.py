@@ -1,6 +1,7 @@
-"""Jit-compatible writes of new tokens into a KV cache.
+"""Jit-compatible writes of new tokens into a KV cache, and whole-page copies within a
+paged pool (`copy_pages`, the device half of copy-on-write).
 
-Both functions are pure (they return the updated arrays) and use a single scatter, so
+All three are pure (they return the updated arrays) and use a single scatter, so
 under ``jax.jit(..., donate_argnums=...)`` XLA updates the donated cache in place: no copy
 of the whole cache per step. Tokens whose slot falls outside the cache (a position past
 S, or a page id outside the pool) are dropped, never written elsewhere.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from fdecode.meshes import explicit_sharding, replicated
+from fdecode.meshes import explicit_sharding, host_values, replicated
 from fdecode.quant import _QMAX, canonical_scale, is_quantized, quantize
 
 
@@ -226,3 +227,89 @@ def write_paged(k_pages, v_pages, block_tables, positions, k_new, v_new, *, k_sc
   if k_scale is None and v_scale is None:
     return k_pages, v_pages
   return k_pages, v_pages, k_scale_out, v_scale_out
+
+
+def copy_pages(k_pages, v_pages, src, dst, *, k_scale=None, v_scale=None):
+  """Copies whole pages (every kv head, every slot) ``src[i] -> dst[i]`` within the pools.
+
+  The device half of copy-on-write: `fdecode.cache.PageAllocator.prepare_write` returns
+  the ``(src, dst)`` pairs to copy before a shared page is written. All copies read the
+  pools as they were before the call (one gather, one scatter per array), so under
+  ``jax.jit(copy_pages, donate_argnums=(0, 1))`` XLA updates the pools in place. Pairs
+  whose ``dst`` lies outside ``[0, P)`` (e.g. -1 padding, which keeps the jitted shape
+  fixed) are dropped.
+
+  Args:
+    k_pages, v_pages: ``[Hkv, P, page_size, Dk]``, ``[Hkv, P, page_size, Dv]`` pools
+      (float or 8-bit).
+    src, dst: int ``[C]`` page ids (lists accepted); ``dst`` ids should be distinct.
+    k_scale, v_scale: the pools' scales ``[Hkv|1, P|1, page_size|1, n_tiles]`` (or
+      scalar), required for 8-bit pools. A scale with a page axis > 1 (per token) has its
+      page rows copied too; one without (per tensor / per head) is returned unchanged.
+
+  Returns:
+    ``(k_pages, v_pages)``, or ``(k_pages, v_pages, k_scale, v_scale)`` when scales were
+    passed.
+
+  Raises:
+    ValueError: pools not rank 4 or differing in ``[Hkv, P, page_size]``; ``src`` /
+      ``dst`` not integer ``[C]`` of the same shape; concrete ids outside ``[0, P)``
+      (``dst`` may be negative for padding) or repeated ``dst`` ids; a missing scale for
+      an 8-bit pool, a scale for a float pool, or a scale not shaped for its pool.
+  """
+  fn = "copy_pages"
+  as_array = lambda x: jnp.asarray(x, jnp.int32) if isinstance(x, (list, tuple)) else x
+  src, dst = as_array(src), as_array(dst)
+  shapes = (f"k_pages.shape={_shape(k_pages)}, v_pages.shape={_shape(v_pages)}, "
+            f"src.shape={_shape(src)}, dst.shape={_shape(dst)}")
+  if np.ndim(k_pages) != 4 or np.ndim(v_pages) != 4 or _shape(k_pages)[:3] != _shape(v_pages)[:3]:
+    raise ValueError(f"{fn}: k_pages and v_pages must be [Hkv, P, page_size, D] with the same "
+                     f"[Hkv, P, page_size]; got {shapes}")
+  if len(_shape(src)) != 1 or _shape(src) != _shape(dst):
+    raise ValueError(f"{fn}: src and dst must be int [C] of the same shape; got {shapes}")
+  for name, ids in (("src", src), ("dst", dst)):
+    if not jnp.issubdtype(_dtype(ids), jnp.integer):
+      raise ValueError(f"{fn}: {name} must be integer, got {name}.dtype={_dtype(ids)}")
+  num_pages = k_pages.shape[1]
+  _check_copy_ids(fn, src, dst, num_pages)
+  scales = {}
+  for name, pool, scale in (("k_pages", k_pages, k_scale), ("v_pages", v_pages, v_scale)):
+    scale_name = name[0] + "_scale"
+    if is_quantized(pool.dtype) and scale is None:
+      raise ValueError(f"{fn}: {name} has dtype {jnp.dtype(pool.dtype)}; pass {scale_name}")
+    if not is_quantized(pool.dtype) and scale is not None:
+      raise ValueError(f"{fn}: {scale_name} given but {name} is not quantized "
+                       f"({name}.dtype={jnp.dtype(pool.dtype)})")
+    if scale is not None:
+      scales[scale_name] = canonical_scale(scale, pool.shape, scale_name, caller=fn)
+  dst = jnp.asarray(dst, jnp.int32)
+  dst = jnp.where((dst >= 0) & (dst < num_pages), dst, num_pages)  # invalid -> dropped
+  src = jnp.clip(jnp.asarray(src, jnp.int32), 0, num_pages - 1)
+
+  def copy(arr):
+    return _scatter(arr, (slice(None), dst), arr[:, src])
+
+  k_pages, v_pages = copy(k_pages), copy(v_pages)
+  if k_scale is None and v_scale is None:
+    return k_pages, v_pages
+  out = []
+  for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+    sc = scales.get(name)
+    out.append(copy(sc) if sc is not None and sc.shape[1] > 1 else scale)
+  return (k_pages, v_pages, *out)
+
+
+def _check_copy_ids(fn, src, dst, num_pages) -> None:
+  """Value checks of `copy_pages`' ids when they are concrete (skipped under ``jit``)."""
+  src_v, dst_v = host_values(src), host_values(dst)
+  if src_v is None or dst_v is None:
+    return
+  if ((src_v < 0) | (src_v >= num_pages)).any():
+    raise ValueError(f"{fn}: src ids must lie in [0, P={num_pages}); got src={src_v.tolist()}")
+  if (dst_v >= num_pages).any():
+    raise ValueError(f"{fn}: dst ids must lie in [0, P={num_pages}) (negative: skipped); got "
+                     f"dst={dst_v.tolist()}")
+  valid = dst_v[dst_v >= 0]
+  if len(np.unique(valid)) != len(valid):
+    raise ValueError(f"{fn}: dst ids must be distinct (two copies into one page); got "
+                     f"dst={dst_v.tolist()}")
