@@ -26,5 +26,6 @@ They live in `fdecode.flax.token_major` and `fdecode.flax.decode_attention`.
 
 from fdecode.flax.token_major import attention_fn, token_major_decode
 from fdecode.flax.decode_attention import DecodeAttention, alibi_slopes, apply_rope
+from fdecode.flax.mla import MLADecodeAttention
 
-__all__ = ["DecodeAttention", "alibi_slopes", "apply_rope", "attention_fn", "token_major_decode"]
+__all__ = ["DecodeAttention", "MLADecodeAttention", "alibi_slopes", "apply_rope", "attention_fn", "token_major_decode"]
