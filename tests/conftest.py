@@ -78,3 +78,18 @@ def impl(request):
     return
   with tpu_interpret():
     yield "pallas"
+
+
+def impl_param(request) -> str:
+  """Which kernel the ``impl`` fixture runs in this test: "xla", "pallas" (Triton,
+  interpreted) or "mosaic" (TPU interpreter)."""
+  return request.node.callspec.params["impl"]
+
+
+def interpreted_once(request, reason: str, **only) -> None:
+  """Skips an interpreted-kernel run ("pallas" / "mosaic") of a case whose code path the
+  kernel already runs in the case named by ``only`` (parameter -> value); the XLA path
+  runs every case. Keeps the suite's interpreter time to the distinct kernel paths."""
+  params = request.node.callspec.params
+  if params["impl"] != "xla" and any(params[name] != value for name, value in only.items()):
+    pytest.skip(f"interpreted kernels run this path once ({reason})")

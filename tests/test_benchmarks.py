@@ -62,3 +62,13 @@ def test_bench_cascade_quick_reports_every_contender():
   diff = re.search(r"cascade speed-up over full copies: [\d.]+x; bytes read: [\d.]+x fewer; "
                    r"max \|cascade - full\| = ([\d.e-]+)", out)
   assert diff and float(diff.group(1)) < 2e-2, out  # the same attention, bf16 rounding apart
+
+
+def test_bench_mla_sparse_quick_reports_every_row():
+  out = subprocess.run([sys.executable, "benchmarks/bench_mla_sparse.py", "--quick", "--iters", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
+  for row in ("floor: read the bf16 latent cache once", "flash_decode v=None (one read)",
+              "flash_decode with a value copy k[..., :Dv]", "flash_decode fp8 latent (FlashMLA layout)",
+              "dense decode, S=256", "sparse decode, S=4096, K=256 (indices [B, K])", "dense decode, S=4096"):
+    assert re.search(rf"\| {re.escape(row)} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", out), (row, out)
+  assert re.search(r"sparse over S=4096 \(K=256\) / dense over S=256: [\d.]+x", out), out

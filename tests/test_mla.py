@@ -17,7 +17,7 @@ import fdecode
 from fdecode.cache.paged import gather_pages
 from fdecode.quant import dequantize, quantize
 from fdecode.reference import reference_decode
-from conftest import assert_close, tol
+from conftest import assert_close, interpreted_once, tol
 from test_gpu_lowering import TRITON_CALL, lower_for_cuda
 from test_tpu_kernel import TPU_CALL, lower_for_tpu
 
@@ -50,8 +50,9 @@ def check(out, lse, ref, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("t,hq", [(None, 16), (2, 8)], ids=["T1-G16", "T2-G8"])
-def test_mla_matches_reference(impl, dtype, t, hq):
+def test_mla_matches_reference(request, impl, dtype, t, hq):
   """Dk = 48 + 16 key columns, Dv = 48 of them: lengths 0, 1, block±1 and S."""
+  interpreted_once(request, "bf16: test_deepseek_shape", dtype=jnp.float32)
   q, k = mla_problem(0, b=len(LENGTHS), t=t, hq=hq, s=S, dc=48, dr=16, dtype=dtype)
   out, lse = fdecode.flash_decode(q, k, None, jnp.array(LENGTHS), v_head_dim=48, impl=impl,
                                   block_k=BLOCK, num_splits=3, return_lse=True)
@@ -83,7 +84,7 @@ def test_128_query_heads():
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_paged(impl, page_size):
   """A paged latent pool ``[1, P, page_size, Dk]`` with shuffled, stale table entries."""
-  b, s, dc, dr = 3, 37, 32, 16
+  b, s, dc, dr = 3, 37 if page_size > 1 else 19, 32, 16
   q, k = mla_problem(3, b=b, t=2, hq=8, s=s, dc=dc, dr=dr, dtype=jnp.float32)
   n = -(-s // page_size)
   rng = np.random.default_rng(0)
@@ -99,9 +100,10 @@ def test_paged(impl, page_size):
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_fp8_latent_with_bf16_rope(impl, paged):
+def test_fp8_latent_with_bf16_rope(request, impl, paged):
   """FlashMLA's FP8 cache: the latent part float8_e4m3fn with one f32 scale per 1x128 tile
   (here 1x32 tiles of a 64-wide latent), the RoPE tail bf16 through ``k_rope``."""
+  interpreted_once(request, "the paged case reads the same pieces", paged=True)
   b, s, dc, dr = 2, 33, 64, 32
   q, k = mla_problem(4, b=b, t=None, hq=16, s=s, dc=dc, dr=dr, dtype=jnp.bfloat16)
   latent, scale = quantize(k[..., :dc], jnp.float8_e4m3fn, tile=32)  # scale [B, 1, S, 2]
@@ -139,10 +141,9 @@ def test_value_columns_are_the_keys():
   are the keys' leading columns, not some other slice)."""
   q, k = mla_problem(6, b=2, t=None, hq=8, s=30, dc=32, dr=16, dtype=jnp.float32)
   lengths = jnp.array([30, 11])
-  for impl in ("xla", "pallas"):
-    one = fdecode.flash_decode(q, k, None, lengths, v_head_dim=32, impl=impl, block_k=BLOCK)
-    two = fdecode.flash_decode(q, k, k[..., :32], lengths, impl=impl, block_k=BLOCK)
-    np.testing.assert_allclose(np.asarray(one), np.asarray(two), atol=1e-6, rtol=1e-6)
+  one = fdecode.flash_decode(q, k, None, lengths, v_head_dim=32, impl="xla")
+  two = fdecode.flash_decode(q, k, k[..., :32], lengths, impl="xla")
+  np.testing.assert_allclose(np.asarray(one), np.asarray(two), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("call, message", [

@@ -149,9 +149,9 @@ def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=F
   return finalize_state(acc, m, l)
 
 
-def _contiguous_states(q_rows, kc, vc, geo, base, softmax_scale):
-  """`_chunk_states` of a contiguous cache, paying for the dead-slot select only when a
-  dead slot holds inf or NaN.
+def _contiguous_states(q_rows, kc, vc, geo, base, softmax_scale, pos=None):
+  """`_chunk_states` of a contiguous cache (or of gathered sparse slots at ``pos``), paying
+  for the dead-slot select only when a dead slot holds inf or NaN.
 
   Without the select, a dead value row meets probability exactly 0: a finite row adds an
   exact 0 to the same dot (bit-identical result), an inf / NaN row makes its chunk's o
@@ -161,10 +161,10 @@ def _contiguous_states(q_rows, kc, vc, geo, base, softmax_scale):
   S = 16384 (benchmarks/RESULTS.md). A live inf / NaN also takes the second branch, which
   gives the same answer.
   """
-  o, lse = _chunk_states(q_rows, kc, vc, geo, base, 0, softmax_scale, select_dead=False)
+  o, lse = _chunk_states(q_rows, kc, vc, geo, base, 0, softmax_scale, select_dead=False, pos=pos)
   clean = jnp.all(jnp.isfinite(o) | jnp.isneginf(lse)[..., None])
   return lax.cond(clean, lambda: (o, lse),
-                  lambda: _chunk_states(q_rows, kc, vc, geo, base, 0, softmax_scale))
+                  lambda: _chunk_states(q_rows, kc, vc, geo, base, 0, softmax_scale, pos=pos))
 
 
 def _pad_tokens(x, total, axis=2, broadcast_ok=False):

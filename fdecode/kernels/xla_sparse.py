@@ -9,21 +9,23 @@ is cut into ``n`` chunks whose states `merge_states` combines.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from fdecode.kernels.xla import _chunk_states, _Geometry, _pad_tokens
+from fdecode.kernels.xla import _contiguous_states, _Geometry, _pad_tokens
 from fdecode.modifiers import Modifiers
 from fdecode.quant import dequantize
 from fdecode.sparse import Sparse
 
 
-def _gather(x, idx, src, block_tables, page_size):
+def _gather(x, idx, src, block_tables, page_size, fold=False):
   """Token rows of a cache (or a canonical rank-4 scale) at canonical positions.
 
   Args:
     x: contiguous ``[B|1, Hkv|1, S|1, D]`` or paged ``[Hkv|1, P|1, ps|1, D]``.
     idx: int32 ``[B', Hi, K]`` positions in ``[0, S]`` (S: a dropped entry, clipped).
-    src: int32 ``[B']`` the sequence each row reads (contiguous only).
+    src: int32 ``[B']`` the sequence each row reads (contiguous only); ``fold``: whether
+      that is not simply row b' (folded per-token lists).
 
   Returns:
     ``[B', Hkv|1, K|1, D]``.
@@ -33,8 +35,12 @@ def _gather(x, idx, src, block_tables, page_size):
   if block_tables is None:
     if x.shape[2] == 1:  # per head / per tensor: nothing varies along the tokens
       return x[src if x.shape[0] > 1 else jnp.zeros_like(src)][:, :h]
+    rows = jnp.broadcast_to(jnp.clip(idx, 0, x.shape[2] - 1), (idx.shape[0], h, idx.shape[2]))
+    if x.shape[0] == src.shape[0] and not fold:  # one list per cache row: per (row, head) a
+      # row gather, vmapped (2x faster on XLA:CPU than one gather with three index arrays)
+      return jax.vmap(jax.vmap(lambda xh, ih: xh[ih]))(x, rows)
     b = src[:, None, None] if x.shape[0] > 1 else 0
-    return x[b, hs, jnp.clip(idx, 0, x.shape[2] - 1)]
+    return x[b, hs, rows]
   if x.shape[1] == 1 and x.shape[2] == 1:  # a per-head / per-tensor scale of a pool
     return x.reshape(1, h, 1, x.shape[-1])
   col = jnp.clip(idx // page_size, 0, block_tables.shape[1] - 1)
@@ -74,7 +80,7 @@ def sparse_partials(q_rows, k, v, ends, *, indices, index_bounds, sparse: Sparse
   idx = jnp.where(pad, s, idx)  # ... replaced by the sentinel: a dropped slot
   c = idx.shape[-1] // n
   dtype = q_rows.dtype
-  gather = lambda x: None if x is None else _gather(x, idx, src, block_tables, page_size)
+  gather = lambda x: None if x is None else _gather(x, idx, src, block_tables, page_size, sparse.fold > 1)
 
   def load(x, scale, offset):  # [B', Hkv, K, D] in the compute dtype, dequantized after the gather
     x = gather(x)
@@ -87,5 +93,7 @@ def sparse_partials(q_rows, k, v, ends, *, indices, index_bounds, sparse: Sparse
   kc = chunks(keys) if k_rope is None else (chunks(keys), chunks(load(k_rope, None, None)))
   geo = _Geometry(ends, num_tokens, r // num_tokens, s, mods, None, None, alibi)
   pos = idx.reshape(b, idx.shape[1], n, 1, c)
-  return _chunk_states(q_rows, kc, chunks(values), geo, jnp.zeros((b,), jnp.int32), 0, softmax_scale,
-                       pos=pos)
+  # Dropped slots (clipped gathers) meet probability 0 and are selected away only when
+  # one holds inf / NaN (`_contiguous_states`: always selecting costs a pass over V on CPU).
+  return _contiguous_states(q_rows, kc, chunks(values), geo, jnp.zeros((b,), jnp.int32), softmax_scale,
+                            pos=pos)
