@@ -13,6 +13,23 @@ of a row covers elements ``[i*D/n_tiles, (i+1)*D/n_tiles)``:
   * leading axes of size 1 broadcast, e.g. ``[1, Hkv, 1, 1]`` per head.
 
 The real value is ``(values + offset) * scale`` (Ascend's antiquant; offset 0 if absent).
+
+MLA's FP8 cache (FlashMLA's layout; DeepSeek V3: Dc = 512 latent dims, Dr = 64 RoPE dims)
+is three arrays laid out like one latent kv head, ``[B, 1, S, .]`` or paged
+``[1, P, page_size, .]``, passed as ``flash_decode(q, k, None, lengths, v_head_dim=512,
+k_scale=..., k_rope=...)``. Per token, 656 bytes:
+
+  =========  ==============  =====  =====================================================
+  bytes      array           dtype  holds
+  =========  ==============  =====  =====================================================
+  0..511     ``k[..., :]``   e4m3   the 512 latent values, also the values' 512 columns
+  512..527   ``k_scale``     f32    4 scales, one per 1x128 tile of the latent (``[..., 4]``)
+  528..655   ``k_rope``      bf16   the 64 RoPE dims, key-only, never quantized
+  =========  ==============  =====  =====================================================
+
+FlashMLA packs the three into one 656-byte row of a single buffer; here they are three
+arrays (each row-major with the same leading axes) read per block, so the kernels never
+dequantize the cache in memory and the RoPE part keeps its precision.
 """
 
 from __future__ import annotations
