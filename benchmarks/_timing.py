@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import jax
@@ -27,3 +28,19 @@ def timeit(fn, *args, iters, inner=1):
     jax.block_until_ready(fn(*args))
     times.append((time.perf_counter() - t0) / inner)
   return statistics.median(times), compile_s
+
+
+def print_rows(title, rows):
+  """A markdown table of ``(name, seconds, compile seconds, bytes)`` rows: median ms, MB
+  each must read, GB/s of those bytes and the fraction of the floor, i.e. of the time of
+  the nearest row above whose name starts with "floor" (its own bytes' streaming read)."""
+  print(f"\n### {title}\n")
+  print("| contender | median ms | compile s | MB read | GB/s | fraction of floor |")
+  print("|---|---:|---:|---:|---:|---:|")
+  floor = None
+  for name, sec, comp, by in rows:
+    if name.startswith("floor"):
+      floor = sec
+    print(f"| {name} | {sec * 1e3:.2f} | {comp:.2f} | {by / 1e6:.1f} | {by / sec / 1e9:.2f} | "
+          f"{floor / sec:.2f} |")
+  sys.stdout.flush()

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import fdecode
-from _timing import timeit  # benchmarks/ is on sys.path when a script here runs
+from _timing import print_rows, timeit  # benchmarks/ is on sys.path when a script here runs
 from bench_decode import as_float32_words, cpu_model, floor_fn
 
 
@@ -68,17 +67,6 @@ def rows_for(b, prefix_len, suffix_len, hkv, hq, d, dtype, iters):
   return rows, diff
 
 
-def print_table(title, rows):
-  print(f"\n### {title}\n")
-  print("| contender | median ms | compile s | K+V MB read | GB/s | fraction of its floor |")
-  print("|---|---:|---:|---:|---:|---:|")
-  floor = None
-  for name, sec, comp, by in rows:
-    if name.startswith("floor"):
-      floor = sec
-    print(f"| {name} | {sec * 1e3:.2f} | {comp:.2f} | {by / 1e6:.1f} | {by / sec / 1e9:.1f} | "
-          f"{floor / sec:.2f} |")
-  sys.stdout.flush()
 
 
 def main(argv=None):
@@ -95,7 +83,7 @@ def main(argv=None):
   print(f"# fdecode cascade (shared-prefix) benchmark\n\nmachine: {cpu_model()}, {os.cpu_count()} cores, "
         f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
   rows, diff = rows_for(b, prefix_len, suffix_len, hkv, hq, d, dtype, iters)
-  print_table(f"B={b} sharing one prefix of {prefix_len} tokens, suffix {suffix_len} each, Hkv={hkv} "
+  print_rows(f"B={b} sharing one prefix of {prefix_len} tokens, suffix {suffix_len} each, Hkv={hkv} "
               f"Hq={hq} D={d} {jnp.dtype(dtype).name}, T=1", rows)
   t = {r[0].split(" (")[0]: r for r in rows}
   cascade, full = t["cascade_decode"], t[f"flash_decode over {b} full copies"]

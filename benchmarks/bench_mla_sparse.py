@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ import numpy as np
 
 import fdecode
 from fdecode.quant import quantize
-from _timing import timeit  # benchmarks/ is on sys.path when a script here runs
+from _timing import print_rows, timeit  # benchmarks/ is on sys.path when a script here runs
 from bench_decode import as_float32_words, cpu_model, floor_fn
 
 
@@ -86,17 +85,6 @@ def sparse_rows(b, hkv, hq, d, s, top_k, iters):
   return rows
 
 
-def print_table(title, rows):
-  print(f"\n### {title}\n")
-  print("| contender | median ms | compile s | MB read | GB/s | fraction of floor |")
-  print("|---|---:|---:|---:|---:|---:|")
-  floor = None
-  for name, sec, comp, by in rows:
-    if name.startswith("floor"):
-      floor = sec
-    print(f"| {name} | {sec * 1e3:.2f} | {comp:.2f} | {by / 1e6:.1f} | {by / sec / 1e9:.2f} | "
-          f"{floor / sec:.2f} |")
-  sys.stdout.flush()
 
 
 def main(argv=None):
@@ -115,14 +103,14 @@ def main(argv=None):
   print(f"# fdecode MLA / sparse benchmark\n\nmachine: {cpu_model()}, {os.cpu_count()} cores, "
         f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
   rows = mla_rows(iters=iters, **mla)
-  print_table(f"MLA: B={mla['b']}, Hq={mla['hq']} on one latent head, S={mla['s']}, "
+  print_rows(f"MLA: B={mla['b']}, Hq={mla['hq']} on one latent head, S={mla['s']}, "
               f"Dk={mla['dc'] + mla['dr']}, Dv={mla['dc']}", rows)
   t = {r[0]: r[1] for r in rows}
   one, two = t["flash_decode v=None (one read)"], t["flash_decode with a value copy k[..., :Dv]"]
   print(f"\nMLA one read vs a value copy: {two / one:.2f}x; fp8 vs bf16: "
         f"{one / t['flash_decode fp8 latent (FlashMLA layout)']:.2f}x")
   rows = sparse_rows(iters=iters, **sp)
-  print_table(f"sparse top-k: B={sp['b']}, Hkv={sp['hkv']}, Hq={sp['hq']}, D={sp['d']}, bf16, T=1", rows)
+  print_rows(f"sparse top-k: B={sp['b']}, Hkv={sp['hkv']}, Hq={sp['hq']}, D={sp['d']}, bf16, T=1", rows)
   small, sparse, big = (r[1] for r in rows[1:])
   print(f"\nsparse over S={sp['s']} (K={sp['top_k']}) / dense over S={sp['top_k']}: {sparse / small:.2f}x "
         f"(target <= 1.5x); dense S={sp['s']} / sparse: {big / sparse:.1f}x")
