@@ -8,11 +8,15 @@ Sections:
   RoPE), Dv=512. ``flash_decode(q, k, None, lengths, v_head_dim=512)`` reads the latent
   cache once for keys and values; against the floor (one streaming read of that cache),
   and against the two-cache way (a separate value copy ``k[..., :512]``, 1.9x the bytes).
+  G = 128 rows make MLA compute-heavy (36 GFLOP per step here), so a compute floor row
+  times the two matmuls alone.
   bf16, and FlashMLA's fp8 layout (float8_e4m3fn latent with 1x128 tile scales + bf16
   RoPE columns: 656 bytes per token).
 * sparse: S=65536 with K=2048 selected positions per sequence (``indices [B, K]``)
   against a dense decode over a 2048-token cache (the target: within 1.5x) and over the
-  whole 65536-token cache. B=4, Hkv=8, Hq=32, D=128, bf16.
+  whole 65536-token cache. B=4, Hkv=8, Hq=32, D=128, bf16. A second floor row times the
+  gather of the selected rows alone: on a CPU, 2048 random rows of a 1 GiB cache are
+  random reads (a TLB miss each), not a stream.
 Median ms (compile apart), GB/s of the bytes each must read, fraction of the floor. The
 default impl of this machine's backend (XLA on CPU, the Pallas kernels on GPU / TPU).
 """
@@ -47,6 +51,9 @@ def mla_rows(b, hq, s, dc, dr, iters):
   mla = lambda q, k, n: fdecode.flash_decode(q, k, None, n, v_head_dim=dc)
   add("floor: read the bf16 latent cache once", floor_fn, (as_float32_words(k),), nbytes(k))
   add("flash_decode v=None (one read)", mla, (q, k, lengths), nbytes(k))
+  qk_pv = lambda q, k: jnp.einsum("bhs,bhd->bsd", jnp.einsum("bsd,bhd->bhs", q, k[:, 0], preferred_element_type=jnp.float32)
+                                  .astype(k.dtype), k[:, 0, :, :dc], preferred_element_type=jnp.float32)
+  add("compute floor: the QK and PV matmuls alone (no softmax)", qk_pv, (q, k), nbytes(k))
   v = jax.block_until_ready(k[..., :dc])  # the two-cache way: a value copy
   two = lambda q, k, v, n: fdecode.flash_decode(q, k, v, n)
   add("flash_decode with a value copy k[..., :Dv]", two, (q, k, v, lengths), nbytes(k, v))
@@ -80,6 +87,9 @@ def sparse_rows(b, hkv, hq, d, s, top_k, iters):
       nbytes(small_k, small_v))
   add(f"dense decode, S={top_k}", plain, (q, small_k, small_v, jnp.full((b,), top_k, jnp.int32)),
       nbytes(small_k, small_v))
+  rows_of = lambda x, i: jax.vmap(jax.vmap(lambda xh, ih: xh[ih], (0, None)))(x, i)  # [B, Hkv, K, D]
+  add(f"floor: gather the {top_k} selected rows of K and V (random reads)", lambda k, v, i: (rows_of(k, i), rows_of(v, i)),
+      (k, v, idx), selected)
   add(f"sparse decode, S={s}, K={top_k} (indices [B, K])", sparse, (q, k, v, full, idx), selected)
   add(f"dense decode, S={s}", plain, (q, k, v, full), nbytes(k, v))
   return rows
@@ -111,7 +121,7 @@ def main(argv=None):
         f"{one / t['flash_decode fp8 latent (FlashMLA layout)']:.2f}x")
   rows = sparse_rows(iters=iters, **sp)
   print_rows(f"sparse top-k: B={sp['b']}, Hkv={sp['hkv']}, Hq={sp['hq']}, D={sp['d']}, bf16, T=1", rows)
-  small, sparse, big = (r[1] for r in rows[1:])
+  small, _, sparse, big = (r[1] for r in rows[1:])
   print(f"\nsparse over S={sp['s']} (K={sp['top_k']}) / dense over S={sp['top_k']}: {sparse / small:.2f}x "
         f"(target <= 1.5x); dense S={sp['s']} / sparse: {big / sparse:.1f}x")
   return 0

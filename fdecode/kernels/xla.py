@@ -110,7 +110,7 @@ class _Geometry:
 
 
 def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=False, select_dead=True,
-                  pos=None):
+                  pos=None, v_cols=None):
   """States of chunks: kc ``[B, Hkv, n, C, Dk]`` (or a tuple of column parts whose widths
   sum to Dk: k's own columns, then k_rope's), vc ``[B, Hkv, n, C, Dv]``, chunk i holding
   view offsets ``first + i*C``, i.e. cache positions ``base + first + i*C`` (base int32
@@ -124,6 +124,9 @@ def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=F
   (``[Hkv, B, ...]``, a paged pool's gather order, so the cache chunk is never transposed).
   ``pos``: int32 ``[B, 1|Hkv, n, 1, C]`` the slots' positions, when they are not
   ``base + first + offset`` (sparse index lists).
+  ``v_cols``: the values are ``vc``'s first ``v_cols`` columns (MLA, ``vc`` the keys): the
+  matmul runs over all of them and the result is sliced, so XLA:CPU never copies the
+  strided column slice of the cache.
   """
   parts = kc if isinstance(kc, tuple) else (kc,)
   n, c = parts[0].shape[2], parts[0].shape[3]
@@ -146,10 +149,10 @@ def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=F
     live = jnp.swapaxes(jnp.any(valid, axis=3, keepdims=True), -1, -2)  # [B, Hkv|1, n, C, 1]
     vc = jnp.where(live, vc, jnp.zeros((), vc.dtype))
   acc = jnp.einsum("bhnrc,bhncd->bhnrd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
-  return finalize_state(acc, m, l)
+  return finalize_state(acc if v_cols is None else acc[..., :v_cols], m, l)
 
 
-def _contiguous_states(q_rows, kc, vc, geo, base, softmax_scale, pos=None):
+def _contiguous_states(q_rows, kc, vc, geo, base, softmax_scale, pos=None, v_cols=None):
   """`_chunk_states` of a contiguous cache (or of gathered sparse slots at ``pos``), paying
   for the dead-slot select only when a dead slot holds inf or NaN.
 
@@ -161,10 +164,11 @@ def _contiguous_states(q_rows, kc, vc, geo, base, softmax_scale, pos=None):
   S = 16384 (benchmarks/RESULTS.md). A live inf / NaN also takes the second branch, which
   gives the same answer.
   """
-  o, lse = _chunk_states(q_rows, kc, vc, geo, base, 0, softmax_scale, select_dead=False, pos=pos)
+  kw = dict(pos=pos, v_cols=v_cols)
+  o, lse = _chunk_states(q_rows, kc, vc, geo, base, 0, softmax_scale, select_dead=False, **kw)
   clean = jnp.all(jnp.isfinite(o) | jnp.isneginf(lse)[..., None])
   return lax.cond(clean, lambda: (o, lse),
-                  lambda: _chunk_states(q_rows, kc, vc, geo, base, 0, softmax_scale, pos=pos))
+                  lambda: _chunk_states(q_rows, kc, vc, geo, base, 0, softmax_scale, **kw))
 
 
 def _pad_tokens(x, total, axis=2, broadcast_ok=False):
@@ -266,9 +270,10 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
     geo.pad(chunk * n)
     chunks = lambda x: x.reshape(b, hkv, n, chunk, x.shape[-1])
     kc = chunks(k)
-    vc = kc[..., :v_head_dim] if v is None else chunks(v)  # MLA: the values are k's first columns
+    vc = kc if v is None else chunks(v)  # MLA: the values are k's first v_head_dim columns
     keys = kc if k_rope is None else (kc, chunks(k_rope))
-    return _contiguous_states(q_rows, keys, vc.astype(q_rows.dtype), geo, base, softmax_scale)
+    return _contiguous_states(q_rows, keys, vc.astype(q_rows.dtype), geo, base, softmax_scale,
+                              v_cols=v_head_dim if v is None else None)
 
   compute_dtype = q_rows.dtype
   if paged:
@@ -305,10 +310,10 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
   def one_chunk(i):
     kc = load(i, k, k_scale, k_offset)[:, :, None]
     # MLA: the values are the loaded (dequantized) key's first columns, not a second read.
-    vc = kc[..., :v_head_dim] if v is None else load(i, v, v_scale, v_offset)[:, :, None]
+    vc = kc if v is None else load(i, v, v_scale, v_offset)[:, :, None]
     keys = kc if k_rope is None else (kc, load(i, k_rope, None, None)[:, :, None])
     o, lse = _chunk_states(q_loop, keys, vc.astype(compute_dtype), geo, base, i * chunk,
-                           softmax_scale, heads_outer)
+                           softmax_scale, heads_outer, v_cols=v_head_dim if v is None else None)
     return o[:, :, 0], lse[:, :, 0]
 
   o, lse = lax.map(one_chunk, jnp.arange(n, dtype=jnp.int32))  # [n, B, Hkv, R, ...] (or [n, Hkv, B, ...])

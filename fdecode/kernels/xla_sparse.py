@@ -88,7 +88,7 @@ def sparse_partials(q_rows, k, v, ends, *, indices, index_bounds, sparse: Sparse
     return x.astype(dtype) if scale is None else dequantize(x, gather(scale), gather(offset), dtype)
 
   keys = load(k, k_scale, k_offset)
-  values = keys[..., :v_head_dim] if v is None else load(v, v_scale, v_offset)  # MLA: one gather
+  values = keys if v is None else load(v, v_scale, v_offset)  # MLA: one gather, k's first columns
   chunks = lambda x: x.reshape(b, hkv, n, c, x.shape[-1])
   kc = chunks(keys) if k_rope is None else (chunks(keys), chunks(load(k_rope, None, None)))
   geo = _Geometry(ends, num_tokens, r // num_tokens, s, mods, None, None, alibi)
@@ -96,4 +96,4 @@ def sparse_partials(q_rows, k, v, ends, *, indices, index_bounds, sparse: Sparse
   # Dropped slots (clipped gathers) meet probability 0 and are selected away only when
   # one holds inf / NaN (`_contiguous_states`: always selecting costs a pass over V on CPU).
   return _contiguous_states(q_rows, kc, chunks(values), geo, jnp.zeros((b,), jnp.int32), softmax_scale,
-                            pos=pos)
+                            pos=pos, v_cols=v_head_dim if v is None else None)
