@@ -59,7 +59,7 @@ def compare_prompt(text, ids, f_tok, f_log, l_tok, l_log):
   agree = next((i for i in range(steps) if f_tok[i] != l_tok[i]), steps)
   line = f"  agree {agree}/{steps}"
   common = slice(0, min(agree + 1, steps))
-  diff = float(np.abs(f_log[common] - l_log[common]).max())
+  diff = np.abs(f_log[common] - l_log[common])
   if agree < steps:
     i, a, b = agree, int(f_tok[agree]), int(l_tok[agree])
     _, fm = _top2(f_log[i])
@@ -67,12 +67,14 @@ def compare_prompt(text, ids, f_tok, f_log, l_tok, l_log):
     line += (f"; first divergence at step {i}: fdecode {a} vs llama.cpp {b}; top-2 margins "
              f"fdecode {fm:.3f}, llama.cpp {lm:.3f}; fdecode prefers its token by "
              f"{f_log[i, a] - f_log[i, b]:.3f}, llama.cpp its own by {l_log[i, b] - l_log[i, a]:.3f}")
-  line += f"; max |logit diff| up to there {diff:.3f}"
+  line += f"; |logit diff| up to there: max {diff.max():.3f}, mean {diff.mean():.3f}"
   return agree, line
 
 
 def time_decode(model, llm, context, reps, rng):
-  """ms per decode step (batch 1) at ``context`` cached tokens: (fdecode, llama.cpp)."""
+  """At ``context`` cached tokens (random ids: past the 512-token window, so the local
+  layers' masking shows): one decode step's ms (batch 1) of fdecode and llama.cpp, and a
+  comparison of their logits after the prefill. Returns (fdecode ms, llama.cpp ms, text)."""
   from fdecode.generate import generate  # pylint: disable=import-outside-toplevel
   ids = np.concatenate([[2], rng.integers(1000, 200000, context - 1)]).astype(np.int32)
   model.init_cache(1, -(-(context + reps + 2) // 64) * 64)
@@ -80,12 +82,19 @@ def time_decode(model, llm, context, reps, rng):
   f_ms = statistics.median(gen.step_s[1:]) * 1e3  # the first step compiles
   llm.reset()
   llm.eval(ids.tolist())
-  times, tok = [], int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))  # pylint: disable=protected-access
+  l_log = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy()  # pylint: disable=protected-access
+  f_log = gen.logits[0, 0]
+  (ft, fm), (lt, lm), d = _top2(f_log), _top2(l_log), f_log - l_log
+  check = (f"after the prefill: argmax {'same' if ft == lt else f'DIFFERS ({ft} vs {lt})'}, top-2 margins "
+           f"{fm:.3f} / {lm:.3f}, |logit diff| max {np.abs(f_log - l_log).max():.3f} "
+           f"mean {np.abs(f_log - l_log).mean():.3f}, mean after removing the mean offset "
+           f"(softmax ignores it) {np.abs(d - d.mean()).mean():.3f}")
+  times, tok = [], int(np.argmax(l_log))
   for _ in range(reps + 1):
     t0 = time.perf_counter()
     llm.eval([tok])
     times.append(time.perf_counter() - t0)
-  return f_ms, statistics.median(times[1:]) * 1e3
+  return f_ms, statistics.median(times[1:]) * 1e3, check
 
 
 def main(argv=None) -> int:
@@ -93,8 +102,9 @@ def main(argv=None) -> int:
   p.add_argument("--gguf", default=None, help="GGUF file (default: the PyPI Gemma 3 270M package)")
   p.add_argument("--max-new-tokens", type=int, default=32)
   p.add_argument("--contexts", default="128,512,2048", help="context lengths to time (comma-separated)")
-  p.add_argument("--reps", type=int, default=5, help="timed decode steps per context")
+  p.add_argument("--reps", type=int, default=8, help="timed decode steps per context")
   p.add_argument("--threads", type=int, default=os.cpu_count())
+  p.add_argument("--skip-generation", action="store_true", help="only the timings")
   a = p.parse_args(argv)
   try:
     from llama_cpp import Llama  # pylint: disable=import-outside-toplevel
@@ -119,13 +129,17 @@ def main(argv=None) -> int:
     theirs = llm.tokenize(t.encode("utf-8"), add_bos=True, special=False)
     if list(theirs) != x:
       print(f"  NOTE tokenization differs for {t[:30]!r}: fdecode {x} vs llama.cpp {list(theirs)}")
-  b, longest, steps = len(ids), max(map(len, ids)), a.max_new_tokens
+  rng = np.random.default_rng(0)
+  if a.skip_generation:
+    ids = []
+  b, longest, steps = len(ids), max(map(len, ids), default=0), a.max_new_tokens
   prompts = np.zeros((b, longest), np.int32)
   for i, x in enumerate(ids):
     prompts[i, :len(x)] = x
-  model.init_cache(b, -(-(longest + steps) // 64) * 64)
-  gen = generate(model, prompts, np.asarray([len(x) for x in ids]), steps)
   total = 0
+  if b:
+    model.init_cache(b, -(-(longest + steps) // 64) * 64)
+    gen = generate(model, prompts, np.asarray([len(x) for x in ids]), steps)
   for i, (text, x) in enumerate(zip(PROMPTS, ids)):
     l_tok, l_log = llama_generate(llm, x, steps)
     agree, line = compare_prompt(text, x, gen.tokens[i], gen.logits[i], l_tok, l_log)
@@ -134,13 +148,12 @@ def main(argv=None) -> int:
     print(f"  fdecode:   {tok.decode(gen.tokens[i])!r}")
     print(f"  llama.cpp: {tok.decode(l_tok)!r}")
     print(line)
-  print(f"agreement: {total}/{b * steps} tokens before the first divergence of each prompt")
-
-  rng = np.random.default_rng(0)
+  if b:
+    print(f"agreement: {total}/{b * steps} tokens before the first divergence of each prompt")
   print("decode step, batch 1 (median of", a.reps, "steps, one run):")
   for c in contexts:
-    f_ms, l_ms = time_decode(model, llm, c, a.reps, rng)
-    print(f"  context {c:5d}: fdecode {f_ms:8.1f} ms/token   llama.cpp {l_ms:8.1f} ms/token")
+    f_ms, l_ms, check = time_decode(model, llm, c, a.reps, rng)
+    print(f"  context {c:5d}: fdecode {f_ms:8.1f} ms/token   llama.cpp {l_ms:8.1f} ms/token; {check}")
   return 0
 
 
