@@ -82,8 +82,9 @@ def test_128_query_heads():
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_paged(impl, page_size):
+def test_paged(request, impl, page_size):
   """A paged latent pool ``[1, P, page_size, Dk]`` with shuffled, stale table entries."""
+  interpreted_once(request, "the TPU kernel's page-size-1 DMAs: test_sparse's paged case", page_size=16)
   b, s, dc, dr = 3, 37 if page_size > 1 else 19, 32, 16
   q, k = mla_problem(3, b=b, t=2, hq=8, s=s, dc=dc, dr=dr, dtype=jnp.float32)
   n = -(-s // page_size)

@@ -73,8 +73,8 @@ def random_indices(seed, shape, s, *, dup=True):
 def test_sparse_matches_reference(request, impl, dtype, form):
   """T = 3 new tokens; lengths 0, 1, block±1 and S; K = 40 (not a block multiple), with
   -1 entries, out-of-cache entries and duplicates; num_splits 3."""
-  if dtype == jnp.bfloat16:
-    interpreted_once(request, "bf16 once, with per-head lists", form="[B,T,Hkv,K]")
+  if dtype == jnp.bfloat16 or form == "[B,T,K]":  # per-token lists: folded like per-head ones
+    interpreted_once(request, "bf16 and per-token folding once, with per-head lists", form="[B,T,Hkv,K]")
   lengths = [0, 1, BLOCK - 1, BLOCK + 1, S]
   q, k, v = make_problem(0, b=5, t=3, hq=8, hkv=2, s=S, dk=32, dtype=dtype)
   shape = {"[B,K]": (5, 40), "[B,T,K]": (5, 3, 40), "[B,T,Hkv,K]": (5, 3, 2, 40)}[form]
@@ -83,8 +83,9 @@ def test_sparse_matches_reference(request, impl, dtype, form):
   assert np.all(np.asarray(out[0]) == 0) and np.isneginf(np.asarray(lse[0])).all()
 
 
-def test_single_token_forms(impl):
+def test_single_token_forms(request, impl):
   """q ``[B, Hq, D]`` with ``[B, K]`` and ``[B, Hkv, K]``; more splits than blocks."""
+  interpreted_once(request, "the TPU kernel reads these lists as test_sparse_matches_reference's", impl="pallas")
   q, k, v = make_problem(2, b=3, t=None, hq=6, hkv=3, s=S, dk=32)
   lengths = jnp.array([S, 20, 3])
   for shape in ((3, 24), (3, 3, 24)):
@@ -92,8 +93,9 @@ def test_single_token_forms(impl):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_paged(impl, page_size):
+def test_paged(request, impl, page_size):
   """Gathered through the block table; stale (-1) table entries past each length."""
+  interpreted_once(request, "page size 1: one DMA per token either way", page_size=1)
   b, s = 3, 37
   q, k, v = make_problem(4, b=b, t=2, hq=4, hkv=2, s=s, dk=32)
   n = -(-s // page_size)
