@@ -18,7 +18,7 @@ from fdecode import sparse as sparse_lib
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels.mosaic_tpu import mosaic_partials, plan as mosaic_plan
 from fdecode.kernels.mosaic_tpu_sparse import mosaic_sparse_partials
-from fdecode.kernels.triton import block_size as triton_block_size, triton_partials, triton_unsupported
+from fdecode.kernels.triton import triton_partials, triton_unsupported
 from fdecode.kernels.xla import window_tokens, xla_partials
 from fdecode.kernels.xla_sparse import sparse_partials
 from fdecode.quant import dequantize, is_quantized
@@ -349,17 +349,10 @@ def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
 
 
 def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, interpret, **cache):
-  b, hkv = q_rows.shape[:2]
-  bk = triton_block_size(cfg.block_k or config_lib.DEFAULT_BLOCK_K)
-  if "sparse" in cache:  # blocks of index-list slots
-    seen = cache["indices"].shape[-1]
-  else:
-    seen = window_tokens(_seq_capacity(k, cache["block_tables"]), num_tokens, cache["mods"])
-  num_blocks = max(-(-seen // bk), 1)
-  splits = cfg.num_splits or config_lib.default_num_splits(
-      b, hkv, num_blocks, config_lib.num_parallel_units(platform))
+  # The kernel sizes its block and splits to the GPU lowered for (`triton.launch_plan`).
   return triton_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                         num_splits=splits, block_k=bk, interpret=interpret, **cache)
+                         num_splits=cfg.num_splits, block_k=cfg.block_k or config_lib.DEFAULT_BLOCK_K,
+                         interpret=interpret, **cache)
 
 
 def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, **cache):

@@ -81,6 +81,15 @@ def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int, num_units
   return max(1, min(splits, MAX_SPLITS_PER_HEAD, num_blocks))
 
 
+def gpu_num_splits(wave: int, work: int, num_blocks: int) -> int:
+  """GPU split count: enough programs for one full wave, ``work * splits >= wave`` (``wave``
+  = SMs x programs resident per SM, `fdecode.kernels.triton.Launch.resident`; ``work`` =
+  programs per split: batch x kv heads x row blocks), at most one split per block. No
+  fixed cap: a long sequence on few heads (B=1, S=1M) gets the splits it needs; the merge
+  reads ``splits * R * Dv`` floats per head, far less than the cache."""
+  return max(1, min(-(-wave // max(work, 1)), num_blocks))
+
+
 def largest_divisor_at_most(n: int, cap: int) -> int:
   """Largest d <= cap with n % d == 0 (1 for n == 0)."""
   for d in range(max(min(cap, n), 1), 0, -1):

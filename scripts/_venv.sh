@@ -1,9 +1,10 @@
 # Sourced by scripts/*: create .venv if missing and install fdecode (with extras) into it.
 # Extras: $FDECODE_EXTRAS if the script set it (scripts/demo: "test,demo"), else "test".
+# Environment: $FDECODE_VENV if set (scripts/compile_tier: .venv-chips), else .venv.
 # Re-installs only when pyproject.toml changed since the last install of those extras.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
+VENV="${FDECODE_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 EXTRAS="${FDECODE_EXTRAS:-test}"
 if [ ! -x "$VENV/bin/python" ]; then

@@ -7,6 +7,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 
 import contextlib
 
+# tests/compile_tier runs in its own environment with the chip compilers (scripts/compile_tier).
+collect_ignore = [] if os.environ.get("FDECODE_COMPILE_TIER") else ["compile_tier"]
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from fdecode.combine import MASK_VALUE, finalize_state
 from fdecode.modifiers import Modifiers, window_start
@@ -48,13 +49,16 @@ def _pow2_parts(width: int) -> list[int]:
   return [1 << b for b in range(width.bit_length() - 1, -1, -1) if width >> b & 1]
 
 
-def head_pieces(d: int, n_tiles: int = 1, *, pow2: bool, limit: int | None = None) -> tuple[Piece, ...]:
+def head_pieces(d: int, n_tiles: int = 1, *, pow2: bool, limit: int | None = None,
+                max_width: int | None = None) -> tuple[Piece, ...]:
   """Static pieces of a head dim of ``d`` columns with ``n_tiles`` scale tiles.
 
   ``pow2``: split each tile into power-of-two widths (Triton); otherwise one piece per
   tile (Mosaic, whose blocks may span the full head dim). ``limit``: only the first
   ``limit`` columns (MLA values: k's leading columns); tiles wholly inside give the same
   pieces as without it, so a kernel can reuse those loaded key pieces as values.
+  ``max_width`` (a power of two, with ``pow2``): no piece wider (Triton's float32 dots
+  run on FMAs and hold a whole contraction row a thread: 512 wide ones spill).
   """
   tile_w = d // n_tiles
   limit = d if limit is None else limit
@@ -62,9 +66,10 @@ def head_pieces(d: int, n_tiles: int = 1, *, pow2: bool, limit: int | None = Non
   for t in range(-(-limit // tile_w)):
     offset = t * tile_w
     width = min(tile_w, limit - offset)
-    for w in (_pow2_parts(width) if pow2 else [width]):
-      pieces.append(Piece(offset, w, t))
-      offset += w
+    for part in (_pow2_parts(width) if pow2 else [width]):
+      for w in ([max_width] * (part // max_width) if max_width and part > max_width else [part]):
+        pieces.append(Piece(offset, w, t))
+        offset += w
   return tuple(pieces)
 
 
@@ -267,6 +272,22 @@ def sparse_block_masks(rows: Rows, pos_row, live_end, first_visible, pos_col=Non
   return visible, (pos_col >= first_visible) & (pos_col < live_end)
 
 
+def sorted_slot_masks(rows: Rows, pos_row, live_end, first_visible, bk: int):
+  """`sparse_block_masks` for a block of *sorted* slots (canonical lists are), built
+  from counts: row r sees slots ``[#(pos < lo_r), #(pos < hi_r))`` and the live slots are
+  ``[#(pos < first_visible), #(pos < live_end))``. The masks are then iota comparisons,
+  which Triton rebuilds in any layout; a boolean made from loaded positions would have
+  to change layout through shared memory, which takes no 1-bit elements."""
+  count = lambda bound: jnp.sum((pos_row < bound).astype(jnp.int32), axis=1, keepdims=True)
+  lanes = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+  visible = lanes < count(rows.hi)
+  if rows.lo is not None:
+    visible &= lanes >= count(rows.lo)
+  slots = lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+  live = (slots >= count(first_visible)[0, 0]) & (slots < count(live_end)[0, 0])
+  return visible, live
+
+
 def out_struct(shape, dtype, *inputs):
   """A pallas_call output type that varies over every mesh axis any of ``inputs`` varies
   over, so kernels run inside ``jax.shard_map(..., check_vma=True)``."""
@@ -275,3 +296,21 @@ def out_struct(shape, dtype, *inputs):
   if not varying:
     return jax.ShapeDtypeStruct(shape, dtype)
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))
+
+
+def cost_estimate(*, rows: int, keys: int, dk: int, dv: int, cache_bytes: int, small=(), outputs=()):
+  """What one decode ``pallas_call`` costs, for XLA's scheduler (``pl.CostEstimate``).
+
+  Args:
+    rows: query rows over the whole grid (``B * Hkv * R``).
+    keys: keys each row scores (the addressable tokens: capacity, or the slots of a
+      sparse list).
+    dk, dv: scored and accumulated head dims.
+    cache_bytes: bytes of K / V (/ k_rope, scales) the kernel reads at that capacity.
+    small, outputs: the other operands (queries, tables, modifiers) and the outputs, read
+      or written once.
+  """
+  nbytes = lambda x: int(x.size) * jnp.dtype(x.dtype).itemsize
+  total = int(cache_bytes) + sum(nbytes(x) for x in small if x is not None) + sum(nbytes(x) for x in outputs)
+  return pl.CostEstimate(flops=2 * rows * keys * (dk + dv), transcendentals=rows * keys,
+                         bytes_accessed=total)

@@ -22,6 +22,13 @@ How blocks are read (always in place: no per-call copy or transpose of the cache
 Compiled for GPU, Triton additionally needs: pieces at least 16 wide (``tl.dot``), so
 head dims and 8-bit scale tiles must be multiples of 16; `triton_unsupported` names
 the shapes it cannot take.
+
+Sized to the target GPU (`fdecode.chips.lowering_gpu`), never to one chip's constants:
+`launch_plan` picks the warps and the block so that the loaded tiles fit the registers
+(no spills) and the pipelined loads fit the chip's shared memory, and the split count
+(`fdecode.config.gpu_num_splits`) fills at least one wave of the chip's SMs at the
+kernel's residency. Below sm_89 (A100) Triton has no float8 conversions: an 8-bit float
+cache is passed as its bytes and decoded with integer ops (`decode_fp8_bits`).
 """
 
 from __future__ import annotations
@@ -29,11 +36,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from fdecode import chips
+from fdecode import config as config_lib
 from fdecode.kernels import block as blk
+from fdecode.kernels.xla import window_tokens
 from fdecode.modifiers import Modifiers, window_start
 from fdecode.sparse import Sparse, pad_slots, slot_range
 
@@ -59,6 +71,7 @@ class _Plan:
   v_from_k: bool = False      # MLA: the values are k's first columns (v_pieces index k)
   r_pieces: tuple = ()        # k_rope's pieces (key-only columns after k's own)
   sparse: bool = False        # blocks are index-list slots (`fdecode.sparse`), not positions
+  fp8_bits: tuple = (None, None)  # (k, v): float8 dtype name when passed as raw bytes (pre-sm_89)
 
 
 # Placeholder of a row-blocked operand's BlockSpec while the others are built.
@@ -82,12 +95,105 @@ def block_size(block_k: int) -> int:
   return max(_MIN_DOT, 1 << max(block_k - 1, 0).bit_length())
 
 
-def _pieces(dk, dv, k_tiles, v_tiles, v_from_k, rope_dim):
+# Bytes of tiles and row state one thread may hold: about 150 of its 255 registers (the
+# rest hold addresses, masks and the load pipeline). Calibrated on ptxas -v for H100 and
+# A100 (benchmarks/RESULTS.md, compile report): past it ptxas spills.
+_THREAD_BYTES = 540
+_PIECE_COLS = 64
+_STAGES = 2                     # Triton software-pipeline stages (one block in flight)
+_WARPS = (4, 8)
+# Shared memory the compiler really allocates is ~0.8 of `Launch.smem` (measured); the
+# residency estimate uses that, so the split rule never under-fills a wave.
+_SMEM_MEASURED = 0.75
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """How one program runs on the target GPU."""
+  block: int                  # bk
+  warps: int
+  stages: int
+  smem: int                   # upper estimate of its shared memory (bytes)
+  regs: int                   # estimate of its registers per thread
+
+  def resident(self, gpu: chips.Gpu) -> int:
+    """Programs an SM holds at once (estimated from `regs` and `smem`)."""
+    return max(1, gpu.resident_programs(threads=32 * self.warps, regs=self.regs,
+                                        smem=int(self.smem * _SMEM_MEASURED)))
+
+
+def launch_plan(gpu: chips.Gpu, *, block_r: int, dq: int, dv: int, cols: int, raw_bytes: int,
+                compute_bytes: int, block_k: int, convert_bytes: int = 0) -> Launch:
+  """Warps and block for ``gpu``: the largest power-of-two ``bk <= block_size(block_k)``
+  whose tiles fit `_THREAD_BYTES` a thread and whose pipelined loads fit the chip's shared
+  memory per block, on 4 warps if that keeps ``bk >= 64`` (or the cap), else on 8.
+
+  ``cols``: cache columns one block loads (k's, v's unless MLA, k_rope's); ``raw_bytes``:
+  their bytes in memory; ``compute_bytes``: after the cast / dequantization;
+  ``convert_bytes``: what a loaded element holds on the way there (its raw bytes for a
+  cast or a dequantization, plus 4 for the int32 of a float8 bit decode; 0 when loads feed
+  the dots as they are).
+  """
+  cap = block_size(block_k)
+
+  def fits(bk, warps):
+    tiles = bk * cols * (compute_bytes + convert_bytes) + block_r * (dq * compute_bytes + dv * 4) + 2 * block_r * bk * 4
+    smem = bk * cols * (raw_bytes * (_STAGES - 1) + compute_bytes) + block_r * bk * compute_bytes
+    per_thread = tiles / (32 * warps)
+    ok = per_thread <= _THREAD_BYTES and smem <= gpu.smem_per_block
+    return ok, Launch(bk, warps, _STAGES, smem, math.ceil(per_thread / 4) + 64)
+
+  best = None
+  for warps in _WARPS:
+    bk = cap
+    while bk >= _MIN_DOT:
+      ok, launch = fits(bk, warps)
+      if ok:
+        if warps == _WARPS[-1] or bk >= min(cap, 64):
+          return launch
+        best = best or launch
+        break
+      bk //= 2
+  if best is not None:
+    return best
+  # Nothing fits (float32 MLA: q and acc alone take ~70 registers a thread): the smallest
+  # tiles on 8 warps, which ptxas takes without spills once float32 pieces are at most
+  # _F32_PIECE wide (16 warps would cap it at 128 registers and spill).
+  return fits(_MIN_DOT, _WARPS[-1])[1]
+
+
+def decode_fp8_bits(b, dtype_name: str):
+  """float8 bytes (uint8 ``x``) -> float32 values, with integer ops only (GPUs below
+  sm_89 have no float8 conversions). e4m3fn: no inf, ``S.1111.111`` is NaN; e5m2:
+  IEEE-like (exponent 31: inf / NaN). Subnormals are built exactly from the mantissa;
+  the specials are selected, so nothing depends on denormal flushing."""
+  e4m3 = dtype_name == "float8_e4m3fn"
+  man_bits, bias = (3, 7) if e4m3 else (2, 15)
+  b = b.astype(jnp.int32)
+  mag = b & 0x7F
+  sign = jnp.where((b & 0x80) != 0, -1.0, 1.0)
+  exp = mag >> man_bits
+  man = mag & ((1 << man_bits) - 1)
+  normal = lax.bitcast_convert_type((mag << (23 - man_bits)) + ((127 - bias) << 23), jnp.float32)
+  sub = man.astype(jnp.float32) * (2.0 ** (1 - bias - man_bits))
+  x = jnp.where(exp == 0, sub, normal)
+  if e4m3:
+    x = jnp.where(mag == 0x7F, jnp.nan, x)
+  else:
+    x = jnp.where(exp == 31, jnp.where(man == 0, jnp.inf, jnp.nan), x)
+  return sign * x
+
+
+# Widest piece of a float32 computation (FMA dots; see `fdecode.kernels.block.head_pieces`).
+_F32_PIECE = 128
+
+
+def _pieces(dk, dv, k_tiles, v_tiles, v_from_k, rope_dim, max_width=None):
   """(k, v, k_rope) column pieces; MLA values (``v_from_k``) are k's leading pieces."""
-  k_pieces = blk.head_pieces(dk, k_tiles, pow2=True)
-  v_pieces = (blk.head_pieces(dk, k_tiles, pow2=True, limit=dv) if v_from_k
-              else blk.head_pieces(dv, v_tiles, pow2=True))
-  return k_pieces, v_pieces, blk.head_pieces(rope_dim, pow2=True) if rope_dim else ()
+  pieces = lambda d, tiles, **kw: blk.head_pieces(d, tiles, pow2=True, max_width=max_width, **kw)
+  k_pieces = pieces(dk, k_tiles)
+  v_pieces = pieces(dk, k_tiles, limit=dv) if v_from_k else pieces(dv, v_tiles)
+  return k_pieces, v_pieces, pieces(rope_dim, 1) if rope_dim else ()
 
 
 def triton_unsupported(dk: int, dv: int, k_tiles: int = 1, v_tiles: int = 1, *, v_from_k: bool = False,
@@ -104,9 +210,12 @@ def triton_unsupported(dk: int, dv: int, k_tiles: int = 1, v_tiles: int = 1, *, 
   return None
 
 
-def _load_piece(ref, index, piece, quant_refs, quant_index, dtype):
-  """Loads one column piece ``[bk, w]`` of a cache block and dequantizes it."""
+def _load_piece(ref, index, piece, quant_refs, quant_index, dtype, fp8_bits=None):
+  """Loads one column piece ``[bk, w]`` of a cache block and dequantizes it (``fp8_bits``:
+  the ref holds the bytes of that float8 dtype)."""
   x = ref[index, pl.ds(piece.offset, piece.width)]
+  if fp8_bits is not None:
+    x = decode_fp8_bits(x, fp8_bits)
   scale_ref, offset_ref = quant_refs
   if scale_ref is None:
     return x.astype(dtype)
@@ -194,18 +303,19 @@ def _kernel(*refs, plan: _Plan, softmax_scale, num_splits, num_rows, group, num_
       load_start = jnp.minimum(start, plan.rows - bk)
       index = pl.ds(load_start, bk)
     qi = [quant_index(d, load_start, page, slot) for d in plan.quant]
-    k_pieces = [_load_piece(k_ref, index, p, quant[0:2], qi[0:2], dtype) for p in plan.k_pieces]
+    k_bits, v_bits = plan.fp8_bits
+    k_pieces = [_load_piece(k_ref, index, p, quant[0:2], qi[0:2], dtype, k_bits) for p in plan.k_pieces]
     if plan.v_from_k:  # MLA: a value piece is the loaded key piece itself (one read)
       loaded = dict(zip(plan.k_pieces, k_pieces))
-      v_pieces = [loaded[p] if p in loaded else _load_piece(k_ref, index, p, quant[0:2], qi[0:2], dtype)
+      v_pieces = [loaded[p] if p in loaded else _load_piece(k_ref, index, p, quant[0:2], qi[0:2], dtype, k_bits)
                   for p in plan.v_pieces]
     else:
-      v_pieces = [_load_piece(v_ref, index, p, quant[2:4], qi[2:4], dtype) for p in plan.v_pieces]
+      v_pieces = [_load_piece(v_ref, index, p, quant[2:4], qi[2:4], dtype, v_bits) for p in plan.v_pieces]
     k_pieces += [_load_piece(rope_ref, index, p, (None, None), None, dtype) for p in plan.r_pieces]
     s = blk.block_scores(q_pieces, k_pieces, softmax_scale)
     if plan.sparse:
       s = blk.modify_scores(s, mods, rows, pos[None, :], slopes)
-      visible, live = blk.sparse_block_masks(rows, pos[None, :], live_end, first_visible, pos[:, None])
+      visible, live = blk.sorted_slot_masks(rows, pos[None, :], live_end, first_visible, bk)
       return blk.online_update(state, s, visible, live, v_pieces)
     pos_row = load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     bias = None if bias_ref is None else by_rows(bias_ref, mods.bias, load_start).astype(jnp.float32)
@@ -235,7 +345,7 @@ def _quant_operand(x, paged, fold=1):
 
 
 def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float,
-                    num_splits: int, block_k: int, interpret: bool,
+                    num_splits: int | None, block_k: int, interpret: bool, gpu: chips.Gpu | None = None,
                     block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
                     mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None,
                     v_head_dim=None, k_rope=None, indices=None, index_bounds=None,
@@ -255,7 +365,11 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
       contiguous cache row ``b' // sparse.fold``); blocks are then ``block_k`` slots of
       the list, each slot's row gathered by position.
     num_tokens: T (rows are T groups of G).
-    block_k: tokens per block (rounded by `block_size`).
+    num_splits: splits of each sequence's blocks; None: compiled, enough to fill one wave
+      of ``gpu`` (`fdecode.config.gpu_num_splits`); interpreted, `fdecode.config.default_num_splits`.
+    block_k: tokens per block (rounded by `block_size`). Compiled, an upper bound:
+      `launch_plan` takes the largest block that fits ``gpu``'s registers and shared memory.
+    gpu: the `fdecode.chips.Gpu` compiled for (None: `fdecode.chips.lowering_gpu`).
     mods, mask, bias, alibi: the static `fdecode.modifiers.Modifiers` and their canonical
       arrays (mask / bias ``[Bm, Hm, Tm, Gm, S]``, alibi f32 ``[Hkv, G]``). A mask or bias
       block is gathered by row inside the kernel, never expanded in memory.
@@ -280,7 +394,33 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     if reason:
       raise ValueError(f"flash_decode: impl='pallas' on GPU cannot take this shape: {reason}. "
                        "Use impl='xla' (impl=None picks it for such shapes)")
-  bk = block_size(block_k)
+  gpu = gpu or chips.lowering_gpu()
+  fp8_bits = [None, None]
+  if not interpret and not gpu.native_fp8:  # no float8 conversions below sm_89: pass the bytes
+    for i, x in enumerate((k, v)):
+      if x is not None and jnp.dtype(x.dtype).name.startswith("float8"):
+        fp8_bits[i] = jnp.dtype(x.dtype).name
+    k, v = (x if bits is None else lax.bitcast_convert_type(x, jnp.uint8) for x, bits in zip((k, v), fp8_bits))
+  rows_p = r if interpret else -(-r // _MIN_DOT) * _MIN_DOT
+  block_r = rows_per_program(rows_p, dq, dv)
+  rows_p = -(-rows_p // block_r) * block_r
+  row_blocks = rows_p // block_r
+  compute_bytes = jnp.dtype(q_rows.dtype).itemsize
+  k_pieces, v_pieces, r_pieces = _pieces(dk, dv, k_tiles, v_tiles, v_from_k, rope_dim,
+                                         _F32_PIECE if compute_bytes == 4 and not interpret else None)
+  if interpret:
+    launch = Launch(block_size(block_k), 4, _STAGES, 0, 0)
+  else:
+    # A piece costs at least _PIECE_COLS columns (its own dot, masks and accumulator).
+    cols = sum(max(p.width, _PIECE_COLS) for p in k_pieces + r_pieces + (() if v_from_k else v_pieces))
+    raw_bytes = max(jnp.dtype(x.dtype).itemsize for x in (k, v, k_rope) if x is not None)
+    quantized = k_scale is not None or v_scale is not None
+    # A float cache cast up for a wider query (bf16 -> f32) holds both on the way to the
+    # f32 FMA dots; a dequantized one its bytes and a float32 product; a bit decode int32s.
+    convert_bytes = (raw_bytes + 4 if quantized or raw_bytes != compute_bytes else 0) + (4 if any(fp8_bits) else 0)
+    launch = launch_plan(gpu, block_r=block_r, dq=dq, dv=dv, cols=cols, raw_bytes=raw_bytes,
+                         compute_bytes=compute_bytes, block_k=block_k, convert_bytes=convert_bytes)
+  bk = launch.block
   if paged:
     hkv_pool, num_pages, page_size, _ = k.shape
     table_len = block_tables.shape[1]
@@ -296,13 +436,16 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
       k, v, k_rope = (None if x is None else jnp.pad(x, pad) for x in (k, v, k_rope))
       quant_arrays = tuple(a if a is None or a.shape[2] == 1 else jnp.pad(a, pad) for a in quant_arrays)
     rows = k.shape[2]
-  rows_p = r if interpret else -(-r // _MIN_DOT) * _MIN_DOT
-  block_r = rows_per_program(rows_p, dq, dv)
-  rows_p = -(-rows_p // block_r) * block_r
-  row_blocks = rows_p // block_r
   if rows_p != r:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, rows_p - r), (0, 0)])
   num_blocks = pl.cdiv(max(seq_len, 1), bk)
+  if num_splits is None:
+    slots = indices.shape[-1] if sparse is not None else window_tokens(seq_len, num_tokens, mods)
+    blocks = max(pl.cdiv(slots, bk), 1)
+    if interpret:
+      num_splits = config_lib.default_num_splits(b, hkv, blocks, config_lib.num_parallel_units("cpu"))
+    else:
+      num_splits = config_lib.gpu_num_splits(gpu.sms * launch.resident(gpu), b * hkv * row_blocks, blocks)
 
   fold = 1 if sparse is None else sparse.fold  # contiguous cache row of q row i: i // fold
   operands = [ends.astype(jnp.int32)]
@@ -348,11 +491,10 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     slopes = jnp.pad(jnp.tile(alibi.astype(jnp.float32), (1, num_tokens)), [(0, 0), (0, rows_p - r)])
     operands.append(slopes)
     in_specs.append(_ROWS)
-  k_pieces, v_pieces, r_pieces = _pieces(dk, dv, k_tiles, v_tiles, v_from_k, rope_dim)
   plan = _Plan(paged=paged, block=bk, seq_len=seq_len, rows=rows, page_size=page_size,
                num_pages=num_pages, table_len=table_len,
                k_pieces=k_pieces, v_pieces=v_pieces, quant=tuple(quant_dims), mods=mods,
-               v_from_k=v_from_k, r_pieces=r_pieces, sparse=sparse is not None)
+               v_from_k=v_from_k, r_pieces=r_pieces, sparse=sparse is not None, fp8_bits=tuple(fp8_bits))
   kernel = functools.partial(
       _kernel, plan=plan, softmax_scale=softmax_scale,
       num_splits=num_splits, num_rows=r, group=r // num_tokens,
@@ -366,8 +508,21 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   compiler_params = None
   if not interpret:
     from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
-    compiler_params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+    compiler_params = pltriton.CompilerParams(num_warps=launch.warps, num_stages=launch.stages)
   out_map = lambda i, hr, j: (i, hr // row_blocks, j, hr % row_blocks)
+  out_shape = [blk.out_struct((b, hkv, num_splits, rows_p, dv), jnp.float32, *operands),
+               blk.out_struct((b, hkv, num_splits, rows_p), jnp.float32, *operands)]
+  caches = [x for x in operands if x is k or x is v or x is k_rope]
+  itemsize = lambda x: jnp.dtype(x.dtype).itemsize
+  if sparse is not None:  # the K listed rows of each (pseudo-)sequence and kv head
+    keys = indices.shape[-1]
+    cache_bytes = b * hkv * keys * sum(x.shape[-1] * itemsize(x) for x in caches)
+  else:  # every addressable token of every (sequence, kv head), once
+    keys = seq_len
+    cache_bytes = sum(min(int(x.size), b * hkv * seq_len * x.shape[-1]) * itemsize(x) for x in caches)
+  cost = blk.cost_estimate(rows=b * hkv * r, keys=keys, dk=dq, dv=dv, cache_bytes=cache_bytes,
+                           small=[x for x in operands if not any(x is c for c in caches)],
+                           outputs=out_shape)
   o, lse = pl.pallas_call(
       kernel,
       grid=(b, hkv * row_blocks, num_splits),
@@ -376,11 +531,9 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
           pl.BlockSpec((None, None, None, block_r, dv), lambda i, hr, j: out_map(i, hr, j) + (0,)),
           pl.BlockSpec((None, None, None, block_r), out_map),
       ],
-      out_shape=[
-          blk.out_struct((b, hkv, num_splits, rows_p, dv), jnp.float32, *operands),
-          blk.out_struct((b, hkv, num_splits, rows_p), jnp.float32, *operands),
-      ],
+      out_shape=out_shape,
       compiler_params=compiler_params,
+      cost_estimate=cost,
       interpret=interpret,
       name="fdecode_split_kv_triton",
   )(*operands)

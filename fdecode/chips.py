@@ -1,0 +1,142 @@
+"""The chips fdecode sizes its kernels for, and which one a trace is lowering for.
+
+A kernel's tiles and launch grid come from the target's numbers (SMs, shared memory,
+registers, compute capability; TensorCores and VMEM), never from one GPU's constants.
+The numbers below are NVIDIA's published limits as XLA's GPU target configs record them
+(``xla/backends/gpu/target_config/specs/``); `gpu_target_config` writes them in that
+proto's text form so the compile tier (`fdecode.compile_check`) can compile for a GPU
+this host does not have.
+
+`lowering_gpu` answers "which GPU is this trace for": the device kind of the mesh set
+with ``jax.set_mesh`` (a deviceless compile), else the local GPU, else an H100.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+  """One CUDA GPU's limits (per SM unless named per block)."""
+  name: str                      # device_kind as JAX reports it
+  arch: str                      # ptxas -arch
+  capability: tuple              # (major, minor)
+  sms: int
+  smem_per_block: int            # opt-in maximum of one program (bytes)
+  smem_per_sm: int
+  bandwidth: float               # HBM bytes / s
+  regs_per_sm: int = 65536
+  threads_per_sm: int = 2048
+  max_programs_per_sm: int = 32
+
+  @property
+  def native_fp8(self) -> bool:
+    """Whether the chip converts float8 in hardware (Ada / Hopper, sm_89+): Triton
+    refuses float8 conversions below that and the kernel decodes the bits itself."""
+    return self.capability >= (8, 9)
+
+  def resident_programs(self, *, threads: int, regs: int, smem: int) -> int:
+    """Programs of one kernel an SM holds at once, by threads, registers and shared memory
+    (registers are allocated per warp in units of 256)."""
+    warps = threads // 32
+    regs_per_warp = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = self.regs_per_sm // (regs_per_warp * warps)
+    by_threads = self.threads_per_sm // threads
+    by_smem = self.smem_per_sm // smem if smem else self.max_programs_per_sm
+    return max(0, min(by_regs, by_threads, by_smem, self.max_programs_per_sm))
+
+
+H100 = Gpu(name="NVIDIA H100 80GB HBM3", arch="sm_90a", capability=(9, 0), sms=132,
+           smem_per_block=232448, smem_per_sm=233472, bandwidth=3.35e12)
+A100 = Gpu(name="NVIDIA A100-SXM4-80GB", arch="sm_80", capability=(8, 0), sms=108,
+           smem_per_block=166912, smem_per_sm=167936, bandwidth=2.04e12)
+GPUS = {"h100": H100, "a100": A100}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tpu:
+  """One TPU generation: its topology name for a deviceless compile and its numbers."""
+  name: str
+  topology: str                  # jax.experimental.topologies name (2x2: 1x1 is refused)
+  bandwidth: float               # HBM bytes / s per chip
+  cores_per_chip: int            # TensorCores a "parallel" grid axis spreads over (megacore)
+
+
+TPUS = {
+    "v5e": Tpu("TPU v5 lite", "v5e:2x2", 8.19e11, 1),
+    "v6e": Tpu("TPU v6 lite", "v6e:2x2", 1.64e12, 1),
+    "v5p": Tpu("TPU v5", "v5p:2x2x1", 2.76e12, 2),
+    "v4": Tpu("TPU v4", "v4:2x2x1", 1.2e12, 2),
+}
+
+
+def gpu_target_config(gpu: Gpu) -> str:
+  """``stream_executor.GpuTargetConfigProto`` text for ``topologies.get_topology_desc``."""
+  major, minor = gpu.capability
+  extension = "ACCELERATED_FEATURES" if gpu.arch.endswith("a") else "NONE"
+  return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {gpu.smem_per_sm}
+  threads_per_core_limit: {gpu.threads_per_sm}
+  core_count: {gpu.sms}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(gpu.bandwidth)}
+  shared_memory_per_block_optin: {gpu.smem_per_block}
+  cuda_compute_capability {{ major: {major} minor: {minor} feature_extension: {extension} }}
+  registers_per_core_limit: {gpu.regs_per_sm}
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 1 patch: 0 }}
+device_description_str: "{gpu.name}"
+"""
+
+
+def _known_gpu(kind: str) -> Gpu | None:
+  for gpu in GPUS.values():
+    if kind == gpu.name or kind.split()[:2] == gpu.name.split()[:2] or kind.startswith(gpu.name.split("-")[0]):
+      return gpu
+  return None
+
+
+def _gpu_from_device(kind: str, capability: tuple, sms: int) -> Gpu:
+  """A GPU JAX reports but the table lacks: its SMs and capability, the shared memory of
+  the closest known generation (sm_86 / sm_89 consumer parts: 99 KiB a block)."""
+  known = _known_gpu(kind)
+  if known is not None:
+    return dataclasses.replace(known, sms=sms or known.sms)
+  base = H100 if capability >= (9, 0) else A100
+  if capability in ((8, 6), (8, 7), (8, 9)):
+    base = dataclasses.replace(base, smem_per_block=101376, smem_per_sm=102400)
+  major, minor = capability
+  return dataclasses.replace(base, name=kind, arch=f"sm_{major}{minor}", capability=capability,
+                             sms=sms or base.sms)
+
+
+def lowering_gpu() -> Gpu:
+  """The GPU the current trace lowers for.
+
+  Order: the device kind of the mesh set by ``jax.set_mesh`` (deviceless compiles and
+  explicit-mesh programs), then the first local GPU, then `H100` (a cross-platform
+  export from a host without one).
+  """
+  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  device = getattr(mesh_lib.get_abstract_mesh(), "abstract_device", None)
+  if device is not None and getattr(device, "platform", None) == "gpu":
+    known = _known_gpu(device.device_kind)
+    cores = getattr(device, "num_cores", None) or 0
+    if known is not None:
+      return dataclasses.replace(known, sms=cores or known.sms)
+  try:
+    local = jax.devices("gpu")[0]
+  except RuntimeError:
+    return H100
+  cc = tuple(int(x) for x in str(getattr(local, "compute_capability", "9.0")).split("."))
+  return _gpu_from_device(local.device_kind, cc, int(getattr(local, "core_count", 0) or 0))

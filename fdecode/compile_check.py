@@ -1,0 +1,220 @@
+"""Compile fdecode for chips this host does not have: TPU with libtpu, CUDA with XLA:GPU
+and ptxas, deviceless (the compile tier of the tests and `benchmarks/compile_report.py`).
+
+Needs the chip plugins (``scripts/compile_tier`` installs them in ``.venv-chips``) and
+``JAX_PLATFORMS=cpu`` set before JAX starts. Each case is compiled in a worker process:
+a compiler that aborts (LLVM fatal errors do) fails that case, not the run.
+
+A case is a function ``build(target) -> (fn, args)``: ``fn`` is jitted, ``args`` are
+`jax.ShapeDtypeStruct`s made with ``target.spec(shape, dtype)`` (placed on the target's
+mesh). ``target.mesh(n)`` gives an n-device mesh for sharded cases.
+
+What a compile reports (`compile_one`): for CUDA, every fdecode kernel's launch grid,
+threads and shared memory (from XLA's thunk sequence) and its registers and spills
+(``ptxas -v`` on the PTX XLA produced, for the target's architecture); for TPU, success
+(Mosaic rejects kernels that do not fit VMEM or its tiling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+from fdecode import chips
+
+KERNEL_PREFIX = "fdecode_"
+
+
+@dataclasses.dataclass
+class Target:
+  """A chip to compile for: ``"h100"``, ``"a100"``, ``"v5e"``, ``"v6e"``, ``"v5p"``, ``"v4"``,
+  or ``"v5e:4x4"`` (a named TPU topology: a multi-host pod slice)."""
+  name: str
+  topology: object = None
+  _meshes: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def is_gpu(self) -> bool:
+    return self.name in chips.GPUS
+
+  @property
+  def gpu(self) -> chips.Gpu:
+    return chips.GPUS[self.name]
+
+  def load(self):
+    from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+    if self.is_gpu:
+      self.topology = topologies.get_topology_desc(
+          platform="cuda", target_config=chips.gpu_target_config(self.gpu), topology="1x1x4")
+    else:
+      name = chips.TPUS[self.name].topology if self.name in chips.TPUS else self.name
+      self.topology = topologies.get_topology_desc(topology_name=name, platform="tpu")
+    return self
+
+  def mesh(self, n: int = 1, axes=("x",)):
+    import jax  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    key = (n, tuple(axes))
+    if key not in self._meshes:
+      devices = self.topology.devices
+      if len(devices) < n:
+        raise ValueError(f"{self.name}: the topology has {len(devices)} devices, {n} asked for")
+      shape = (n,) if len(axes) == 1 else None
+      arr = np.array(devices[:n]).reshape(shape or _mesh_shape(n, len(axes)))
+      self._meshes[key] = jax.sharding.Mesh(arr, tuple(axes))
+    return self._meshes[key]
+
+  def spec(self, shape, dtype, mesh=None, pspec=None):
+    import jax  # pylint: disable=g-import-not-at-top
+    from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+    mesh = mesh or self.mesh(1)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, pspec or PartitionSpec()))
+
+
+def _mesh_shape(n, rank):
+  if rank == 2:
+    a = int(n ** 0.5)
+    while n % a:
+      a -= 1
+    return (n // a, a)
+  raise ValueError(f"mesh of rank {rank}")
+
+
+def ptxas_path() -> str:
+  """ptxas of the CUDA plugin's nvcc package (the one XLA:GPU itself runs)."""
+  import nvidia.cuda_nvcc  # pylint: disable=g-import-not-at-top
+  roots = list(getattr(nvidia.cuda_nvcc, "__path__", []))
+  for root in roots:
+    path = os.path.join(root, "bin", "ptxas")
+    if os.path.exists(path):
+      return path
+  raise FileNotFoundError("ptxas not found in nvidia-cuda-nvcc-cu12")
+
+
+_THUNK = re.compile(r"(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
+
+
+def _gpu_kernels(dump_dir: str, arch: str) -> list[dict]:
+  """fdecode kernels in a GPU dump: grid / threads / shared memory, registers / spills."""
+  kernels = []
+  for path in glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt")):
+    for line in open(path):
+      m = _THUNK.search(line)
+      if m and m.group(1).startswith(KERNEL_PREFIX):
+        g = [int(x) for x in m.groups()[1:]]
+        kernels.append(dict(name=m.group(1), grid=g[0:3], threads=g[3] * g[4] * g[5], smem=g[6]))
+  ptx_info = {}
+  for ptx in glob.glob(os.path.join(dump_dir, "*.ptx")):
+    text = open(ptx).read()
+    if f".entry {KERNEL_PREFIX}" not in text:
+      continue
+    out = subprocess.run([ptxas_path(), f"-arch={arch}", "-v", ptx, "-o", os.devnull],
+                         capture_output=True, text=True, check=False)
+    log = out.stdout + out.stderr
+    if out.returncode:
+      raise RuntimeError(f"ptxas failed on {os.path.basename(ptx)}: {log[-2000:]}")
+    for block in re.split(r"Compiling entry function ", log)[1:]:
+      name = block.split("'")[1]
+      spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block)
+      regs = re.search(r"Used (\d+) registers", block)
+      ptx_info[name] = dict(regs=int(regs.group(1)), spill_stores=int(spill.group(1)),
+                            spill_loads=int(spill.group(2)))
+  for k in kernels:
+    k.update(ptx_info.get(k["name"], {}))
+  return kernels
+
+
+def compile_one(target: Target, build) -> dict:
+  """Lowers and compiles one case for ``target``; returns its report (raises on rejection)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  fn, args = build(target)
+  mesh = args[0].sharding.mesh if hasattr(args[0], "sharding") and args[0].sharding is not None else target.mesh(1)
+  start = time.time()
+  with tempfile.TemporaryDirectory() as dump, jax.set_mesh(mesh):
+    lowered = jax.jit(fn).lower(*args)
+    options = {"xla_dump_to": dump} if target.is_gpu else {}
+    compiled = lowered.compile(compiler_options=options)
+    report = dict(ok=True, seconds=round(time.time() - start, 2))
+    if target.is_gpu:
+      report["kernels"] = _gpu_kernels(dump, target.gpu.arch)
+    else:
+      text = lowered.as_text()
+      report["kernels"] = [dict(name=n) for n in sorted(set(re.findall(r'(fdecode_\w+)', text)))]
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):
+      cost = cost[0] if cost else None
+    report["bytes_accessed"] = None if not cost else cost.get("bytes accessed")
+  return report
+
+
+def _load_cases(path: str) -> dict:
+  spec = importlib.util.spec_from_file_location("fdecode_compile_cases", path)
+  module = importlib.util.module_from_spec(spec)
+  sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+  spec.loader.exec_module(module)
+  return module.CASES
+
+
+def _worker(target_name: str, cases_path: str, names: list[str]) -> None:
+  """Compiles ``names`` one by one, one JSON line each (``START`` before, ``RESULT`` after)."""
+  cases = _load_cases(cases_path)
+  target = Target(target_name).load()
+  for name in names:
+    print("START " + name, flush=True)
+    try:
+      report = compile_one(target, cases[name])
+    except Exception as e:  # pylint: disable=broad-except
+      report = dict(ok=False, error=f"{type(e).__name__}: {str(e)[-3000:]}",
+                    trace=traceback.format_exc()[-2000:])
+    print("RESULT " + json.dumps(dict(name=name, **report)), flush=True)
+
+
+def run_cases(target_name: str, cases_path: str, names: list[str], *, timeout: float = 900) -> dict:
+  """Compiles every case for one target in worker processes; returns name -> report.
+
+  A worker that dies (a compiler abort) fails the case it was compiling, with the exit
+  status and the end of its stderr; a new worker takes the rest.
+  """
+  results, todo = {}, list(names)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  while todo:
+    with tempfile.TemporaryFile("w+") as err:
+      proc = subprocess.Popen(
+          [sys.executable, "-m", "fdecode.compile_check", target_name, cases_path, *todo],
+          stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+      current = None
+      deadline = time.time() + timeout
+      for line in proc.stdout:
+        if line.startswith("START "):
+          current = line[6:].strip()
+        elif line.startswith("RESULT "):
+          report = json.loads(line[7:])
+          results[report.pop("name")] = report
+          todo.remove(current)
+          current = None
+        if time.time() > deadline:
+          proc.kill()
+          break
+      rc = proc.wait()
+      if current is None and todo and rc == 0:
+        raise RuntimeError(f"compile worker for {target_name} ended without compiling {todo}")
+      if current is not None or rc:
+        err.seek(0)
+        tail = err.read()[-3000:]
+        failed = current or todo[0]
+        results[failed] = dict(ok=False, error=f"compile worker died (exit {rc}) compiling {failed}: {tail}")
+        todo.remove(failed)
+  return results
+
+
+if __name__ == "__main__":
+  _worker(sys.argv[1], sys.argv[2], sys.argv[3:])

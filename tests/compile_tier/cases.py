@@ -1,0 +1,271 @@
+"""Every path fdecode ships, as compile cases for `fdecode.compile_check`.
+
+A case is ``build(target) -> (fn, args)`` with abstract args on the target's mesh. The
+same cases compile for every chip of the tier (TPU v5e / v6e with libtpu, H100 / A100
+with XLA:GPU + ptxas). Names are stable: test ids and the report use them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import fdecode
+
+CASES = {}
+B, HKV, S = 2, 2, 4096
+
+
+def case(name):
+  def register(fn):
+    CASES[name] = fn
+    return fn
+  return register
+
+
+def _contiguous(target, *, dk, dv=None, dtype=jnp.bfloat16, g=4, t=1, s=S, b=B, hkv=HKV,
+                quant=None, paged=None, **static):
+  """flash_decode over a contiguous or paged (``paged`` = page size) cache.
+
+  ``quant``: None, or (scale granularity, with offsets): "tensor" | "token" | "tiles"."""
+  dv = dk if dv is None else dv
+  sd = target.spec
+  is8 = dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
+  q_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+  q = sd((b, t, hkv * g, dk), q_dtype)
+  opts = {}
+  if paged:
+    n = -(-s // paged)
+    pages = b * n + 3
+    lead = (hkv, pages, paged)
+    opts["block_tables"] = sd((b, n), jnp.int32)
+  else:
+    lead = (b, hkv, s)
+  k, v = sd(lead + (dk,), dtype), sd(lead + (dv,), dtype)
+  if is8:
+    gran, offsets = quant or ("token", False)
+    scale = {"tensor": lambda d: sd((), jnp.float32),
+             "token": lambda d: sd(lead + (1,), jnp.float32),
+             "tiles": lambda d: sd(lead + (d // 64,), jnp.float32)}[gran]
+    opts.update(k_scale=scale(dk), v_scale=scale(dv))
+    if offsets:
+      opts.update(k_offset=scale(dk), v_offset=scale(dv))
+  n = sd((b,), jnp.int32)
+  fn = lambda q, k, v, n, opts: fdecode.flash_decode(q, k, v, n, **opts, **static)
+  return fn, (q, k, v, n, opts)
+
+
+# Head dims x float dtypes.
+for _dt in (jnp.float32, jnp.bfloat16):
+  for _d in (64, 80, 96, 112, 128, 192, 256):
+    CASES[f"contiguous-{jnp.dtype(_dt).name}-d{_d}"] = functools.partial(_contiguous, dk=_d, dtype=_dt)
+CASES["contiguous-bf16-dk192-dv128"] = functools.partial(_contiguous, dk=192, dv=128)
+# 8-bit caches, every scale granularity.
+for _dt, _q in ((jnp.int8, ("tensor", False)), (jnp.int8, ("token", True)), (jnp.int8, ("tiles", False)),
+                (jnp.float8_e4m3fn, ("token", False)), (jnp.float8_e4m3fn, ("tiles", False)),
+                (jnp.float8_e5m2, ("tensor", False))):
+  _name = f"{jnp.dtype(_dt).name}-{_q[0]}" + ("-offsets" if _q[1] else "")
+  CASES[_name] = functools.partial(_contiguous, dk=128, dtype=_dt, quant=_q)
+CASES["float8_e4m3fn-d256-tiles"] = functools.partial(_contiguous, dk=256, dtype=jnp.float8_e4m3fn,
+                                                       quant=("tiles", False))
+# Paged caches.
+for _ps in (1, 16, 64, 128):
+  CASES[f"paged{_ps}-bf16-d128"] = functools.partial(_contiguous, dk=128, paged=_ps)
+CASES["paged16-f32-d256"] = functools.partial(_contiguous, dk=256, dtype=jnp.float32, paged=16)
+CASES["paged16-int8-token"] = functools.partial(_contiguous, dk=128, dtype=jnp.int8, paged=16)
+CASES["paged64-float8_e4m3fn-tiles"] = functools.partial(_contiguous, dk=128, dtype=jnp.float8_e4m3fn,
+                                                          paged=64, quant=("tiles", False))
+# New tokens per call.
+CASES["t4-f32-d128"] = functools.partial(_contiguous, dk=128, dtype=jnp.float32, t=4)
+CASES["t8-bf16-d128-g8"] = functools.partial(_contiguous, dk=128, t=8, g=8)
+CASES["t8-bf16-d256-g8-paged16"] = functools.partial(_contiguous, dk=256, t=8, g=8, paged=16)
+
+
+def _modifier(target, which, paged=None):
+  sd = target.spec
+  b, t, hq = B, 2, HKV * 4
+  arrays = {"mask": dict(mask=sd((b, t, hq, S), jnp.bool_)),
+            "bias": dict(bias=sd((b, 1, hq, S), jnp.float32)),
+            "alibi": dict(alibi_slopes=sd((hq,), jnp.float32)),
+            "sinks": dict(sinks=sd((hq,), jnp.float32))}.get(which, {})
+  static = {"window": dict(window=256), "soft_cap": dict(logits_soft_cap=30.0),
+            "non_causal": dict(causal=False)}.get(which, {})
+  fn, (q, k, v, n, opts) = _contiguous(target, dk=128, t=t, paged=paged, **static)
+  return fn, (q, k, v, n, dict(opts, **arrays))
+
+
+for _m in ("mask", "bias", "alibi", "window", "soft_cap", "sinks", "non_causal"):
+  CASES[f"modifier-{_m}"] = functools.partial(_modifier, which=_m)
+CASES["modifier-window-paged16"] = functools.partial(_modifier, which="window", paged=16)
+CASES["modifier-mask-paged16"] = functools.partial(_modifier, which="mask", paged=16)
+
+
+def _mla(target, *, g, dtype=jnp.bfloat16, paged=None, t=1):
+  """DeepSeek MLA: a 576-wide latent key, values its first 512 columns; fp8: FlashMLA's
+  layout (e4m3 latent with 1x128 tile scales, bf16 RoPE columns)."""
+  sd = target.spec
+  lead = (1, S // 16 * B + 3, 16) if paged else (B, 1, S)
+  q = sd((B, t, g, 576), jnp.bfloat16)
+  opts = {}
+  if paged:
+    opts["block_tables"] = sd((B, S // 16), jnp.int32)
+  if dtype == jnp.float8_e4m3fn:
+    k = sd(lead + (512,), dtype)
+    opts.update(k_scale=sd(lead + (4,), jnp.float32), k_rope=sd(lead + (64,), jnp.bfloat16))
+  else:
+    k = sd(lead + (576,), dtype)
+  fn = lambda q, k, n, opts: fdecode.flash_decode(q, k, None, n, v_head_dim=512, **opts)
+  return fn, (q, k, sd((B,), jnp.int32), opts)
+
+
+CASES["mla-bf16-g16"] = functools.partial(_mla, g=16)
+CASES["mla-bf16-g128"] = functools.partial(_mla, g=128)
+CASES["mla-fp8-g128"] = functools.partial(_mla, g=128, dtype=jnp.float8_e4m3fn)
+CASES["mla-fp8-g16-paged16"] = functools.partial(_mla, g=16, dtype=jnp.float8_e4m3fn, paged=True)
+CASES["mla-bf16-g128-t2"] = functools.partial(_mla, g=128, t=2)
+
+
+def _sparse(target, *, form, paged=None, dk=128, kk=512):
+  fn, (q, k, v, n, opts) = _contiguous(target, dk=dk, t=2 if form != "shared1" else 1, paged=paged)
+  sd = target.spec
+  shape = {"shared": (B, kk), "per_token": (B, 2, kk), "per_head": (B, 2, HKV, kk), "shared1": (B, kk)}[form]
+  if form == "shared1":
+    q = sd((B, q.shape[2], q.shape[3]), q.dtype)
+  return fn, (q, k, v, n, dict(opts, indices=sd(shape, jnp.int32)))
+
+
+for _f in ("shared1", "shared", "per_token", "per_head"):
+  CASES[f"sparse-{_f}"] = functools.partial(_sparse, form=_f)
+CASES["sparse-shared-paged16"] = functools.partial(_sparse, form="shared", paged=16)
+CASES["sparse-mla"] = lambda target: _sparse_mla(target)
+
+
+def _sparse_mla(target):
+  fn, (q, k, n, opts) = _mla(target, g=16)
+  return fn, (q, k, n, dict(opts, indices=target.spec((B, 512), jnp.int32)))
+
+
+@case("cascade")
+def _cascade(target):
+  sd = target.spec
+  hq, d = 8, 128
+  q = sd((B, hq, d), jnp.bfloat16)
+  pk, pv = sd((1, HKV, S, d), jnp.bfloat16), sd((1, HKV, S, d), jnp.bfloat16)
+  k, v = sd((B, HKV, 512, d), jnp.bfloat16), sd((B, HKV, 512, d), jnp.bfloat16)
+  args = (q, pk, pv, sd((1,), jnp.int32), k, v, sd((B,), jnp.int32), sd((B,), jnp.int32))
+  fn = lambda q, pk, pv, pl, k, v, n, ids: fdecode.cascade_decode(q, pk, pv, pl, k, v, n, prefix_ids=ids)
+  return fn, args
+
+
+def _sharded(target, n_dev, head, seq, pod=None):
+  axes = ("h", "s")
+  if pod is not None:  # a named multi-host slice of the target's generation
+    from fdecode.compile_check import Target  # pylint: disable=g-import-not-at-top
+    target = Target(pod).load()
+  mesh = target.mesh(n_dev, axes)
+  sd = lambda shape, dtype, spec=P(): target.spec(shape, dtype, mesh, spec)
+  hq, s = 16, 8192
+  q = sd((B, hq, 128), jnp.bfloat16, P(None, "h"))
+  k = sd((B, 8, s, 128), jnp.bfloat16, P(None, "h", "s"))
+  v = sd((B, 8, s, 128), jnp.bfloat16, P(None, "h", "s"))
+  fn = lambda q, k, v, n: fdecode.sharded_flash_decode(q, k, v, n, mesh=mesh, head_axis="h", seq_axis="s")
+  return fn, (q, k, v, sd((B,), jnp.int32))
+
+
+CASES["sharded-4dev"] = functools.partial(_sharded, n_dev=4, head=2, seq=2)
+TPU_ONLY = {"sharded-pod-v5e-4x4"}  # a 16-chip, 4-host slice (TPU topology only)
+CASES["sharded-pod-v5e-4x4"] = functools.partial(_sharded, n_dev=16, head=4, seq=4, pod="v5e:4x4")
+
+
+def _layer_step(target, layer_fn):
+  """One decode step of a Flax layer / model, its parameters and cache abstract."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  built = {}
+
+  def make():
+    model, x = layer_fn()
+    built["x"] = x
+    return nnx.split(model)
+
+  graphdef, state = _abstract_split(make)
+  x = built["x"]
+
+  def step(state, x):
+    model = nnx.merge(graphdef, state)
+    return model.decode(x), nnx.state(model)
+
+  sd = target.spec
+  state = jax.tree.map(lambda a: sd(a.shape, a.dtype), state)
+  return step, (state, sd(x.shape, x.dtype))
+
+
+def _abstract_split(make):
+  """(graphdef, abstract state) of the model ``make`` builds, without allocating it."""
+  out = {}
+
+  def f():
+    graphdef, state = make()
+    out["graphdef"] = graphdef
+    return state
+
+  state = jax.eval_shape(f)
+  return out["graphdef"], state
+
+
+@case("flax-decode-attention")
+def _flax_step(target):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import fdecode.flax as fflax  # pylint: disable=g-import-not-at-top
+
+  def layer():
+    m = fflax.DecodeAttention(512, num_heads=8, num_kv_heads=2, head_dim=128, rngs=nnx.Rngs(0))
+    m.init_cache(B, S, jnp.bfloat16)
+    return m, jax.ShapeDtypeStruct((B, 1, 512), jnp.float32)
+  return _layer_step(target, layer)
+
+
+@case("flax-mla")
+def _flax_mla_step(target):
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import fdecode.flax as fflax  # pylint: disable=g-import-not-at-top
+
+  def layer():
+    m = fflax.MLADecodeAttention(1024, 16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                 v_head_dim=128, rngs=nnx.Rngs(0))
+    m.init_cache(B, S, jnp.bfloat16)
+    return m, jax.ShapeDtypeStruct((B, 1, 1024), jnp.float32)
+  return _layer_step(target, layer)
+
+
+@case("gemma3-270m-decode")
+def _gemma_step(target):
+  from fdecode.models.gemma3 import Gemma3, Gemma3Config  # pylint: disable=g-import-not-at-top
+
+  def model():
+    m = Gemma3(Gemma3Config(dtype=jnp.bfloat16))
+    m.init_cache(B, S, cache_dtype=jnp.bfloat16)
+    return m, jax.ShapeDtypeStruct((B,), jnp.int32)
+  return _layer_step(target, model)
+
+
+def names_for(target_name: str) -> list[str]:
+  """The cases a target compiles: all of them (the pod slice on TPU only)."""
+  is_gpu = target_name in ("h100", "a100")
+  return [n for n in CASES if not (is_gpu and n in TPU_ONLY)]
+
+
+# The benchmark grid (benchmarks/bench_gpu.py, benchmarks/compile_report.py): Hq=32,
+# Hkv=8, D=128 bf16, lengths = S; and FlashDecoding's long-context case, one kv head.
+BENCH = {"bench-b1-s32k": (1, 8, 32, 32768), "bench-b8-s32k": (8, 8, 32, 32768),
+         "bench-b64-s4k": (64, 8, 32, 4096), "bench-b1-hkv1-s1m": (1, 1, 8, 1 << 20)}
+
+
+def _bench(target, b, hkv, hq, s, paged=None):
+  return _contiguous(target, dk=128, b=b, hkv=hkv, g=hq // hkv, s=s, paged=paged)
+
+
+for _n, (_b, _hkv, _hq, _s) in BENCH.items():
+  CASES[_n] = functools.partial(_bench, b=_b, hkv=_hkv, hq=_hq, s=_s)
