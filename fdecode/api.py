@@ -17,7 +17,7 @@ from fdecode import modifiers
 from fdecode import sparse as sparse_lib
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels.mosaic_tpu import mosaic_partials, plan as mosaic_plan
-from fdecode.kernels.mosaic_tpu_sparse import mosaic_sparse_partials
+from fdecode.kernels import mosaic_tpu_sparse as mosaic_sparse
 from fdecode.kernels.triton import triton_partials, triton_unsupported
 from fdecode.kernels.xla import window_tokens, xla_partials
 from fdecode.kernels.xla_sparse import sparse_partials
@@ -105,7 +105,10 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       query may attend to, -1 = none. Only those tokens are read (gathered per block,
       through the block table when paged). Positions outside the cache, at or past the
       length, or hidden by causality / the window are masked; duplicates count once.
-      Not combinable with ``mask`` / ``bias``. Exact semantics: `fdecode.sparse`.
+      Not combinable with ``mask`` / ``bias``. Exact semantics: `fdecode.sparse`. On TPU
+      the kernel DMAs each token's 32-bit sublane (2 rows of a 16-bit cache, 4 of an
+      8-bit one: the finest row Mosaic addresses); a cache whose length (contiguous) or
+      page size (paged) is not a multiple of that takes the XLA path instead.
 
   Score modifiers (all off by default; exact semantics in `fdecode.modifiers`). With
   ``p = lengths - T + t`` the position of query t and ``j`` a key position:
@@ -358,12 +361,16 @@ def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, int
 def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, **cache):
   b, hkv = q_rows.shape[:2]
   if "sparse" in cache:  # blocks of index-list slots, each token DMA'd on its own
+    if not mosaic_sparse.supports(k, v, cache["k_rope"], cache["block_tables"]):
+      return _xla(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
+                  platform="tpu", **cache)
     slots = cache["indices"].shape[-1]
     plan_args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
-    p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, num_slots=slots, **plan_args)
+    p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, num_slots=slots,
+                    slot_rows=mosaic_sparse.dma_unit(k, v, cache["k_rope"]), **plan_args)
     splits = cfg.num_splits or config_lib.default_num_splits(
         b, hkv, max(-(-slots // p.block), 1), config_lib.num_parallel_units("tpu"))
-    return mosaic_sparse_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
+    return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
                                   num_splits=splits, plan=p, interpret=interpret, **cache)
   p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, **cache)
   seen = window_tokens(_seq_capacity(k, cache["block_tables"]), num_tokens, cache["mods"])

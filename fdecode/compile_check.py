@@ -74,10 +74,18 @@ class Target:
     return self._meshes[key]
 
   def spec(self, shape, dtype, mesh=None, pspec=None):
+    """An abstract argument on ``mesh`` (default: one device). On TPU, arrays of rank >= 2
+    are laid out row-major, as the kernels read them: XLA's default TPU layout puts S
+    minor when the head dim is not a multiple of 128 (80, 96, 192, MLA's 576), and then
+    every call copies the whole cache into the kernel's layout (`README`, TPU layouts)."""
     import jax  # pylint: disable=g-import-not-at-top
     from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
     mesh = mesh or self.mesh(1)
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, pspec or PartitionSpec()))
+    sharding = NamedSharding(mesh, pspec or PartitionSpec())
+    if not self.is_gpu and len(shape) >= 2:
+      from jax.experimental.layout import Format, Layout  # pylint: disable=g-import-not-at-top
+      sharding = Format(Layout(tuple(range(len(shape)))), sharding)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
 def _mesh_shape(n, rank):
@@ -185,7 +193,8 @@ def run_cases(target_name: str, cases_path: str, names: list[str], *, timeout: f
   status and the end of its stderr; a new worker takes the rest.
   """
   results, todo = {}, list(names)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  # Workers of several TPU targets run at once; libtpu's lockfile would refuse all but one.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
   while todo:
     with tempfile.TemporaryFile("w+") as err:
       proc = subprocess.Popen(

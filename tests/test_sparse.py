@@ -134,17 +134,22 @@ def test_with_window_soft_cap_and_kv_offset(impl):
   check(q, k, v, lengths, idx, impl=impl, kv_offset=offset, window=25, logits_soft_cap=5.0, block_k=BLOCK)
 
 
-def test_unselected_garbage_never_leaks(impl):
-  """inf / NaN in every slot no list selects (and past the lengths) changes no bit."""
-  q, k, v = make_problem(11, b=2, t=2, hq=4, hkv=2, s=S, dk=32)
-  lengths = jnp.array([S, 30])
-  idx = random_indices(12, (2, 2, 16), S, dup=False)
-  sel = index_mask(idx, q.shape, 2, S)[:, :, ::2].any(axis=1)  # [B, Hkv, S]: a slot some query may read
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_unselected_garbage_never_leaks(impl, dtype):
+  """inf / NaN in every slot no list selects (and past the lengths) changes no bit. bf16
+  (an even S): the TPU kernel DMAs 2-row units, so a selected token's neighbour arrives
+  in VMEM holding NaN / inf and must be selected away."""
+  s = S if dtype == jnp.float32 else S + 1
+  q, k, v = make_problem(11, b=2, t=2, hq=4, hkv=2, s=s, dk=32, dtype=dtype)
+  lengths = jnp.array([s, 30])
+  idx = random_indices(12, (2, 2, 16), s, dup=False)
+  sel = index_mask(idx, q.shape, 2, s)[:, :, ::2].any(axis=1)  # [B, Hkv, S]: a slot some query may read
   bad = jnp.asarray(~sel)[..., None]
-  dirty = lambda x: jnp.where(bad, jnp.where(jnp.arange(S)[:, None] % 2 == 0, jnp.nan, jnp.inf), x)
+  dirty = lambda x: jnp.where(bad, jnp.where(jnp.arange(s)[:, None] % 2 == 0, jnp.nan, jnp.inf), x).astype(dtype)
   run = lambda kk, vv: fdecode.flash_decode(q, kk, vv, lengths, indices=idx, impl=impl, block_k=BLOCK,
                                             return_lse=True)
-  (a, a_lse), (b, b_lse) = run(k, v), run(dirty(k), dirty(v))
+  a, a_lse = check(q, k, v, lengths, idx, impl=impl, dtype=dtype, block_k=BLOCK)
+  b, b_lse = run(dirty(k), dirty(v))
   np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   np.testing.assert_array_equal(np.asarray(a_lse), np.asarray(b_lse))
 

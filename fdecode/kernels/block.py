@@ -298,19 +298,29 @@ def out_struct(shape, dtype, *inputs):
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))
 
 
-def cost_estimate(*, rows: int, keys: int, dk: int, dv: int, cache_bytes: int, small=(), outputs=()):
+def cost_estimate(*, b: int, hkv: int, rows: int, keys: int, dk: int, dv: int, caches, operands,
+                  outputs, sparse: bool = False):
   """What one decode ``pallas_call`` costs, for XLA's scheduler (``pl.CostEstimate``).
 
   Args:
-    rows: query rows over the whole grid (``B * Hkv * R``).
-    keys: keys each row scores (the addressable tokens: capacity, or the slots of a
-      sparse list).
+    b, hkv: the grid's sequences and kv heads.
+    rows: query rows per (sequence, kv head).
+    keys: keys each row scores: the addressable tokens (capacity), or the slots of a
+      sparse list.
     dk, dv: scored and accumulated head dims.
-    cache_bytes: bytes of K / V (/ k_rope, scales) the kernel reads at that capacity.
-    small, outputs: the other operands (queries, tables, modifiers) and the outputs, read
-      or written once.
+    caches: the K / V / k_rope operands (streamed once per (sequence, kv head); sparse:
+      ``keys`` rows of each). A paged pool's unused pages are not read.
+    operands: every operand; those not in ``caches`` (queries, tables, scales,
+      modifiers) count whole, once.
+    outputs: the output types, written once.
   """
   nbytes = lambda x: int(x.size) * jnp.dtype(x.dtype).itemsize
-  total = int(cache_bytes) + sum(nbytes(x) for x in small if x is not None) + sum(nbytes(x) for x in outputs)
-  return pl.CostEstimate(flops=2 * rows * keys * (dk + dv), transcendentals=rows * keys,
-                         bytes_accessed=total)
+  itemsize = lambda x: jnp.dtype(x.dtype).itemsize
+  if sparse:
+    cache_bytes = sum(b * hkv * keys * x.shape[-1] * itemsize(x) for x in caches)
+  else:
+    cache_bytes = sum(min(int(x.size), b * hkv * keys * x.shape[-1]) * itemsize(x) for x in caches)
+  small = sum(nbytes(x) for x in operands if not any(x is c for c in caches))
+  total = cache_bytes + small + sum(nbytes(x) for x in outputs)
+  return pl.CostEstimate(flops=2 * b * hkv * rows * keys * (dk + dv), transcendentals=b * hkv * rows * keys,
+                         bytes_accessed=int(total))

@@ -207,14 +207,17 @@ def _contiguous_call(q_rows, ends, k, v, k_rope, quant, mod_arrays, p: Plan, *, 
       scratch_shapes=[pltpu.VMEM((p.rows_p, 1), jnp.float32), pltpu.VMEM((p.rows_p, 1), jnp.float32)]
       + [pltpu.VMEM((p.rows_p, vp.width), jnp.float32) for vp in v_pieces],
   )
+  operands = (ends, q_rows, *streams, *present, *mod_ops)
+  out_shape = _out_shape(b, hkv, num_splits, p.rows_p, dv, *operands)
   return pl.pallas_call(
-      kernel, grid_spec=grid_spec,
-      out_shape=_out_shape(b, hkv, num_splits, p.rows_p, dv, ends, q_rows, *streams, *present, *mod_ops),
+      kernel, grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
           vmem_limit_bytes=p.vmem_limit_bytes),
+      cost_estimate=blk.cost_estimate(b=b, hkv=hkv, rows=r, keys=seq_len, dk=dq, dv=dv, caches=streams,
+                                      operands=operands, outputs=out_shape),
       interpret=interpret, name="fdecode_split_kv_mosaic",
-  )(ends, q_rows, *streams, *present, *mod_ops)
+  )(*operands)
 
 
 def _mod_operands(mod_arrays, num_tokens, rows_p, positions):
@@ -399,14 +402,18 @@ def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, 
       out_specs=_out_specs(p.rows_p, dv, lambda i, h, s, e, t: (i, h, s, 0, 0)),
       scratch_shapes=bufs + [pltpu.SemaphoreType.DMA((max(len(bufs), 1), 2))],
   )
+  operands = (ends, tables.reshape(-1), q_rows, *present)
+  out_shape = _out_shape(b, hkv, num_splits, p.rows_p, dv, *operands)
   return pl.pallas_call(
-      kernel, grid_spec=grid_spec,
-      out_shape=_out_shape(b, hkv, num_splits, p.rows_p, dv, ends, tables, q_rows, *present),
+      kernel, grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel"),
           vmem_limit_bytes=p.vmem_limit_bytes),
+      cost_estimate=blk.cost_estimate(b=b, hkv=hkv, rows=r, keys=table_len * page_size, dk=dq, dv=dv,
+                                      caches=[x for x in (k, v, k_rope) if x is not None],
+                                      operands=operands, outputs=out_shape),
       interpret=interpret, name="fdecode_split_kv_mosaic_paged",
-  )(ends, tables.reshape(-1), q_rows, *present)
+  )(*operands)
 
 
 def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float,

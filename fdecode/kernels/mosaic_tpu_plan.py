@@ -73,14 +73,16 @@ def per_token(scale, paged: bool) -> bool:
 
 def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offset=None,
          v_offset=None, block_k: int | None = None, mods: Modifiers = Modifiers(), mask=None,
-         bias=None, alibi=None, v_head_dim=None, k_rope=None, num_slots: int | None = None) -> Plan:
+         bias=None, alibi=None, v_head_dim=None, k_rope=None, num_slots: int | None = None,
+         slot_rows: int = 1) -> Plan:
   """Block sizes and VMEM footprint for these operands (arrays or ShapeDtypeStructs).
 
   ``block_k``: tokens per step; ``None`` picks about `_STEP_BYTES` of K + V per step.
   It is rounded up to the cache dtype's sublane tiling (paged: to whole pages). ``v``
   None (MLA): no value stream, the values are the key block's first ``v_head_dim``
   columns; ``k_rope``: a second key stream. ``num_slots``: a sparse call's index-list
-  length K (`fdecode.kernels.mosaic_tpu_sparse`): blocks are slots of the list.
+  length K (`fdecode.kernels.mosaic_tpu_sparse`): blocks are slots of the list, each
+  ``slot_rows`` cache rows wide in VMEM (its DMA unit).
   """
   r, dq = q_rows.shape[-2:]
   dk = k.shape[-1]
@@ -100,16 +102,19 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
     pages = 0
     seq_len = k.shape[2] if num_slots is None else num_slots
     align = max([_sublanes(k.dtype)] + [_sublanes(d) for _, d in extra])
+    if num_slots is not None:
+      tokens = max(tokens // slot_rows, align)
     block = seq_len if seq_len <= tokens else _round_up(tokens, align)
-  # Streams (K, V, k_rope and per-token scales): two buffers each, blocks of `block` rows.
-  streams = _tile_bytes((block, dk), k.dtype) + sum(_tile_bytes((block, w), d) for w, d in extra)
-  streams += sum(_tile_bytes((block if per_token(a, paged) else 1, a.shape[-1]), jnp.float32)
+  # Streams (K, V, k_rope and per-token scales): two buffers each, blocks of `rows` rows.
+  rows = block * (slot_rows if num_slots is not None else 1)
+  streams = _tile_bytes((rows, dk), k.dtype) + sum(_tile_bytes((rows, w), d) for w, d in extra)
+  streams += sum(_tile_bytes((rows if per_token(a, paged) else 1, a.shape[-1]), jnp.float32)
                  for a in quant)
   io = (_tile_bytes((rows_p, dq), q_rows.dtype) + _tile_bytes((rows_p, dv), jnp.float32)
         + _tile_bytes((rows_p, 1), jnp.float32))
   scratch = _tile_bytes((rows_p, dv), jnp.float32) + 2 * _tile_bytes((rows_p, 1), jnp.float32)
   # In-flight block values (scores / probabilities, a dequantized block) held in VMEM.
-  work = 2 * _tile_bytes((rows_p, block), jnp.float32) + _tile_bytes((block, max(dq, dv)), jnp.float32)
+  work = 2 * _tile_bytes((rows_p, rows), jnp.float32) + _tile_bytes((rows, max(dq, dv)), jnp.float32)
   for x, dtype in ((mask, jnp.int32), (bias, None)):  # [M, block] blocks, expanded by rows
     if x is not None:
       m = x.shape[2] * x.shape[3]

@@ -3,14 +3,20 @@
 Grid ``(B', Hkv, n_splits)``, one program per pseudo-sequence and kv head (legend and
 canonical index lists in `fdecode.sparse`). The caches (contiguous ``[B, Hkv, S, D]`` or
 paged ``[Hkv, P, page_size, D]``) stay in HBM (``memory_space=pl.ANY``). A step covers
-``bk`` slots of the program's sorted index list: each live slot's token row is copied by
-its own DMA (contiguous: ``k[b // fold, h, pos]``; paged: through the block table) into
-one slot of a two-slot VMEM buffer while the other slot computes, as the paged kernel
-does with pages (`fdecode.kernels.mosaic_tpu`). The list reaches the kernel twice: in
-SMEM (a BlockSpec of the program's row; DMA addresses) and in VMEM as ``[K_p / bk, bk]``
-(one row per step: the slots' positions for the masks). Slots outside the row's live
-range are not copied; whatever their buffer rows hold is selected away (their position
-is past every row's end, or before the window), as in every other kernel.
+``bk`` slots of the program's sorted index list. Each live slot's token is copied by its
+own DMA (contiguous: ``k[b // fold, h, pos]``; paged: through the block table) into one
+slot of a two-slot VMEM buffer while the other slot computes, as the paged kernel does
+with pages (`fdecode.kernels.mosaic_tpu`). Mosaic addresses tiled HBM and VMEM rows in
+32-bit sublanes, so a DMA moves the ``unit`` rows holding the token (`dma_unit`: 1 for
+32-bit caches, 2 for 16-bit, 4 for 8-bit; libtpu rejects a lone 16-bit row); a buffer
+block is ``bk * unit`` rows, and the row of a unit that is not the listed token gets
+position S (past every row's end), so it is selected away like any dead slot.
+
+The lists reach the kernel twice: in SMEM (the sequence's ``[Hi, K_p]``; DMA addresses)
+and in VMEM as ``[K_p / bk, bk * unit]`` (one row per step: the buffer rows' positions,
+for the masks). Slots outside the row's live range are not copied; whatever their
+buffer rows hold is selected away (their position is past every row's end, or before
+the window), as in every other kernel.
 """
 
 from __future__ import annotations
@@ -30,8 +36,21 @@ from fdecode.modifiers import Modifiers, window_start
 from fdecode.sparse import Sparse, pad_slots, slot_range
 
 
+def dma_unit(k, v=None, k_rope=None) -> int:
+  """Cache rows one DMA moves: a 32-bit sublane's worth (1 for 32-bit caches, 2 for 16-bit,
+  4 for 8-bit), the finest row offset Mosaic can address in a tiled HBM or VMEM array."""
+  return max(4 // jnp.dtype(x.dtype).itemsize for x in (k, v, k_rope) if x is not None)
+
+
+def supports(k, v=None, k_rope=None, block_tables=None) -> bool:
+  """Whether the sparse kernel takes this cache: its rows (contiguous) or pages (paged)
+  come in whole DMA units (`dma_unit`). Otherwise the XLA path serves the call."""
+  rows = k.shape[2]  # contiguous S, paged page_size
+  return rows % dma_unit(k, v, k_rope) == 0
+
+
 def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *refs, kinds, paged, fold,
-                   heads, softmax_scale, num_splits, bk, seq_len, page_size, num_pages, table_len,
+                   heads, softmax_scale, num_splits, bk, unit, seq_len, page_size, num_pages, table_len,
                    num_rows, group, num_tokens, k_pieces, v_pieces, mods):
   # kinds: for (k, v, k_rope, k_scale, k_offset, v_scale, v_offset, alibi): "stream" (an
   #   HBM ref, DMA'd token by token), "resident" (a VMEM block) or None (absent).
@@ -51,17 +70,21 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
   streams = [i for i, kind in enumerate(kinds) if kind == "stream"]
 
   def copy(n, i, pos, slot, j):
-    """The DMA of the token at position ``pos`` of stream ``i`` into buffer row ``j``."""
+    """The DMA of the ``unit`` rows holding position ``pos`` of stream ``i`` into buffer
+    rows ``[j * unit, (j + 1) * unit)``."""
     src = srcs[i]
     head = h if src.shape[1 if not paged else 0] > 1 else 0
+    aligned = lambda x: x if unit == 1 else pl.multiple_of(x, unit)
     if paged:
       page = jnp.clip(tables_ref[b * table_len + jnp.clip(pos // page_size, 0, table_len - 1)],
                       0, num_pages - 1)
-      row_src = src.at[head, page if src.shape[1] > 1 else 0, pl.ds(pos % page_size, 1)]
+      row = pos % page_size
+      row_src = src.at[head, page if src.shape[1] > 1 else 0, pl.ds(aligned(row - row % unit), unit)]
     else:
       seq = b // fold if src.shape[0] > 1 else 0
-      row_src = src.at[seq, head, pl.ds(jnp.clip(pos, 0, seq_len - 1), 1)]
-    return pltpu.make_async_copy(row_src, bufs[n].at[slot, pl.ds(j, 1)], sems.at[n, slot])
+      row = jnp.clip(pos, 0, seq_len - 1)
+      row_src = src.at[seq, head, pl.ds(aligned(row - row % unit), unit)]
+    return pltpu.make_async_copy(row_src, bufs[n].at[slot, pl.ds(aligned(j * unit), unit)], sems.at[n, slot])
 
   def each_live_slot(step, slot, action):
     """Runs ``action`` on the DMA of every stream for each live slot of ``step``."""
@@ -70,7 +93,7 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
 
       @pl.when((n_slot >= lo) & (n_slot < hi))
       def _():
-        pos = idx_ref[n_slot]
+        pos = idx_ref[h if heads > 1 else 0, n_slot]
         for n, i in enumerate(streams):
           action(copy(n, i, pos, slot, j))
       return carry
@@ -97,7 +120,7 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
                                   for i, src in enumerate(srcs[:7]))
     kb, vb = _block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
     s = blk.block_scores(q_pieces, kb, softmax_scale)
-    pos_row = pos_ref[pl.ds(step, 1), :]  # [1, bk] the slots' positions
+    pos_row = pos_ref[pl.ds(step, 1), :]  # [1, bk * unit] the buffer rows' positions
     s = blk.modify_scores(s, mods, rows, pos_row, slopes)
     visible, live = blk.sparse_block_masks(rows, pos_row, live_end, first_visible)
     return blk.online_update(state, s, visible, live, vb)
@@ -141,6 +164,10 @@ def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, plan.rows_p - r), (0, 0)])
   idx = pad_slots(indices, bk, seq_len)
   heads, k_p = idx.shape[1], idx.shape[2]
+  unit = dma_unit(k, v, k_rope)
+  # Row u of a slot's unit holds position pos if pos % unit == u, else nothing (S).
+  lanes = jnp.arange(unit, dtype=idx.dtype)
+  unit_pos = jnp.where(idx[..., None] % unit == lanes, idx[..., None], seq_len)
   per_head = lambda h: h if heads > 1 else 0
   kinds, present, in_specs, bufs = [], [], [], []
   for i, a in enumerate((k, v, k_rope, k_scale, k_offset, v_scale, v_offset)):
@@ -152,7 +179,7 @@ def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse:
         a = jnp.broadcast_to(a, (a.shape[0], num_pages, page_size, a.shape[-1]))
       kinds.append("stream")
       in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-      bufs.append(pltpu.VMEM((2, bk, a.shape[-1]), a.dtype))
+      bufs.append(pltpu.VMEM((2, bk * unit, a.shape[-1]), a.dtype))
     else:  # per sequence / head / tensor: one resident [1, nt] block
       kinds.append("resident")
       d0, d1 = a.shape[:2]
@@ -171,26 +198,30 @@ def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse:
   k_pieces, v_pieces = _all_pieces(k, v, k_scale, v_scale, v_head_dim)
   kernel = functools.partial(
       _sparse_kernel, kinds=tuple(kinds), paged=paged, fold=sparse.fold, heads=heads,
-      softmax_scale=softmax_scale, num_splits=num_splits, bk=bk, seq_len=seq_len, page_size=page_size,
+      softmax_scale=softmax_scale, num_splits=num_splits, bk=bk, unit=unit, seq_len=seq_len, page_size=page_size,
       num_pages=num_pages, table_len=table_len, num_rows=r, group=r // num_tokens,
       num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods)
-  index_map = lambda i, h, s, *_: (i, per_head(h), 0)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=3,
       grid=(b, hkv, num_splits),
-      in_specs=[pl.BlockSpec((None, None, k_p), index_map, memory_space=pltpu.SMEM),
-                pl.BlockSpec((None, None, k_p // bk, bk), lambda i, h, s, *_: (i, per_head(h), 0, 0)),
+      # The sequence's lists, every head's (an SMEM block takes no partial second-minor dim).
+      in_specs=[pl.BlockSpec((None, heads, k_p), lambda i, h, s, *_: (i, 0, 0), memory_space=pltpu.SMEM),
+                pl.BlockSpec((None, None, k_p // bk, bk * unit), lambda i, h, s, *_: (i, per_head(h), 0, 0)),
                 pl.BlockSpec((None, None, plan.rows_p, dq), lambda i, h, s, *_: (i, h, 0, 0))] + in_specs,
       out_specs=_out_specs(plan.rows_p, dv, lambda i, h, s, *_: (i, h, s, 0, 0)),
       scratch_shapes=bufs + [pltpu.SemaphoreType.DMA((max(len(bufs), 1), 2))],
   )
+  operands = (ends.astype(jnp.int32), tables, index_bounds.astype(jnp.int32).reshape(-1), idx,
+              unit_pos.reshape(b, heads, k_p // bk, bk * unit), q_rows, *present)
+  out_shape = _out_shape(b, hkv, num_splits, plan.rows_p, dv, *operands)
   o, lse = pl.pallas_call(
-      kernel, grid_spec=grid_spec,
-      out_shape=_out_shape(b, hkv, num_splits, plan.rows_p, dv, ends, q_rows, idx, *present),
+      kernel, grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel"),
           vmem_limit_bytes=plan.vmem_limit_bytes),
+      cost_estimate=blk.cost_estimate(  # each listed token moves its whole DMA unit
+          b=b, hkv=hkv, rows=r, keys=k_p * unit, dk=dq, dv=dv, sparse=True,
+          caches=[x for x in (k, v, k_rope) if x is not None], operands=operands, outputs=out_shape),
       interpret=interpret, name="fdecode_sparse_mosaic",
-  )(ends.astype(jnp.int32), tables, index_bounds.astype(jnp.int32).reshape(-1), idx,
-    idx.reshape(b, heads, k_p // bk, bk), q_rows, *present)
+  )(*operands)
   return o[:, :, :, :r], lse[:, :, :, :r, 0]

@@ -416,8 +416,10 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     raw_bytes = max(jnp.dtype(x.dtype).itemsize for x in (k, v, k_rope) if x is not None)
     quantized = k_scale is not None or v_scale is not None
     # A float cache cast up for a wider query (bf16 -> f32) holds both on the way to the
-    # f32 FMA dots; a dequantized one its bytes and a float32 product; a bit decode int32s.
-    convert_bytes = (raw_bytes + 4 if quantized or raw_bytes != compute_bytes else 0) + (4 if any(fp8_bits) else 0)
+    # f32 FMA dots; a dequantized one its bytes and a float32 product; a bit decode two
+    # more 32-bit words (its integer fields and the float built from them: at 4 bytes,
+    # ptxas spilled 8 B of the A100 e4m3 tile-scale kernel).
+    convert_bytes = (raw_bytes + 4 if quantized or raw_bytes != compute_bytes else 0) + (8 if any(fp8_bits) else 0)
     launch = launch_plan(gpu, block_r=block_r, dq=dq, dv=dv, cols=cols, raw_bytes=raw_bytes,
                          compute_bytes=compute_bytes, block_k=block_k, convert_bytes=convert_bytes)
   bk = launch.block
@@ -512,17 +514,9 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   out_map = lambda i, hr, j: (i, hr // row_blocks, j, hr % row_blocks)
   out_shape = [blk.out_struct((b, hkv, num_splits, rows_p, dv), jnp.float32, *operands),
                blk.out_struct((b, hkv, num_splits, rows_p), jnp.float32, *operands)]
-  caches = [x for x in operands if x is k or x is v or x is k_rope]
-  itemsize = lambda x: jnp.dtype(x.dtype).itemsize
-  if sparse is not None:  # the K listed rows of each (pseudo-)sequence and kv head
-    keys = indices.shape[-1]
-    cache_bytes = b * hkv * keys * sum(x.shape[-1] * itemsize(x) for x in caches)
-  else:  # every addressable token of every (sequence, kv head), once
-    keys = seq_len
-    cache_bytes = sum(min(int(x.size), b * hkv * seq_len * x.shape[-1]) * itemsize(x) for x in caches)
-  cost = blk.cost_estimate(rows=b * hkv * r, keys=keys, dk=dq, dv=dv, cache_bytes=cache_bytes,
-                           small=[x for x in operands if not any(x is c for c in caches)],
-                           outputs=out_shape)
+  cost = blk.cost_estimate(b=b, hkv=hkv, rows=r, keys=seq_len if sparse is None else indices.shape[-1],
+                           dk=dq, dv=dv, caches=[x for x in (k, v, k_rope) if x is not None],
+                           operands=operands, outputs=out_shape, sparse=sparse is not None)
   o, lse = pl.pallas_call(
       kernel,
       grid=(b, hkv * row_blocks, num_splits),

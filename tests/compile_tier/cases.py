@@ -128,8 +128,8 @@ CASES["mla-fp8-g16-paged16"] = functools.partial(_mla, g=16, dtype=jnp.float8_e4
 CASES["mla-bf16-g128-t2"] = functools.partial(_mla, g=128, t=2)
 
 
-def _sparse(target, *, form, paged=None, dk=128, kk=512):
-  fn, (q, k, v, n, opts) = _contiguous(target, dk=dk, t=2 if form != "shared1" else 1, paged=paged)
+def _sparse(target, *, form, paged=None, dk=128, kk=512, **kw):
+  fn, (q, k, v, n, opts) = _contiguous(target, dk=dk, t=2 if form != "shared1" else 1, paged=paged, **kw)
   sd = target.spec
   shape = {"shared": (B, kk), "per_token": (B, 2, kk), "per_head": (B, 2, HKV, kk), "shared1": (B, kk)}[form]
   if form == "shared1":
@@ -141,6 +141,11 @@ for _f in ("shared1", "shared", "per_token", "per_head"):
   CASES[f"sparse-{_f}"] = functools.partial(_sparse, form=_f)
 CASES["sparse-shared-paged16"] = functools.partial(_sparse, form="shared", paged=16)
 CASES["sparse-mla"] = lambda target: _sparse_mla(target)
+# 8-bit caches DMA 4-row units on TPU, f32 single rows; streamed per-token scales.
+CASES["sparse-f32"] = functools.partial(_sparse, form="shared", dtype=jnp.float32)
+CASES["sparse-int8-token"] = functools.partial(_sparse, form="shared", dtype=jnp.int8)
+CASES["sparse-e4m3-tiles-paged16"] = functools.partial(_sparse, form="per_token", paged=16,
+                                                       dtype=jnp.float8_e4m3fn, quant=("tiles", False))
 
 
 def _sparse_mla(target):
