@@ -18,6 +18,7 @@ from fdecode import sparse as sparse_lib
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels.mosaic_tpu import mosaic_partials, plan as mosaic_plan
 from fdecode.kernels import mosaic_tpu_sparse as mosaic_sparse
+from fdecode.kernels.mosaic_tpu_plan import dma_unit as mosaic_dma_unit
 from fdecode.kernels.triton import triton_partials, triton_unsupported
 from fdecode.kernels.xla import window_tokens, xla_partials
 from fdecode.kernels.xla_sparse import sparse_partials
@@ -108,7 +109,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       Not combinable with ``mask`` / ``bias``. Exact semantics: `fdecode.sparse`. On TPU
       the kernel DMAs each token's 32-bit sublane (2 rows of a 16-bit cache, 4 of an
       8-bit one: the finest row Mosaic addresses); a cache whose length (contiguous) or
-      page size (paged) is not a multiple of that takes the XLA path instead.
+      page size (paged) is not a multiple of that takes the XLA path instead (so does
+      any paged cache on TPU with such pages, e.g. page size 1 of bf16).
 
   Score modifiers (all off by default; exact semantics in `fdecode.modifiers`). With
   ``p = lengths - T + t`` the position of query t and ``j`` a key position:
@@ -360,14 +362,16 @@ def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, int
 
 def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, **cache):
   b, hkv = q_rows.shape[:2]
+  unit = mosaic_dma_unit(k, v, cache["k_rope"])
+  if ("sparse" in cache or cache["block_tables"] is not None) and k.shape[2] % unit:
+    # Pages (or sparse rows) that split a 32-bit sublane: no DMA can address them.
+    return _xla(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
+                platform="tpu", **cache)
   if "sparse" in cache:  # blocks of index-list slots, each token DMA'd on its own
-    if not mosaic_sparse.supports(k, v, cache["k_rope"], cache["block_tables"]):
-      return _xla(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
-                  platform="tpu", **cache)
     slots = cache["indices"].shape[-1]
     plan_args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
     p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, num_slots=slots,
-                    slot_rows=mosaic_sparse.dma_unit(k, v, cache["k_rope"]), **plan_args)
+                    slot_rows=unit, **plan_args)
     splits = cfg.num_splits or config_lib.default_num_splits(
         b, hkv, max(-(-slots // p.block), 1), config_lib.num_parallel_units("tpu"))
     return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,

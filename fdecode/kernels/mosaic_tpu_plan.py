@@ -65,6 +65,14 @@ def _default_step_tokens(token_bytes: int) -> int:
   return max(_LANES, min(tokens, _MAX_STEP_TOKENS))
 
 
+def dma_unit(k, v=None, k_rope=None) -> int:
+  """Cache rows of one 32-bit sublane (1 for 32-bit caches, 2 for 16-bit, 4 for 8-bit):
+  the finest row offset and size a Mosaic DMA addresses in a tiled HBM or VMEM array
+  (libtpu rejects a lone 16-bit row). A paged kernel's pages and a sparse kernel's
+  per-token copies come in these units."""
+  return max(4 // jnp.dtype(x.dtype).itemsize for x in (k, v, k_rope) if x is not None)
+
+
 def per_token(scale, paged: bool) -> bool:
   """Whether a canonical scale / offset varies along the tokens (then it is streamed with
   its block): contiguous ``[B|1, Hkv|1, S|1, nt]``, paged ``[Hkv|1, P|1, ps|1, nt]``."""

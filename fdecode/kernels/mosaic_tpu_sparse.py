@@ -31,22 +31,9 @@ from jax.experimental.pallas import tpu as pltpu
 from fdecode.kernels import block as blk
 from fdecode.kernels.mosaic_tpu import (_all_pieces, _block_kv, _mod_operands, _out_shape, _out_specs,
                                         _q_pieces, _store_out)
-from fdecode.kernels.mosaic_tpu_plan import Plan, per_token
+from fdecode.kernels.mosaic_tpu_plan import Plan, dma_unit, per_token
 from fdecode.modifiers import Modifiers, window_start
 from fdecode.sparse import Sparse, pad_slots, slot_range
-
-
-def dma_unit(k, v=None, k_rope=None) -> int:
-  """Cache rows one DMA moves: a 32-bit sublane's worth (1 for 32-bit caches, 2 for 16-bit,
-  4 for 8-bit), the finest row offset Mosaic can address in a tiled HBM or VMEM array."""
-  return max(4 // jnp.dtype(x.dtype).itemsize for x in (k, v, k_rope) if x is not None)
-
-
-def supports(k, v=None, k_rope=None, block_tables=None) -> bool:
-  """Whether the sparse kernel takes this cache: its rows (contiguous) or pages (paged)
-  come in whole DMA units (`dma_unit`). Otherwise the XLA path serves the call."""
-  rows = k.shape[2]  # contiguous S, paged page_size
-  return rows % dma_unit(k, v, k_rope) == 0
 
 
 def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *refs, kinds, paged, fold,

@@ -117,8 +117,11 @@ class Launch:
   regs: int                   # estimate of its registers per thread
 
   def resident(self, gpu: chips.Gpu) -> int:
-    """Programs an SM holds at once (estimated from `regs` and `smem`)."""
-    return max(1, gpu.resident_programs(threads=32 * self.warps, regs=self.regs,
+    """Programs an SM may hold at once, an upper bound from threads and shared memory.
+    Registers are ptxas' choice, often under `regs`: counting them from the estimate
+    under-filled a wave (H100, B=64 S=4k: 3 resident planned, 4 compiled, 0.97 waves).
+    Too many splits only cost merge bytes; too few leave SMs idle."""
+    return max(1, gpu.resident_programs(threads=32 * self.warps, regs=1,
                                         smem=int(self.smem * _SMEM_MEASURED)))
 
 
@@ -420,6 +423,11 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     # more 32-bit words (its integer fields and the float built from them: at 4 bytes,
     # ptxas spilled 8 B of the A100 e4m3 tile-scale kernel).
     convert_bytes = (raw_bytes + 4 if quantized or raw_bytes != compute_bytes else 0) + (8 if any(fp8_bits) else 0)
+    if paged and k.shape[2] < _MIN_DOT:
+      # Pages smaller than a dot tile: the rows' addresses come through the table, not an
+      # affine range, so a 64-bit pointer is held per loaded element (f32 page size 1
+      # spilled 308 B at 255 registers without this).
+      convert_bytes += 8
     launch = launch_plan(gpu, block_r=block_r, dq=dq, dv=dv, cols=cols, raw_bytes=raw_bytes,
                          compute_bytes=compute_bytes, block_k=block_k, convert_bytes=convert_bytes)
   bk = launch.block

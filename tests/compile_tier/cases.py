@@ -74,6 +74,8 @@ CASES["float8_e4m3fn-d256-tiles"] = functools.partial(_contiguous, dk=256, dtype
 # Paged caches.
 for _ps in (1, 16, 64, 128):
   CASES[f"paged{_ps}-bf16-d128"] = functools.partial(_contiguous, dk=128, paged=_ps)
+CASES["paged1-f32-d128"] = functools.partial(_contiguous, dk=128, dtype=jnp.float32, paged=1)
+CASES["paged2-bf16-d128"] = functools.partial(_contiguous, dk=128, paged=2)
 CASES["paged16-f32-d256"] = functools.partial(_contiguous, dk=256, dtype=jnp.float32, paged=16)
 CASES["paged16-int8-token"] = functools.partial(_contiguous, dk=128, dtype=jnp.int8, paged=16)
 CASES["paged64-float8_e4m3fn-tiles"] = functools.partial(_contiguous, dk=128, dtype=jnp.float8_e4m3fn,
@@ -182,6 +184,9 @@ def _sharded(target, n_dev, head, seq, pod=None):
 
 CASES["sharded-4dev"] = functools.partial(_sharded, n_dev=4, head=2, seq=2)
 TPU_ONLY = {"sharded-pod-v5e-4x4"}  # a 16-chip, 4-host slice (TPU topology only)
+# Cases whose documented TPU path is XLA, not a kernel: bf16 pages of one token split a
+# 32-bit sublane, which no Mosaic DMA addresses (`fdecode.kernels.mosaic_tpu_plan.dma_unit`).
+TPU_XLA = {"paged1-bf16-d128"}
 CASES["sharded-pod-v5e-4x4"] = functools.partial(_sharded, n_dev=16, head=4, seq=4, pod="v5e:4x4")
 
 

@@ -19,7 +19,7 @@ import pytest
 from fdecode import chips
 from fdecode.compile_check import run_cases
 
-from cases import BENCH, CASES, names_for
+from cases import BENCH, CASES, TPU_XLA, names_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS = os.environ.get("FDECODE_COMPILE_TARGETS", "h100,a100,v5e,v6e").split(",")
@@ -51,6 +51,9 @@ def test_compiles(reports, target, name):
   report = reports[target][name]
   assert report["ok"], f"{name} on {target}: {report.get('error')}"
   kernels = report["kernels"]
+  if target in chips.TPUS and name in TPU_XLA:  # the dispatch's documented XLA path
+    assert not kernels, f"{name} on {target}: expected the XLA path, got {kernels}"
+    return
   assert kernels, f"{name} on {target}: no fdecode kernel in the compiled program"
   if target in chips.GPUS:
     gpu = chips.GPUS[target]

@@ -1,0 +1,167 @@
+"""What the real chip compilers make of fdecode's benchmark grid, with no chip.
+
+One table per chip, a row per kernel variant (bf16, paged 16, int8 and fp8 with per-token
+scales) of the benchmark grid (Hq=32, Hkv=8, D=128, every sequence full, at B x S of
+1 x 32k, 8 x 32k, 64 x 4k; and B=1, Hkv=1, Hq=8, S=1M, FlashDecoding's long-context case):
+
+* GPU (H100 sm_90a, A100 sm_80; XLA:GPU + ptxas, `fdecode.compile_check`): registers,
+  spills, shared memory, programs, programs resident per SM, waves, and the predicted time
+  at the memory roofline with that many SMs busy. The model: equal programs; below one
+  wave ``min(programs, SMs)`` SMs stream, at ``bandwidth / SMs`` each; from one wave on,
+  the last partial wave idles ``1 - waves / ceil(waves)`` of the chip. Compute, launch and
+  the split merge are left out, so this is a bound on what the launch shape allows.
+* TPU (v5e, v6e; libtpu): whether it compiles, the VMEM footprint and limit of the plan
+  (`fdecode.kernels.mosaic_tpu.plan`), tokens and bytes per grid step, grid steps, and
+  the roofline time beside the per-step overhead (~0.35 us a step, spread over the
+  chip's TensorCores) that double buffering has to hide.
+
+Run in the compile tier's environment (``scripts/compile_tier`` makes ``.venv-chips``):
+``JAX_PLATFORMS=cpu .venv-chips/bin/python benchmarks/compile_report.py [--json OUT]``.
+The tables go to stdout (markdown, for benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import fdecode  # noqa: E402
+from fdecode import chips, config  # noqa: E402
+
+GRID = {"B=1 S=32k": (1, 8, 32, 32768), "B=8 S=32k": (8, 8, 32, 32768),
+        "B=64 S=4k": (64, 8, 32, 4096), "B=1 Hkv=1 S=1M": (1, 1, 8, 1 << 20)}
+VARIANTS = ("bf16", "paged16", "int8", "fp8")
+D = 128
+_STEP_OVERHEAD_S = 0.35e-6  # per Mosaic grid step (RESULTS.md, roofline on paper)
+
+
+def _arrays(spec, variant, b, hkv, hq, s):
+  """flash_decode's operands for one variant, as ``spec(shape, dtype)`` structs."""
+  q = spec((b, hq, D), jnp.bfloat16)
+  opts = {}
+  if variant == "paged16":
+    n = s // 16
+    lead = (hkv, b * n, 16)
+    opts["block_tables"] = spec((b, n), jnp.int32)
+  else:
+    lead = (b, hkv, s)
+  dtype = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(variant, jnp.bfloat16)
+  k, v = spec(lead + (D,), dtype), spec(lead + (D,), dtype)
+  if variant in ("int8", "fp8"):
+    opts.update(k_scale=spec(lead + (1,), jnp.float32), v_scale=spec(lead + (1,), jnp.float32))
+  return q, k, v, spec((b,), jnp.int32), opts
+
+
+def kv_bytes(variant, b, hkv, s) -> int:
+  """The bytes a decode must read: K and V, plus per-token float32 scales."""
+  per_token = 2 * D * (1 if variant in ("int8", "fp8") else 2) + (8 if variant in ("int8", "fp8") else 0)
+  return b * hkv * s * per_token
+
+
+def _build(target, *, variant, shape):
+  q, k, v, n, opts = _arrays(target.spec, variant, *shape)
+  return (lambda q, k, v, n, opts: fdecode.flash_decode(q, k, v, n, **opts)), (q, k, v, n, opts)
+
+
+CASES = {f"{v} {g}": functools.partial(_build, variant=v, shape=shape)
+         for g, shape in GRID.items() for v in VARIANTS}
+
+
+def gpu_row(gpu: chips.Gpu, name: str, report: dict) -> dict:
+  variant, grid_name = name.split(" ", 1)
+  b, hkv, _, s = GRID[grid_name]
+  floor = kv_bytes(variant, b, hkv, s) / gpu.bandwidth
+  if not report["ok"]:
+    return dict(case=name, error=report["error"][-300:])
+  (k,) = [x for x in report["kernels"] if x["name"].startswith("fdecode_split_kv")]
+  programs = math.prod(k["grid"])
+  resident = gpu.resident_programs(threads=k["threads"], regs=k["regs"], smem=k["smem"])
+  waves = programs / (gpu.sms * resident)
+  busy = min(programs, gpu.sms) / gpu.sms if waves < 1 else waves / math.ceil(waves)
+  return dict(case=name, regs=k["regs"], spills=k["spill_stores"] + k["spill_loads"], smem=k["smem"],
+              threads=k["threads"], grid=k["grid"], programs=programs, resident=resident,
+              waves=waves, busy=busy, floor_us=floor * 1e6, predicted_us=floor / busy * 1e6)
+
+
+def tpu_row(tpu: chips.Tpu, target, name: str, report: dict) -> dict:
+  from fdecode.kernels.mosaic_tpu import plan  # pylint: disable=g-import-not-at-top
+  variant, grid_name = name.split(" ", 1)
+  b, hkv, hq, s = GRID[grid_name]
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
+  q, k, v, _, opts = _arrays(spec, variant, b, hkv, hq, s)
+  q_rows = spec((b, hkv, hq // hkv, D), jnp.bfloat16)
+  p = plan(q_rows, k, v, **opts)
+  blocks = -(-s // p.block)
+  splits = config.default_num_splits(b, hkv, blocks, tpu.cores_per_chip)
+  steps = b * hkv * splits * -(-blocks // splits)
+  kv = kv_bytes(variant, b, hkv, s)
+  return dict(case=name, ok=report["ok"], error=None if report["ok"] else report["error"][-300:],
+              vmem=p.vmem_bytes, vmem_limit=p.vmem_limit_bytes, tokens_per_step=p.block,
+              bytes_per_step=kv // steps, steps=steps, floor_us=kv / tpu.bandwidth * 1e6,
+              overhead_us=steps * _STEP_OVERHEAD_S / tpu.cores_per_chip * 1e6,
+              bytes_accessed=report.get("bytes_accessed"), kv=kv)
+
+
+def _mib(x):
+  return f"{x / 2**20:.1f} MiB" if x >= 2**20 else f"{x / 2**10:.0f} KiB"
+
+
+def markdown(chip: str, rows: list[dict]) -> str:
+  if chip in chips.GPUS:
+    gpu = chips.GPUS[chip]
+    out = [f"#### {chip.upper()} ({gpu.arch}, {gpu.sms} SMs, {gpu.bandwidth / 1e12:.2f} TB/s)", "",
+           "| case | regs | spills | smem | threads | grid | resident/SM | waves | busy | floor | predicted |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+      if "error" in r:
+        out.append(f"| {r['case']} | rejected: {r['error']} |")
+        continue
+      out.append(f"| {r['case']} | {r['regs']} | {r['spills']} B | {_mib(r['smem'])} | {r['threads']} | "
+                 f"{'x'.join(map(str, r['grid']))} | {r['resident']} | {r['waves']:.2f} | {r['busy']:.2f} | "
+                 f"{r['floor_us']:.1f} us | {r['predicted_us']:.1f} us |")
+  else:
+    tpu = chips.TPUS[chip]
+    out = [f"#### TPU {chip} ({tpu.bandwidth / 1e9:.0f} GB/s, {tpu.cores_per_chip} TensorCore(s) a chip)", "",
+           "| case | compiles | VMEM (limit) | tokens / step | bytes / step | steps | floor | step overhead | cost model bytes / KV |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+      ratio = "" if not r["bytes_accessed"] else f"{r['bytes_accessed'] / r['kv']:.3f}"
+      out.append(f"| {r['case']} | {'yes' if r['ok'] else 'no: ' + r['error']} | {_mib(r['vmem'])} "
+                 f"({_mib(r['vmem_limit'])}) | {r['tokens_per_step']} | {_mib(r['bytes_per_step'])} | "
+                 f"{r['steps']} | {r['floor_us']:.1f} us | {r['overhead_us']:.1f} us | {ratio} |")
+  return "\n".join(out)
+
+
+def main(argv=None):
+  from fdecode.compile_check import Target, run_cases  # pylint: disable=g-import-not-at-top
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--chips", default="h100,a100,v5e,v6e")
+  parser.add_argument("--json", help="also write the rows as JSON here")
+  args = parser.parse_args(argv)
+  tables, data = [], {}
+  for chip in args.chips.split(","):
+    reports = run_cases(chip, os.path.abspath(__file__), list(CASES))
+    if chip in chips.GPUS:
+      rows = [gpu_row(chips.GPUS[chip], n, reports[n]) for n in CASES]
+    else:
+      rows = [tpu_row(chips.TPUS[chip], Target(chip), n, reports[n]) for n in CASES]
+    data[chip] = rows
+    tables.append(markdown(chip, rows))
+    print(tables[-1] + "\n", flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(data, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
