@@ -72,10 +72,12 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     softmax_scale: scores multiplier, default ``1/sqrt(Dk)``. Static: a Python or numpy
       real number, compiled into the kernel (a traced value raises ValueError).
     num_splits: chunks of the token axis processed in parallel, each yielding a partial
-      state merged by `merge_states`. ``None``: `fdecode.config.default_num_splits`.
+      state merged by `merge_states`. ``None``: compiled Triton fills one wave of the GPU's
+      SMs (`fdecode.config.gpu_num_splits`); elsewhere `fdecode.config.default_num_splits`.
       Any positive value gives the same result within float tolerance.
     block_k: tokens per block of the Pallas kernels' inner loop. Triton: rounded up to a
-      power of two, at least 16 (default 128). Mosaic: rounded up to the cache dtype's
+      power of two, at least 16 (default 128); compiled, an upper bound: the block shrinks
+      until its tiles fit the GPU's registers and shared memory. Mosaic: rounded up to the cache dtype's
       sublane tiling, whole pages when paged (default: about 512 KiB of K+V per step).
     impl: ``"pallas"``, ``"xla"``, ``"reference"`` or ``None``. ``None`` chooses by the
       platform being lowered for: XLA on CPU, the Triton kernel on GPU, the Mosaic
