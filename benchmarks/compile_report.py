@@ -6,10 +6,10 @@ scales) of the benchmark grid (Hq=32, Hkv=8, D=128, every sequence full, at B x 
 
 * GPU (H100 sm_90a, A100 sm_80; XLA:GPU + ptxas, `fdecode.compile_check`): registers,
   spills, shared memory, programs, programs resident per SM, waves, and the predicted time
-  at the memory roofline with that many SMs busy. The model: equal programs; below one
-  wave ``min(programs, SMs)`` SMs stream, at ``bandwidth / SMs`` each; from one wave on,
-  the last partial wave idles ``1 - waves / ceil(waves)`` of the chip. Compute, launch and
-  the split merge are left out, so this is a bound on what the launch shape allows.
+  at the memory roofline: the cache plus the split partials (written by the kernel, read
+  by the merge), over the bandwidth the launch keeps busy (`fdecode.config.gpu_busy`:
+  equal programs; the busiest SM's share, and the last partial wave at the compiled
+  residency). Compute and launch latency are left out: a bound on what the launch allows.
 * TPU (v5e, v6e; libtpu): whether it compiles, the VMEM footprint and limit of the plan
   (`fdecode.kernels.mosaic_tpu.plan`), tokens and bytes per grid step, grid steps, and
   the roofline time beside the per-step overhead (~0.35 us a step, spread over the
@@ -78,18 +78,20 @@ CASES = {f"{v} {g}": functools.partial(_build, variant=v, shape=shape)
 
 def gpu_row(gpu: chips.Gpu, name: str, report: dict) -> dict:
   variant, grid_name = name.split(" ", 1)
-  b, hkv, _, s = GRID[grid_name]
-  floor = kv_bytes(variant, b, hkv, s) / gpu.bandwidth
+  b, hkv, hq, s = GRID[grid_name]
+  kv = kv_bytes(variant, b, hkv, s)
   if not report["ok"]:
     return dict(case=name, error=report["error"][-300:])
   (k,) = [x for x in report["kernels"] if x["name"].startswith("fdecode_split_kv")]
   programs = math.prod(k["grid"])
   resident = gpu.resident_programs(threads=k["threads"], regs=k["regs"], smem=k["smem"])
-  waves = programs / (gpu.sms * resident)
-  busy = min(programs, gpu.sms) / gpu.sms if waves < 1 else waves / math.ceil(waves)
+  busy = config.gpu_busy(programs, gpu.sms, resident)
+  rows_p = -(-(hq // hkv) // 16) * 16  # the kernel's rows, padded to a dot tile
+  merge = 2 * 4 * b * hkv * k["grid"][2] * rows_p * (D + 1)  # partials written, then read
   return dict(case=name, regs=k["regs"], spills=k["spill_stores"] + k["spill_loads"], smem=k["smem"],
               threads=k["threads"], grid=k["grid"], programs=programs, resident=resident,
-              waves=waves, busy=busy, floor_us=floor * 1e6, predicted_us=floor / busy * 1e6)
+              waves=programs / (gpu.sms * resident), busy=busy, merge_bytes=merge,
+              floor_us=kv / gpu.bandwidth * 1e6, predicted_us=(kv + merge) / busy / gpu.bandwidth * 1e6)
 
 
 def tpu_row(tpu: chips.Tpu, target, name: str, report: dict) -> dict:
@@ -119,15 +121,16 @@ def markdown(chip: str, rows: list[dict]) -> str:
   if chip in chips.GPUS:
     gpu = chips.GPUS[chip]
     out = [f"#### {chip.upper()} ({gpu.arch}, {gpu.sms} SMs, {gpu.bandwidth / 1e12:.2f} TB/s)", "",
-           "| case | regs | spills | smem | threads | grid | resident/SM | waves | busy | floor | predicted |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| case | regs | spills | smem | threads | grid | resident/SM | waves | busy | merge | floor | predicted | floor / predicted |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
       if "error" in r:
         out.append(f"| {r['case']} | rejected: {r['error']} |")
         continue
       out.append(f"| {r['case']} | {r['regs']} | {r['spills']} B | {_mib(r['smem'])} | {r['threads']} | "
                  f"{'x'.join(map(str, r['grid']))} | {r['resident']} | {r['waves']:.2f} | {r['busy']:.2f} | "
-                 f"{r['floor_us']:.1f} us | {r['predicted_us']:.1f} us |")
+                 f"{_mib(r['merge_bytes'])} | {r['floor_us']:.1f} us | {r['predicted_us']:.1f} us | "
+                 f"{r['floor_us'] / r['predicted_us']:.2f} |")
   else:
     tpu = chips.TPUS[chip]
     out = [f"#### TPU {chip} ({tpu.bandwidth / 1e9:.0f} GB/s, {tpu.cores_per_chip} TensorCore(s) a chip)", "",

@@ -81,13 +81,42 @@ def default_num_splits(batch: int, num_kv_heads: int, num_blocks: int, num_units
   return max(1, min(splits, MAX_SPLITS_PER_HEAD, num_blocks))
 
 
-def gpu_num_splits(wave: int, work: int, num_blocks: int) -> int:
-  """GPU split count: enough programs for one full wave, ``work * splits >= wave`` (``wave``
-  = SMs x programs resident per SM, `fdecode.kernels.triton.Launch.resident`; ``work`` =
-  programs per split: batch x kv heads x row blocks), at most one split per block. No
-  fixed cap: a long sequence on few heads (B=1, S=1M) gets the splits it needs; the merge
-  reads ``splits * R * Dv`` floats per head, far less than the cache."""
-  return max(1, min(-(-wave // max(work, 1)), num_blocks))
+def gpu_busy(programs: int, sms: int, resident: int) -> float:
+  """Fraction of a GPU's bandwidth that a launch of ``programs`` equal, memory-bound
+  programs keeps busy, ``resident`` of them on an SM at once: the smaller of two tail
+  losses. Balance: the busiest SM streams ``ceil(programs / SMs)`` programs against the
+  mean ``programs / SMs`` (below one per SM, idle SMs). Waves: when an SM's share of the
+  bandwidth needs all ``resident`` programs in flight, the last partial wave runs at
+  ``waves / ceil(waves)``. `gpu_num_splits` chooses by it; benchmarks/compile_report.py
+  predicts with it from the compiled kernel's residency."""
+  per_sm = programs / sms
+  balance = per_sm / math.ceil(per_sm)
+  waves = programs / (sms * max(resident, 1))
+  return min(balance, waves / math.ceil(waves) if waves >= 1 else 1.0)
+
+
+def gpu_num_splits(sms: int, residency: tuple[int, int], work: int, num_blocks: int,
+                   cache_bytes: float, split_bytes: float) -> int:
+  """GPU split count: the one with the least predicted time, ``(cache_bytes + splits *
+  split_bytes) / gpu_busy``, among those that launch at least one full wave.
+
+  ``residency``: programs per SM at once, ``(lower, upper)`` estimate (ptxas chooses the
+  registers after this choice; `fdecode.kernels.triton.Launch.residency`); every
+  candidate is judged at the worst of them. ``work``: programs per split (batch x kv
+  heads x row blocks). ``cache_bytes``: the bytes the launch streams; ``split_bytes``:
+  what one more split adds (its partial outputs and LSEs, written, then read by the merge).
+  Candidates: from the fewest splits with ``work * splits >= SMs x upper`` to four times
+  that, and at most one split per block. No fixed cap: a long sequence on few heads
+  (B=1, S=1M) gets the splits it needs."""
+  lo, hi = residency
+  first = max(1, min(-(-sms * hi // max(work, 1)), num_blocks))
+  candidates = range(first, max(first, min(num_blocks, 4 * first)) + 1)
+
+  def time(splits):
+    busy = min(gpu_busy(work * splits, sms, r) for r in range(lo, hi + 1))
+    return (cache_bytes + splits * split_bytes) / busy
+
+  return min(candidates, key=time)
 
 
 def largest_divisor_at_most(n: int, cap: int) -> int:

@@ -39,14 +39,32 @@ def test_launch_plan_fits_the_chip(gpu, d, raw, compute, cols):
   assert plan.regs <= 255
 
 
+def test_gpu_busy_counts_both_tails():
+  """The launch model the split count and the compile report share: SM balance and the
+  last partial wave."""
+  assert config.gpu_busy(100, 132, 1) == pytest.approx(100 / 132)       # idle SMs
+  assert config.gpu_busy(528, 132, 4) == 1.0                           # 4 a SM, one wave
+  assert config.gpu_busy(528, 132, 3) == pytest.approx(528 / 396 / 2)  # 1.33 waves
+  assert config.gpu_busy(400, 132, 1) == pytest.approx(400 / 132 / 4)  # 4 on the busiest SM
+
+
 def test_gpu_splits_fill_a_wave():
-  """B=8, Hkv=8 and B=1, Hkv=1 at long S: programs >= one wave; capped by blocks."""
-  h100 = chips.H100
-  wave = h100.sms * 2
-  assert 64 * config.gpu_num_splits(wave, 64, 256) >= wave
-  assert config.gpu_num_splits(wave, 1, 8192) == wave
-  assert config.gpu_num_splits(wave, 1, 10) == 10       # never more splits than blocks
-  assert config.gpu_num_splits(wave, 1000, 100) == 1    # a busy chip is not split
+  """At least one full wave at the upper residency; at most one split per block; a busy
+  chip is not split; judged at every residency between, with the merge bytes."""
+  sms, kv = chips.H100.sms, 2 ** 27
+  pick = lambda residency, work, blocks, split_bytes=2 ** 17: config.gpu_num_splits(
+      sms, residency, work, blocks, cache_bytes=kv, split_bytes=split_bytes)
+  for residency, work in [((3, 4), 8), ((1, 3), 64), ((2, 2), 1), ((3, 4), 512)]:
+    splits = pick(residency, work, 8192)
+    assert work * splits >= sms * residency[1]
+    # B=1 Hkv=8 at 3 or 4 a SM: a multiple of both waves (1584 programs), not 528 (1.33
+    # waves at 3) or 396 (0.75 of a wave at 4)
+  assert pick((3, 4), 8, 8192) * 8 % (sms * 12) == 0
+  assert all(config.gpu_busy(8 * pick((3, 4), 8, 8192), sms, r) == 1.0 for r in (3, 4))
+  assert pick((2, 2), 1, 10) == 10                                      # never more splits than blocks
+  assert pick((1, 2), 8 * sms, 100) == 1                                # a full, even chip is not split
+  assert pick((1, 1), 1000, 100) == 3         # 1000 programs: 7.6 on the mean SM, 8 on the busiest
+  assert pick((3, 4), 8, 8192, split_bytes=2 ** 30) == 66               # dear merges: the fewest splits
 
 
 def test_residency_counts_every_limit():

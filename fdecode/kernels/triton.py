@@ -26,8 +26,9 @@ the shapes it cannot take.
 Sized to the target GPU (`fdecode.chips.lowering_gpu`), never to one chip's constants:
 `launch_plan` picks the warps and the block so that the loaded tiles fit the registers
 (no spills) and the pipelined loads fit the chip's shared memory, and the split count
-(`fdecode.config.gpu_num_splits`) fills at least one wave of the chip's SMs at the
-kernel's residency. Below sm_89 (A100) Triton has no float8 conversions: an 8-bit float
+(`fdecode.config.gpu_num_splits`) launches at least one full wave of the chip's SMs and,
+among such counts, the one whose tail (SM balance, last partial wave) and merge bytes
+cost least. Below sm_89 (A100) Triton has no float8 conversions: an 8-bit float
 cache is passed as its bytes and decoded with integer ops (`decode_fp8_bits`).
 """
 
@@ -105,6 +106,9 @@ _WARPS = (4, 8)
 # Shared memory the compiler really allocates is ~0.8 of `Launch.smem` (measured); the
 # residency estimate uses that, so the split rule never under-fills a wave.
 _SMEM_MEASURED = 0.75
+# Registers ptxas allocates came to 0.41-0.94 of `Launch.regs` over the compile report's
+# grid (H100 and A100): the upper residency estimate counts this fraction.
+_REGS_MEASURED = 0.4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,13 +120,16 @@ class Launch:
   smem: int                   # upper estimate of its shared memory (bytes)
   regs: int                   # estimate of its registers per thread
 
-  def resident(self, gpu: chips.Gpu) -> int:
-    """Programs an SM may hold at once, an upper bound from threads and shared memory.
-    Registers are ptxas' choice, often under `regs`: counting them from the estimate
-    under-filled a wave (H100, B=64 S=4k: 3 resident planned, 4 compiled, 0.97 waves).
-    Too many splits only cost merge bytes; too few leave SMs idle."""
-    return max(1, gpu.resident_programs(threads=32 * self.warps, regs=1,
-                                        smem=int(self.smem * _SMEM_MEASURED)))
+  def residency(self, gpu: chips.Gpu) -> tuple[int, int]:
+    """Programs an SM may hold at once, (lower, upper): at the estimated registers and
+    shared memory, and at `_REGS_MEASURED` of those registers and `_SMEM_MEASURED` of
+    that memory. Registers are ptxas' choice (H100, B=64 S=4k: 3 resident by the
+    estimate, 4 compiled), so the split count is judged at every residency between."""
+    threads = 32 * self.warps
+    hi = max(1, gpu.resident_programs(threads=threads, regs=int(self.regs * _REGS_MEASURED),
+                                      smem=int(self.smem * _SMEM_MEASURED)))
+    lo = max(1, gpu.resident_programs(threads=threads, regs=self.regs, smem=self.smem))
+    return min(lo, hi), hi
 
 
 def launch_plan(gpu: chips.Gpu, *, block_r: int, dq: int, dv: int, cols: int, raw_bytes: int,
@@ -368,8 +375,8 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
       contiguous cache row ``b' // sparse.fold``); blocks are then ``block_k`` slots of
       the list, each slot's row gathered by position.
     num_tokens: T (rows are T groups of G).
-    num_splits: splits of each sequence's blocks; None: compiled, enough to fill one wave
-      of ``gpu`` (`fdecode.config.gpu_num_splits`); interpreted, `fdecode.config.default_num_splits`.
+    num_splits: splits of each sequence's blocks; None: compiled, at least one full wave
+      of ``gpu`` with the least tail and merge cost (`fdecode.config.gpu_num_splits`); interpreted, `fdecode.config.default_num_splits`.
     block_k: tokens per block (rounded by `block_size`). Compiled, an upper bound:
       `launch_plan` takes the largest block that fits ``gpu``'s registers and shared memory.
     gpu: the `fdecode.chips.Gpu` compiled for (None: `fdecode.chips.lowering_gpu`).
@@ -455,7 +462,10 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     if interpret:
       num_splits = config_lib.default_num_splits(b, hkv, blocks, config_lib.num_parallel_units("cpu"))
     else:
-      num_splits = config_lib.gpu_num_splits(gpu.sms * launch.resident(gpu), b * hkv * row_blocks, blocks)
+      cols_bytes = sum(x.shape[-1] * jnp.dtype(x.dtype).itemsize for x in (k, v, k_rope) if x is not None)
+      num_splits = config_lib.gpu_num_splits(
+          gpu.sms, launch.residency(gpu), b * hkv * row_blocks, blocks,
+          cache_bytes=b * hkv * slots * cols_bytes, split_bytes=2 * 4 * b * hkv * rows_p * (dv + 1))
 
   fold = 1 if sparse is None else sparse.fold  # contiguous cache row of q row i: i // fold
   operands = [ends.astype(jnp.int32)]

@@ -86,16 +86,16 @@ CASES["t8-bf16-d128-g8"] = functools.partial(_contiguous, dk=128, t=8, g=8)
 CASES["t8-bf16-d256-g8-paged16"] = functools.partial(_contiguous, dk=256, t=8, g=8, paged=16)
 
 
-def _modifier(target, which, paged=None):
+def _modifier(target, which, paged=None, s=S):
   sd = target.spec
   b, t, hq = B, 2, HKV * 4
-  arrays = {"mask": dict(mask=sd((b, t, hq, S), jnp.bool_)),
-            "bias": dict(bias=sd((b, 1, hq, S), jnp.float32)),
+  arrays = {"mask": dict(mask=sd((b, t, hq, s), jnp.bool_)),
+            "bias": dict(bias=sd((b, 1, hq, s), jnp.float32)),
             "alibi": dict(alibi_slopes=sd((hq,), jnp.float32)),
             "sinks": dict(sinks=sd((hq,), jnp.float32))}.get(which, {})
   static = {"window": dict(window=256), "soft_cap": dict(logits_soft_cap=30.0),
             "non_causal": dict(causal=False)}.get(which, {})
-  fn, (q, k, v, n, opts) = _contiguous(target, dk=128, t=t, paged=paged, **static)
+  fn, (q, k, v, n, opts) = _contiguous(target, dk=128, t=t, paged=paged, s=s, **static)
   return fn, (q, k, v, n, dict(opts, **arrays))
 
 
@@ -103,6 +103,9 @@ for _m in ("mask", "bias", "alibi", "window", "soft_cap", "sinks", "non_causal")
   CASES[f"modifier-{_m}"] = functools.partial(_modifier, which=_m)
 CASES["modifier-window-paged16"] = functools.partial(_modifier, which="window", paged=16)
 CASES["modifier-mask-paged16"] = functools.partial(_modifier, which="mask", paged=16)
+# A cache shorter than one block and no lane multiple: the mask's column union transposes
+# a tile narrower than 128 lanes (`block.column_any`).
+CASES["modifier-mask-s100"] = functools.partial(_modifier, which="mask", s=100)
 
 
 def _mla(target, *, g, dtype=jnp.bfloat16, paged=None, t=1):
