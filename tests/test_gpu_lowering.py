@@ -53,9 +53,11 @@ def _decode_fn(**static):
 
 
 @pytest.mark.parametrize("dk,dv", HEAD_DIMS)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
-@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("dtype,page_size", [(jnp.bfloat16, 16), (jnp.int8, None), (jnp.int8, 16)])
 def test_every_head_dim_lowers_to_triton(dk, dv, dtype, page_size):
+  """Contiguous bf16 at every head dim is compiled by ptxas for H100 and A100 in the
+  compile tier (tests/compile_tier: contiguous-bfloat16-d*, same 16-row tiles), so it is
+  not lowered here too."""
   args, opts = _problem(dk=dk, dv=dv, dtype=dtype, page_size=page_size, t=2)
   text = lower_for_cuda(_decode_fn(impl="pallas", num_splits=3), *args, opts)
   assert TRITON_CALL in text
