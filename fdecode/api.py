@@ -84,7 +84,10 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       kernel on TPU. On GPU it falls back to XLA only where Triton's ``tl.dot`` cannot
       tile: a head dim, or an 8-bit scale tile, that is not a multiple of 16 (then
       ``impl="pallas"`` raises ValueError when traced on a GPU host, and a cross-platform
-      export from another host embeds the XLA path for CUDA).
+      export from another host embeds the XLA path for CUDA). On TPU, ``None`` and
+      ``"pallas"`` take the XLA path for a paged cache whose page size splits a 32-bit
+      sublane (bf16 page size 1; 8-bit page sizes not a multiple of 4), which no Mosaic
+      DMA can address; libtpu compiles the kernel for every other shape fdecode takes.
     interpret: with ``impl="pallas"``: ``None`` / ``False`` compile the kernel for the
       lowering platform (Triton on GPU, Mosaic on TPU; CPU has only the interpreter and
       runs the Triton kernel interpreted); ``True`` runs the Triton kernel in Pallas'
