@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import fdecode
+from fdecode import chips
 
 CASES = {}
 B, HKV, S = 2, 2, 4096
@@ -266,7 +267,7 @@ def _gemma_step(target):
 
 def names_for(target_name: str) -> list[str]:
   """The cases a target compiles: all of them (the pod slice on TPU only)."""
-  is_gpu = target_name in ("h100", "a100")
+  is_gpu = target_name in chips.GPUS
   return [n for n in CASES if not (is_gpu and n in TPU_ONLY)]
 
 
