@@ -12,7 +12,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 # Finite "minus infinity" for masked scores inside kernels, so that max / exp never see
-# inf - inf; rows with no valid key are detected by l == 0 (see `finalize_state`).
+# inf - inf. A visible score at or below it counts as no key (scores are never that small
+# short of corruption); see `finalize_state`.
 MASK_VALUE = -1e30
 
 
@@ -28,7 +29,9 @@ def merge_states(o: jnp.ndarray, lse: jnp.ndarray, axis: int = 0):
 
   Returns:
     ``(o, lse)`` with ``axis`` removed: o in ``o.dtype``, lse in float32. If every part
-    is empty the result is o = 0, lse = -inf (never NaN).
+    is empty the result is o = 0, lse = -inf (never NaN). A NaN in a non-empty part's
+    lse or o propagates (o NaN, and lse NaN for a NaN lse). Parts at lse = +inf take all
+    the weight (the limit), and the merged lse is +inf.
   """
   if o.shape[:-1] != lse.shape:
     raise ValueError(f"merge_states: o.shape[:-1] must equal lse.shape, got {o.shape=} {lse.shape=}")
@@ -37,15 +40,21 @@ def merge_states(o: jnp.ndarray, lse: jnp.ndarray, axis: int = 0):
   axis = axis % lse.ndim
   lse = lse.astype(jnp.float32)
   lse_max = jnp.max(lse, axis=axis, keepdims=True)
+  # A part at lse = +inf (a sink of +inf) takes all the weight: its limit.
+  top_inf = lse_max == jnp.inf
   # All parts empty: use 0 as the reference so that exp(-inf - 0) = 0 (no NaN).
   ref = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-  w = jnp.exp(lse - ref)  # [..., n, ...]; 0 for empty parts
+  w = jnp.where(top_inf, jnp.where(lse == jnp.inf, 1.0, 0.0), jnp.exp(lse - ref))  # [..., n, ...]
   total = jnp.sum(w, axis=axis)
-  # An empty part's o is selected away, never multiplied by its 0 weight (0 * NaN = NaN).
-  weighted = jnp.where((w > 0)[..., None], w[..., None] * o.astype(jnp.float32), 0.0)
+  # An empty part (lse -inf) is selected away, never multiplied by its 0 weight (its o
+  # may be anything). A non-empty part's o always enters, so a NaN it holds propagates
+  # even where its weight underflows to 0, as the slot's 0 * NaN would in one softmax.
+  nonempty = (lse != -jnp.inf)[..., None]
+  weighted = jnp.where(nonempty, w[..., None] * o.astype(jnp.float32), 0.0)
   acc = jnp.sum(weighted, axis=axis)
   out = acc / jnp.where(total > 0, total, 1.0)[..., None]
   out_lse = jnp.where(total > 0, jnp.squeeze(ref, axis) + jnp.log(total), -jnp.inf)
+  out_lse = jnp.where(jnp.squeeze(top_inf, axis), jnp.inf, out_lse)
   # A NaN lse is not "empty": it propagates to the merged o and lse.
   nan = jnp.any(jnp.isnan(lse), axis=axis)
   out = jnp.where(nan[..., None], jnp.nan, out)
@@ -59,14 +68,18 @@ def finalize_state(acc: jnp.ndarray, m: jnp.ndarray, l: jnp.ndarray):
   Args:
     acc: ``[..., D]`` float32 unnormalized sum of exp(s - m) * v.
     m: ``[...]`` float32 running max of the scores (finite, possibly a mask value).
-    l: ``[...]`` float32 sum of exp(s - m) over the valid keys (0 if none).
+    l: ``[...]`` float32 sum of exp(s - m) over the visible keys: 0 exactly when no key
+      was visible (the largest visible score contributes exp(0) = 1), NaN when a visible
+      score or value was NaN.
 
   Returns:
-    ``(o, lse)``: o = acc / l (0 where l == 0), lse = m + log(l) (-inf where l == 0).
+    ``(o, lse)``: o = acc / l, lse = m + log(l); a part with no visible key (l == 0)
+    gives o = 0, lse = -inf. A NaN l is not "empty": it gives o = NaN, lse = NaN, so a
+    NaN the query sees propagates through every merge.
   """
-  nonempty = l > 0
-  o = acc / jnp.where(nonempty, l, 1.0)[..., None]
-  lse = jnp.where(nonempty, m + jnp.log(jnp.where(nonempty, l, 1.0)), -jnp.inf)
+  empty = l == 0
+  o = acc / jnp.where(empty, 1.0, l)[..., None]
+  lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
   return o, lse
 
 

@@ -48,7 +48,7 @@ def reference_decode(q, k, v, lengths, *, softmax_scale=None, causal=True, mask=
     ``(out, lse)``: float32 ``[B, T, Hq, Dv]`` and float32 ``[B, T, Hq]`` (natural log;
     with sinks, the LSE includes them). Rows with no visible key give out 0 and lse
     -inf (lse = sink with sinks). Slots no query may see never influence the result,
-    whatever they hold (inf / NaN included).
+    whatever they hold (inf / NaN included); a NaN a row sees makes its out and lse NaN.
   """
   b, t, hq, dk = q.shape
   _, hkv, s, _ = k.shape
@@ -81,13 +81,16 @@ def reference_decode(q, k, v, lengths, *, softmax_scale=None, causal=True, mask=
   seen = jnp.any(visible, axis=1)[..., None]  # [B, Hq, S, 1]
   vf = jnp.where(seen, vf, 0.0)
   scores = jnp.where(visible, scores, -jnp.inf)
+  # m is -inf exactly for a row with no visible key (or only -inf scores); a NaN or +inf
+  # score the row sees makes m (and then p, out and lse) NaN: corruption propagates.
   m = jnp.max(scores, axis=-1, keepdims=True)
-  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  m_safe = jnp.where(m == -jnp.inf, 0.0, m)
   p = jnp.where(visible, jnp.exp(scores - m_safe), 0.0)
   l = jnp.sum(p, axis=-1)
   out = jnp.einsum("bths,bhsd->bthd", p, vf, precision="highest")
-  out = out / jnp.where(l > 0, l, 1.0)[..., None]
-  lse = jnp.where(l > 0, m_safe[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+  empty = l == 0
+  out = out / jnp.where(empty, 1.0, l)[..., None]
+  lse = jnp.where(empty, -jnp.inf, m_safe[..., 0] + jnp.log(jnp.where(empty, 1.0, l)))
   if sinks is not None:
     out, lse = apply_sinks(out, lse, jnp.asarray(sinks))
   return out, lse
