@@ -24,8 +24,9 @@ from fdecode.kernels.xla import window_tokens, xla_partials
 from fdecode.kernels.xla_sparse import sparse_partials
 from fdecode.quant import dequantize, is_quantized
 from fdecode.reference import reference_decode
-from fdecode.validation import (check_concrete_lengths, check_concrete_page_ids, static_scale,
-                                validate_args, validate_quant)
+from fdecode.validation import (as_arrays, check_concrete_lengths, check_concrete_page_ids,
+                                check_kv_offset, describe, static_scale, to_int32, validate_args,
+                                validate_quant)
 
 IMPLS = ("pallas", "xla", "reference")
 
@@ -40,6 +41,10 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   Legend: B batch, T new tokens per sequence, Hq query heads, Hkv kv heads
   (``Hq % Hkv == 0``: MHA, GQA and MQA), S cache capacity, Dk key head dim,
   Dv value head dim.
+
+  Array arguments may be Python lists (converted with numpy). Integers are used as int32:
+  concrete values outside int32 raise ValueError (under ``jit`` wider integers are
+  clipped into int32, never wrapped); static floats are used as float32 and checked there.
 
   Args:
     q: ``[B, Hq, Dk]`` (one new token per sequence) or ``[B, T, Hq, Dk]`` (the last T
@@ -70,7 +75,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       exceed S) and query t sees the chunk's tokens at positions
       ``< lengths - T + t + 1``; a sequence that ends before the chunk sees none of it.
     softmax_scale: scores multiplier, default ``1/sqrt(Dk)``. Static: a Python or numpy
-      real number, compiled into the kernel (a traced value raises ValueError).
+      real number, compiled into the kernel (a traced value raises ValueError); as a
+      float32, 0 or of magnitude in ``[2**-126, float32 max]``.
     num_splits: chunks of the token axis processed in parallel, each yielding a partial
       state merged by `merge_states`. ``None``: compiled Triton fills one wave of the GPU's
       SMs (`fdecode.config.gpu_num_splits`); elsewhere `fdecode.config.default_num_splits`.
@@ -111,7 +117,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       query may attend to, -1 = none. Only those tokens are read (gathered per block,
       through the block table when paged). Positions outside the cache, at or past the
       length, or hidden by causality / the window are masked; duplicates count once.
-      Not combinable with ``mask`` / ``bias``. Exact semantics: `fdecode.sparse`. On TPU
+      Not combinable with ``mask`` / ``bias``. ``K = 0`` selects nothing (out 0, lse -inf).
+      Exact semantics: `fdecode.sparse`. On TPU
       the kernel DMAs each token's 32-bit sublane (2 rows of a 16-bit cache, 4 of an
       8-bit one: the finest row Mosaic addresses); a cache whose length (contiguous) or
       page size (paged) is not a multiple of that takes the XLA path instead (so does
@@ -129,12 +136,14 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     bias: float, additive, same forms as ``mask`` (Ascend's ``pse``).
     alibi_slopes: float ``[Hq]``: adds ``slope * (j - p)`` (FlashAttention / vLLM),
       computed in the kernel.
-    window: static int >= 1: sliding window, query p sees keys ``p - window < j <= p``
+    window: static int in ``[1, 2**31 - 1]``: sliding window, query p sees keys ``p - window < j <= p``
       (Mistral / Gemma: the window counts the query's own position). Blocks wholly
       outside the window are not read. (With ``causal=False`` the upper bound is the
       sequence end.)
-    logits_soft_cap: static float > 0: ``s = cap * tanh(s / cap)`` after
-      ``softmax_scale``, before bias, ALiBi and masking (Gemma 2).
+    logits_soft_cap: static float in ``[2**-126, 2**100]``: ``s = cap * tanh(s / cap)``
+      after ``softmax_scale``, before bias, ALiBi and masking (Gemma 2). The kernels
+      compute ``s * (1 / cap)`` in float32; the bounds keep cap and 1 / cap normal and
+      that product exact to float32's resolution (a larger cap is a no-op anyway).
     sinks: float ``[Hq]`` learned sink logits (gpt-oss): ``exp(sink)`` joins each row's
       softmax denominator, with no value, exactly once after every split is merged. The
       returned lse includes it (a row that sees no key gives out 0, lse = sink); to
@@ -158,13 +167,18 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   Raises:
     ValueError: at trace time, for inconsistent shapes or dtypes (the message names the
       argument and shows the shapes), a zero head dim, a bad option (a mask that is not
-      boolean or does not broadcast, window < 1, soft cap <= 0, slopes or sinks not
-      ``[Hq]``), or concrete lengths /
-      page ids out of range; with ``impl="pallas"`` compiled for GPU, for head dims the
-      Triton kernel cannot tile (see ``impl``).
+      boolean or does not broadcast, a window or soft cap out of its range, a scale that
+      is not a finite float32, slopes or sinks not ``[Hq]``), concrete lengths / page ids
+      / integers out of range (int32 included); with ``impl="pallas"`` compiled for GPU,
+      for head dims the Triton kernel cannot tile (see ``impl``).
+    TypeError: an array argument that is neither an array nor a rectangular list of
+      numbers.
   """
-  if isinstance(lengths, (list, tuple)):
-    lengths = np.asarray(lengths)
+  (q, k, v, lengths, block_tables, k_scale, v_scale, k_offset, v_offset, kv_offset, mask, bias,
+   alibi_slopes, sinks, k_rope, indices) = as_arrays(
+       q=q, k=k, v=v, lengths=lengths, block_tables=block_tables, k_scale=k_scale, v_scale=v_scale,
+       k_offset=k_offset, v_offset=v_offset, kv_offset=kv_offset, mask=mask, bias=bias,
+       alibi_slopes=alibi_slopes, sinks=sinks, k_rope=k_rope, indices=indices)
   single_token, dv = validate_args(q, k, v, lengths, block_tables, v_head_dim=v_head_dim, k_rope=k_rope)
   k_scale, k_offset = validate_quant("k", k, k_scale, k_offset)
   if v is None and (v_scale is not None or v_offset is not None):
@@ -172,20 +186,23 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
                      "v_head_dim columns and use k_scale / k_offset")
   v_scale, v_offset = (None, None) if v is None else validate_quant("v", v, v_scale, v_offset)
   if impl is not None and impl not in IMPLS:
-    raise ValueError(f"flash_decode: impl must be one of {IMPLS} or None, got {impl!r}")
+    raise ValueError(f"flash_decode: impl must be one of {IMPLS} or None, got {describe(impl)}")
   if not (interpret is None or isinstance(interpret, (bool, np.bool_, pltpu.InterpretParams))):
     raise ValueError("flash_decode: interpret must be None, a bool or a "
-                     f"jax.experimental.pallas.tpu.InterpretParams, got {interpret!r}")
+                     f"jax.experimental.pallas.tpu.InterpretParams, got {describe(interpret)}")
   if isinstance(interpret, pltpu.InterpretParams) and impl != "pallas":
     raise ValueError(f"flash_decode: interpret=InterpretParams(...) runs the TPU Pallas kernel: "
-                     f"pass impl='pallas' (got impl={impl!r})")
+                     f"pass impl='pallas' (got impl={describe(impl)})")
   if impl == "pallas" and interpret is None:
     interpret = _forced_tpu_interpret()
   if isinstance(interpret, np.bool_):
     interpret = bool(interpret)
-  cfg = config_lib.Config(num_splits=num_splits, block_k=block_k)
+  cfg = config_lib.Config(num_splits=num_splits, block_k=block_k).bounded(
+      max(_seq_capacity(k, block_tables), 0 if indices is None else np.shape(indices)[-1]))
   scale = static_scale(softmax_scale, q.shape[-1])
   check_concrete_lengths(lengths, None if kv_offset is not None else _seq_capacity(k, block_tables))
+  if kv_offset is not None:
+    check_kv_offset(kv_offset, lengths, q.shape[0])
   if block_tables is not None:
     check_concrete_page_ids(block_tables, lengths, k.shape[1], k.shape[2],
                              num_tokens=1 if single_token else q.shape[1], window=window)
@@ -197,18 +214,14 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   if indices is not None:
     indices = sparse_lib.validate(indices, q.shape, hkv, mods=mods, has_mask=mask is not None,
                                   has_bias=bias is not None)
-  cache = dict(block_tables=None if block_tables is None else jnp.asarray(block_tables, jnp.int32),
+  cache = dict(block_tables=None if block_tables is None else to_int32(block_tables),
                k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset,
                k_rope=None if k_rope is None else jnp.asarray(k_rope))
   # The kernels take each sequence's end relative to the cache's first token.
-  ends = jnp.asarray(lengths).astype(jnp.int32)
+  ends = to_int32(lengths)
   if kv_offset is not None:
-    if np.ndim(kv_offset) not in (0, 1) or (np.ndim(kv_offset) == 1 and np.shape(kv_offset) != (q.shape[0],)):
-      raise ValueError(f"flash_decode: kv_offset must be a scalar or [B]=({q.shape[0]},); "
-                       f"got kv_offset.shape={tuple(np.shape(kv_offset))}")
-    if not jnp.issubdtype(jnp.result_type(kv_offset), jnp.integer):
-      raise ValueError(f"flash_decode: kv_offset must be integer, got dtype {jnp.result_type(kv_offset)}")
-    ends = ends - jnp.asarray(kv_offset, jnp.int32)
+    kv_offset = to_int32(kv_offset)
+    ends = ends - kv_offset
   if q4.shape[0] == 0 or q4.shape[1] == 0:  # no sequence or no new token: nothing to attend
     out = jnp.zeros(q4.shape[:-1] + (dv,), q.dtype)
     lse = jnp.full(q4.shape[:-1], -jnp.inf, jnp.float32)

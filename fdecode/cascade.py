@@ -33,6 +33,8 @@ import numpy as np
 
 from fdecode.api import flash_decode
 from fdecode.combine import apply_sinks, merge_states
+from fdecode.quant import is_quantized
+from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, check_concrete_page_ids, validate_quant
 
 # Position-dependent options that row packing cannot express: a packed row would need its
 # own sequence's positions inside the prefix call, which sees every row at once.
@@ -109,14 +111,21 @@ def cascade_decode(q, prefix_k, prefix_v, prefix_lengths, k, v, lengths, *, pref
     if name in opts:
       raise ValueError(f"cascade_decode: unexpected option {name!r}")
   sinks = opts.pop("sinks", None)
-  if isinstance(lengths, (list, tuple)):
-    lengths = np.asarray(lengths)
-  if isinstance(prefix_lengths, (list, tuple)):
-    prefix_lengths = np.asarray(prefix_lengths)
-  if isinstance(prefix_ids, (list, tuple)):
-    prefix_ids = np.asarray(prefix_ids)
+  (q, prefix_k, prefix_v, prefix_lengths, k, v, lengths, prefix_ids, prefix_block_tables, prefix_k_scale,
+   prefix_v_scale, prefix_k_offset, prefix_v_offset, prefix_k_rope, sinks) = as_arrays(
+       "cascade_decode", q=q, prefix_k=prefix_k, prefix_v=prefix_v, prefix_lengths=prefix_lengths, k=k, v=v,
+       lengths=lengths, prefix_ids=prefix_ids, prefix_block_tables=prefix_block_tables,
+       prefix_k_scale=prefix_k_scale, prefix_v_scale=prefix_v_scale, prefix_k_offset=prefix_k_offset,
+       prefix_v_offset=prefix_v_offset, prefix_k_rope=prefix_k_rope, sinks=sinks)
+  opts = {name: as_array(name, x, "cascade_decode") if name in ARRAY_ARGS else x for name, x in opts.items()}
+  for name, x in (("q", q), ("prefix_k", prefix_k), ("k", k)):
+    if x is None:
+      raise TypeError(f"cascade_decode: {name} must be an array, got None")
   n = _validate(q, prefix_k, prefix_v, prefix_lengths, k, v, lengths, prefix_ids,
                 prefix_block_tables, prefix_k_rope, opts)
+  _validate_formats(prefix_k, prefix_v, k, v, prefix_block_tables, prefix_lengths, prefix_k_rope,
+                    dict(k_scale=prefix_k_scale, v_scale=prefix_v_scale, k_offset=prefix_k_offset,
+                         v_offset=prefix_v_offset), opts)
   single_token = q.ndim == 3
   q4 = q[:, None] if single_token else q
   b, t, hq = q4.shape[:3]
@@ -251,3 +260,45 @@ def _validate(q, prefix_k, prefix_v, prefix_lengths, k, v, lengths, prefix_ids, 
     raise ValueError(f"cascade_decode: prefix_lengths must lie in [0, Sp={capacity}]; prefix "
                      f"{int(bad[0])} has length {int(lens[bad[0]])}")
   return n
+
+
+def _validate_formats(prefix_k, prefix_v, k, v, prefix_block_tables, prefix_lengths, prefix_k_rope,
+                      prefix_quant, opts) -> None:
+  """The prefix cache's own format checks, under the prefix's argument names (the prefix
+  call sees a packed query, so its own messages would name the suffix's arguments and
+  show internal shapes), and the suffix's scales named as the suffix's."""
+  name = lambda x: None if x is None else tuple(np.shape(x))
+  shapes = f"prefix_k.shape={name(prefix_k)}, prefix_v.shape={name(prefix_v)}"
+  paged = prefix_block_tables is not None
+  lead = "[Hkv, P, page_size]" if paged else "[N, Hkv, Sp]"
+  if prefix_v is not None and prefix_v.shape[:3] != prefix_k.shape[:3]:
+    raise ValueError(f"cascade_decode: prefix_k and prefix_v must have the same {lead}; got {shapes}")
+  if v is None and prefix_k.shape[-1] != k.shape[-1]:
+    raise ValueError(f"cascade_decode: with v=None (MLA) prefix_k and k must have the same head dim (the "
+                     f"latent, whose first v_head_dim columns are the values); got {shapes}, k.shape={name(k)}")
+  if prefix_k_rope is not None:
+    rope = name(prefix_k_rope)
+    if len(rope) != 4 or rope[:3] != tuple(prefix_k.shape[:3]):
+      raise ValueError(f"cascade_decode: prefix_k_rope must be {lead[:-1]}, Dr] like prefix_k; got "
+                       f"prefix_k_rope.shape={rope}, {shapes}")
+    if not jnp.issubdtype(jnp.result_type(prefix_k_rope), jnp.floating):
+      raise ValueError(f"cascade_decode: prefix_k_rope must be floating point, got dtype "
+                       f"{jnp.result_type(prefix_k_rope)}")
+  for cache_name, cache in (("k", k), ("v", v)):
+    given = [f"{cache_name}_{kind}" for kind in ("scale", "offset") if opts.get(f"{cache_name}_{kind}") is not None]
+    if cache is not None and given and not is_quantized(cache.dtype):
+      raise ValueError(f"cascade_decode: {' / '.join(given)} given but the suffix cache {cache_name} is not "
+                       f"quantized ({cache_name}.dtype={cache.dtype}); the prefix cache's are "
+                       f"{' / '.join('prefix_' + g for g in given)}")
+  validate_quant("prefix_k", prefix_k, prefix_quant["k_scale"], prefix_quant["k_offset"], "cascade_decode")
+  if prefix_v is not None:
+    validate_quant("prefix_v", prefix_v, prefix_quant["v_scale"], prefix_quant["v_offset"], "cascade_decode")
+  elif prefix_quant["v_scale"] is not None or prefix_quant["v_offset"] is not None:
+    raise ValueError("cascade_decode: prefix_v_scale / prefix_v_offset given with prefix_v=None: the values "
+                     "are prefix_k's first v_head_dim columns and use prefix_k_scale / prefix_k_offset")
+  if paged:
+    if not jnp.issubdtype(jnp.result_type(prefix_block_tables), jnp.integer):
+      raise ValueError(f"cascade_decode: prefix_block_tables must be integer, got dtype "
+                       f"{jnp.result_type(prefix_block_tables)}")
+    check_concrete_page_ids(prefix_block_tables, prefix_lengths, prefix_k.shape[1], prefix_k.shape[2],
+                            caller="cascade_decode", name="prefix_block_tables")

@@ -30,6 +30,10 @@ XLA_CHUNK_TOKENS = 2048
 _DEFAULT_UNITS = {"gpu": 132, "tpu": 1}
 
 
+# Largest knobs: int32, and a block_k rounded up to a power of two must stay in int32.
+_STATIC_INT_MAX = {"num_splits": 2 ** 31 - 1, "block_k": 2 ** 30}
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Static tuning knobs; ``None`` means "pick by heuristic".
@@ -49,9 +53,24 @@ class Config:
       value = getattr(self, name)
       if value is None:
         continue
-      if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        shown = repr(value) if isinstance(value, (numbers.Number, str)) and len(repr(value)) < 60 else (
+            f"{type(value).__name__} of shape {np.shape(value)}" if hasattr(value, "shape") else type(value).__name__)
+        raise ValueError(f"{name} must be a positive int or None, got {shown}")
+      if not 1 <= value <= _STATIC_INT_MAX[name]:
+        why = "int32; a block is rounded up to a power of two" if name == "block_k" else "int32"
+        raise ValueError(f"{name} must be a positive int or None, at most {_STATIC_INT_MAX[name]} "
+                         f"({why}), got {name}={int(value)}")
       object.__setattr__(self, name, int(value))  # numpy integers become plain ints
+
+  def bounded(self, tokens: int) -> "Config":
+    """These knobs lowered to what a call over ``tokens`` tokens (S, or K index slots) can
+    use; any value gives the same result, one past every token only costs memory:
+    num_splits at most ``tokens``, block_k at most ``tokens`` rounded up to ``16 * 2**k``."""
+    tokens = max(tokens, 1)
+    splits = None if self.num_splits is None else min(self.num_splits, tokens)
+    block = None if self.block_k is None else min(self.block_k, 16 * 2 ** ((tokens - 1) // 16).bit_length())
+    return dataclasses.replace(self, num_splits=splits, block_k=block)
 
 
 def num_parallel_units(backend: str | None = None) -> int:

@@ -34,10 +34,11 @@ unless the caller gave that form):
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import jax.numpy as jnp
 import numpy as np
+
+from fdecode.validation import describe, static_soft_cap, static_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,19 +63,6 @@ class Modifiers:
   @property
   def plain(self) -> bool:
     return self == Modifiers(causal=self.causal)
-
-
-def _static_positive(name, x, kind):
-  if x is None:
-    return None
-  if isinstance(x, (bool, np.bool_)) or not isinstance(x, (numbers.Real, np.generic)):
-    raise ValueError(f"flash_decode: {name} must be a static Python / numpy {kind} or None "
-                     f"(it is compiled into the kernel), got {x!r}")
-  if kind == "int" and int(x) != x:
-    raise ValueError(f"flash_decode: {name} must be an integer, got {x!r}")
-  if not x > 0 or not np.isfinite(x):
-    raise ValueError(f"flash_decode: {name} must be positive and finite, got {name}={x!r}")
-  return int(x) if kind == "int" else float(x)
 
 
 def _canonical_rows(name, x, b, t, hq, hkv, s, want_bool):
@@ -131,9 +119,9 @@ def canonicalize(q4_shape, hkv: int, seq_capacity: int, *, causal=True, mask=Non
   """
   b, t, hq, _ = q4_shape
   if not isinstance(causal, (bool, np.bool_)):
-    raise ValueError(f"flash_decode: causal must be a bool, got {causal!r}")
-  window = _static_positive("window", window, "int")
-  soft_cap = _static_positive("logits_soft_cap", logits_soft_cap, "float")
+    raise ValueError(f"flash_decode: causal must be a bool, got {describe(causal)}")
+  window = static_window(window)
+  soft_cap = static_soft_cap(logits_soft_cap)
   arrays = dict(mask=None, bias=None, alibi=None)
   forms = {}
   for name, x in (("mask", mask), ("bias", bias)):
@@ -158,13 +146,21 @@ def row_bounds(ends, num_tokens: int, group: int, seq_capacity: int, mods: Modif
   """Per query row: ``(lo, hi, qpos)`` int32 ``[B, R]``: row r sees key positions
   ``lo <= j < hi`` (before the mask); qpos is its own position ``ends - T + t``."""
   t = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), group)  # [R]
-  qpos = ends.astype(jnp.int32)[:, None] - num_tokens + t[None, :]
+  # Saturate a far-negative end (a sequence ending long before the cache) at int32's minimum.
+  ends = jnp.maximum(ends.astype(jnp.int32), jnp.iinfo(jnp.int32).min + num_tokens)
+  qpos = ends[:, None] - num_tokens + t[None, :]
   if mods.causal:
     hi = jnp.clip(qpos + 1, 0, seq_capacity)
   else:
     hi = jnp.broadcast_to(jnp.clip(ends, 0, seq_capacity)[:, None], qpos.shape).astype(jnp.int32)
-  lo = jnp.zeros_like(hi) if mods.window is None else jnp.clip(qpos - mods.window + 1, 0, seq_capacity)
+  lo = jnp.zeros_like(hi) if mods.window is None else _window_lo(qpos, mods.window, seq_capacity).astype(jnp.int32)
   return lo, hi, qpos
+
+
+def _window_lo(pos, window: int, seq_capacity: int):
+  """``clip(pos - window + 1, 0, S)`` without int32 overflow for any int32 ``pos`` and a
+  window up to ``2**31 - 1`` (``pos - min(pos, window - 1)`` is never negative)."""
+  return jnp.minimum(pos - jnp.minimum(pos, window - 1), seq_capacity)
 
 
 def window_start(ends, num_tokens: int, seq_capacity: int, mods: Modifiers):
@@ -172,4 +168,6 @@ def window_start(ends, num_tokens: int, seq_capacity: int, mods: Modifiers):
   a window): the first token's window start ``ends - T + 1 - window``, clipped."""
   if mods.window is None:
     return jnp.zeros_like(ends)
-  return jnp.clip(ends - num_tokens + 1 - mods.window, 0, seq_capacity)
+  # The first token's position, saturating at int32's minimum (ends may be very negative).
+  first = jnp.maximum(ends, jnp.iinfo(jnp.int32).min + num_tokens) - num_tokens
+  return _window_lo(first, mods.window, seq_capacity).astype(ends.dtype)

@@ -34,13 +34,14 @@ from fdecode.api import flash_decode
 from fdecode.combine import apply_sinks, combine_across
 from fdecode.meshes import host_values
 from fdecode.quant import canonical_scale
+from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, short_repr
 
 # Options laid out like the cache ([B|1, Hkv|1, S|1, n_tiles]): split with it.
 _CACHE_SHAPED = ("k_scale", "v_scale", "k_offset", "v_offset")
 # Cache-shaped options that are not scales: MLA's key-only RoPE columns.
 _CACHE_LIKE = _CACHE_SHAPED + ("k_rope",)
 # Options whose values flash_decode checks when they are concrete (with lengths).
-_VALUE_CHECKED = ("block_tables", "kv_offset")
+_VALUE_CHECKED = ("block_tables", "kv_offset", "indices")
 
 def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=None,
                          batch_axis=None, return_lse=False, **flash_decode_kwargs):
@@ -107,7 +108,9 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
   """
   _check_roles(mesh, head_axis=head_axis, seq_axis=seq_axis, batch_axis=batch_axis,
                kv_offset=flash_decode_kwargs.get("kv_offset"))
-  flash_decode_kwargs = {n: np.asarray(x) if n in _VALUE_CHECKED and isinstance(x, (list, tuple)) else x
+  # Lists and Python numbers become numpy arrays, as flash_decode takes them (same errors).
+  q, k, v, lengths = as_arrays(q=q, k=k, v=v, lengths=lengths)
+  flash_decode_kwargs = {n: as_array(n, x) if n in ARRAY_ARGS else x
                          for n, x in flash_decode_kwargs.items()}
   _flash_decode_checks(q, k, v, lengths, flash_decode_kwargs)
   tables = flash_decode_kwargs.get("block_tables")
@@ -374,7 +377,7 @@ def _names(axis, role: str = "mesh axis") -> tuple:
   names = (axis,) if isinstance(axis, str) else tuple(axis) if isinstance(axis, (tuple, list)) else None
   if names is None or not all(isinstance(n, str) for n in names):
     raise ValueError(f"sharded_flash_decode: {role} must be a mesh axis name (str) or a tuple of names, "
-                     f"got {axis!r}")
+                     f"got {short_repr(axis)}")
   return names
 
 

@@ -14,7 +14,9 @@ Legend as in `fdecode.config`; K selected positions per query.
   "none". Entries outside the cache, at or past a sequence's length, or hidden by
   causality or the window are masked, never read out of bounds.
 * Duplicates are counted once: the selected set is what attends.
-* A query whose selection leaves no visible key gives out 0 and lse -inf.
+* A query whose selection leaves no visible key gives out 0 and lse -inf (K = 0 too).
+* Concrete entries must fit in int32 (ValueError otherwise); traced wider integers are
+  clipped into int32 (an entry past int32 stays outside the cache), never wrapped.
 
 Canonical form (`canonicalize`): ``idx`` int32 ``[B', Hi, K]`` with ``Hi in {1, Hkv}``,
 each row sorted ascending, holding cache-relative positions, every dropped entry
@@ -35,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from fdecode.modifiers import Modifiers, window_start
+from fdecode.validation import check_int32, to_int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +55,8 @@ class Sparse:
 
 def validate(indices, q_shape, hkv: int, *, mods: Modifiers, has_mask: bool, has_bias: bool):
   """Checks ``indices`` against q (``[B, Hq, D]`` or ``[B, T, Hq, D]``); returns them as int32
-  ``[B, T|1, Hkv|1, K]``. Raises ValueError naming the argument and the shapes."""
+  ``[B, T|1, Hkv|1, max(K, 1)]`` (K = 0 becomes one -1 entry). Raises ValueError naming the
+  argument and the shapes, or concrete entries outside int32."""
   shape = tuple(np.shape(indices))
   single = len(q_shape) == 3
   b = q_shape[0]
@@ -66,7 +70,10 @@ def validate(indices, q_shape, hkv: int, *, mods: Modifiers, has_mask: bool, has
   if not jnp.issubdtype(jnp.result_type(indices), jnp.integer):
     raise ValueError(f"flash_decode: indices must be integer (cache positions, -1 = none), got "
                      f"indices.dtype={jnp.result_type(indices)}")
-  x = jnp.asarray(indices).astype(jnp.int32)
+  check_int32("indices", indices)  # concrete int64 positions must not wrap into the cache
+  x = to_int32(indices)
+  if shape[-1] == 0:  # no selected position: one "none" entry, so every impl sees an empty row
+    x = jnp.full(shape[:-1] + (1,), -1, jnp.int32)
   if len(shape) == 2:
     x = x[:, None, None, :]
   elif len(shape) == 3:

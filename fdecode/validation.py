@@ -1,6 +1,9 @@
 """Argument checks of `flash_decode`: shapes and dtypes at trace time, values when concrete.
 
-Every error is a ValueError naming the argument and showing the shapes.
+Every error is a ValueError (a TypeError for an argument of the wrong kind) naming the
+argument, showing the received value or shape (never a whole array), and saying what is
+allowed. Values are checked in the domain they are used in: static floats as float32
+(with every float32 quantity the kernels derive from them), integers as int32.
 """
 
 from __future__ import annotations
@@ -14,22 +17,176 @@ import numpy as np
 
 from fdecode.quant import canonical_scale, is_quantized
 
+INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
+F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32, 2**-126
+F32_MAX = float(np.finfo(np.float32).max)
+# Largest soft cap: the kernels compute s * (1 / cap), and 1 / cap >= 2**-100 keeps that
+# product normal for every |s| >= 2**-26, below float32's resolution of exp(s) near 1.
+SOFT_CAP_MAX = 2.0 ** 100
 
-def static_scale(softmax_scale, dk) -> float:
-  """softmax_scale is static (a Python / numpy real number): it is baked into the kernel."""
+# flash_decode's array arguments: Python lists / tuples of them are converted with numpy.
+ARRAY_ARGS = ("q", "k", "v", "lengths", "block_tables", "k_scale", "v_scale", "k_offset", "v_offset",
+              "kv_offset", "mask", "bias", "alibi_slopes", "sinks", "k_rope", "indices")
+
+
+def describe(x) -> str:
+  """A received value for an error message: a scalar's repr (cut at 60 characters), or an
+  array's / list's type, shape and dtype (never its contents)."""
+  if isinstance(x, (list, tuple)):
+    try:
+      arr = np.asarray(x)
+      if arr.dtype != object:
+        return f"a {type(x).__name__} of shape {arr.shape} ({arr.dtype})"
+    except (ValueError, TypeError):
+      pass
+    return f"a {type(x).__name__} of length {len(x)}"
+  if hasattr(x, "shape") and hasattr(x, "dtype") and np.ndim(x) > 0:
+    return f"{type(x).__name__} of shape {tuple(x.shape)} ({x.dtype})"
+  if isinstance(x, jax.core.Tracer):
+    return f"a traced {x.dtype} scalar"
+  text = repr(x)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+def short_repr(x) -> str:
+  """``repr(x)`` cut at 60 characters (an array: `describe`), for keys such as sequence ids."""
+  if hasattr(x, "shape") and hasattr(x, "dtype") and np.ndim(x) > 0:
+    return describe(x)
+  text = repr(x)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
+def as_array(name, x, caller: str = "flash_decode"):
+  """An array argument as given (jax / numpy array or scalar, tracer, ShapeDtypeStruct,
+  None), or a Python number, list or tuple converted with numpy. Raises TypeError naming
+  ``name`` for a ragged list, a list of non-numbers, or any other object."""
+  if x is None or (hasattr(x, "shape") and hasattr(x, "dtype")):
+    return x
+  if isinstance(x, (list, tuple, numbers.Number)):
+    try:
+      arr = np.asarray(x)
+    except (ValueError, TypeError):
+      arr = None
+    if arr is None or arr.dtype.kind not in "biuf":
+      raise TypeError(f"{caller}: {name} must be an array or a (nested) list of numbers of one "
+                      f"rectangular shape; got {describe(x)}")
+    return arr
+  raise TypeError(f"{caller}: {name} must be an array (jax or numpy) or a list of numbers; got "
+                  f"{type(x).__name__}")
+
+
+def as_arrays(caller: str = "flash_decode", **named):
+  """`as_array` over keyword arguments; returns their values in order."""
+  return tuple(as_array(name, x, caller) for name, x in named.items())
+
+
+def _static_real(name, x, caller, hint) -> float:
+  """A static real number (Python / numpy scalar, not bool), as a Python float."""
+  if isinstance(x, jax.core.Tracer):
+    raise ValueError(f"{caller}: {name} must be a static real number (it is compiled into the "
+                     f"kernel), got a traced value{hint}")
+  real = isinstance(x, numbers.Real) or (hasattr(x, "dtype") and np.ndim(x) == 0 and (
+      jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)))
+  if isinstance(x, (bool, np.bool_)) or not real or np.ndim(x) != 0:
+    raise ValueError(f"{caller}: {name} must be a real number (a static Python or numpy scalar), "
+                     f"got {describe(x)}")
+  return float(x)
+
+
+def static_float(name, x, *, low: float, high: float, caller: str = "flash_decode",
+                 zero_ok: bool = False, signed: bool = False, hint: str = "") -> float:
+  """A static float used as float32: its float32 value must be finite with magnitude in
+  ``[low, high]`` (``zero_ok``: or 0; ``signed``: negative values too). Returns the float."""
+  value = _static_real(name, x, caller, hint)
+  f32 = float(np.float32(value)) if abs(value) <= F32_MAX else math.inf
+  magnitude = abs(f32) if signed else f32
+  if not (math.isfinite(f32) and (low <= magnitude <= high or (zero_ok and f32 == 0))):
+    if signed:
+      allowed = f"finite and 0 or of magnitude in [{low:.8g}, {high:.8g}]" if zero_ok else (
+          f"finite and of magnitude in [{low:.8g}, {high:.8g}]")
+    else:
+      allowed = f"positive, finite and in [{low:.8g}, {high:.8g}]"
+    raise ValueError(f"{caller}: {name} must be {allowed} as a float32 (it is used as float32{hint}); "
+                     f"got {name}={value!r}")
+  return value
+
+
+def static_int(name, x, *, low: int = 1, high: int = INT32_MAX, caller: str = "flash_decode",
+               what: str = "", integral_floats: bool = False) -> int:
+  """A static Python / numpy int (not bool; with ``integral_floats`` also a float such as
+  4.0) in ``[low, high]`` (int32 by default)."""
+  if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
+    raise ValueError(f"{caller}: {name} must be a static int{what} (a Python or numpy integer), "
+                     f"got {describe(x)}")
+  if not isinstance(x, numbers.Integral) and not (integral_floats and float(x).is_integer()):
+    raise ValueError(f"{caller}: {name} must be an integer{what}, got {name}={x!r}")
+  if not low <= int(x) <= high:
+    allowed = f"a positive int, at most {high}" if low == 1 else f"an int in [{low}, {high}]"
+    notes = "; ".join(n for n in ("int32" if high == INT32_MAX else "", what.strip(" ()")) if n)
+    raise ValueError(f"{caller}: {name} must be {allowed}{f' ({notes})' if notes else ''}; got {name}={int(x)}")
+  return int(x)
+
+
+def static_scale(softmax_scale, dk, caller: str = "flash_decode") -> float:
+  """softmax_scale is static (a Python / numpy real number): it is baked into the kernel,
+  which multiplies float32 scores by it: 0, or a normal float32 of either sign."""
   if softmax_scale is None:
     return 1.0 / math.sqrt(dk)
-  if isinstance(softmax_scale, jax.core.Tracer):
-    raise ValueError("flash_decode: softmax_scale must be a static real number (it is compiled "
-                     "into the kernel), got a traced value; mark it static or fold it into q")
-  real = (isinstance(softmax_scale, numbers.Real) or hasattr(softmax_scale, "dtype") and (
-      jnp.issubdtype(softmax_scale.dtype, jnp.floating) or jnp.issubdtype(softmax_scale.dtype, jnp.integer)))
-  if isinstance(softmax_scale, (bool, np.bool_)) or not real or np.ndim(softmax_scale) != 0:
-    raise ValueError(f"flash_decode: softmax_scale must be a real number, got {softmax_scale!r}")
-  value = float(softmax_scale)
-  if not math.isfinite(value):
-    raise ValueError(f"flash_decode: softmax_scale must be finite, got {value}")
-  return value
+  return static_float("softmax_scale", softmax_scale, low=F32_TINY, high=F32_MAX, zero_ok=True,
+                      signed=True, caller=caller, hint="; a traced scale can be folded into q")
+
+
+def static_soft_cap(cap, caller: str = "flash_decode"):
+  """logits_soft_cap (None or a static float): the kernels compute ``cap * tanh(s * (1 / cap))``
+  in float32, so cap and 1 / cap must be normal float32: cap in [2**-126, 2**100]."""
+  if cap is None:
+    return None
+  return static_float("logits_soft_cap", cap, low=F32_TINY, high=SOFT_CAP_MAX, caller=caller,
+                      hint=", and so is 1 / logits_soft_cap")
+
+
+def static_window(window, caller: str = "flash_decode"):
+  """window (None or a static int): compared with int32 positions, so in [1, 2**31 - 1]."""
+  if window is None:
+    return None
+  return static_int("window", window, caller=caller, what=" (the sliding window, in tokens)",
+                    integral_floats=True)
+
+
+def check_int32(name, x, caller: str = "flash_decode", *, low: int = INT32_MIN, high: int = INT32_MAX) -> None:
+  """Concrete integer values (not traced) must lie in ``[low, high]`` (int32 by default)
+  before they are converted to int32, where wider values would wrap."""
+  if x is None or isinstance(x, jax.core.Tracer) or isinstance(x, jax.ShapeDtypeStruct):
+    return
+  if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+    return
+  dtype = np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+  if dtype.kind in "iu" and np.iinfo(dtype).min >= low and np.iinfo(dtype).max <= high:
+    return  # every value of the dtype fits: no read of the values (no device sync)
+  vals = np.asarray(x)
+  if vals.dtype.kind not in "iu" or vals.size == 0:
+    return
+  bad = (vals < low) | (vals > high)
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0]) if vals.ndim else ()
+    at = f"{name}[{', '.join(map(str, where))}]" if where else name
+    raise ValueError(f"{caller}: {name} must lie in [{low}, {high}] (int32); got {at} = {int(vals[where])}")
+
+
+def to_int32(x):
+  """``x`` as int32 without wrapping: integers wider than int32 (traced int64 under
+  ``jax_enable_x64``) are clipped into the int32 range first."""
+  if isinstance(x, (np.ndarray, np.generic, numbers.Integral)):  # before JAX converts (and wraps) it
+    x = np.asarray(x)
+    if x.dtype.kind in "iu":
+      x = np.clip(x, INT32_MIN if x.dtype.kind == "i" else 0, INT32_MAX)
+    return jnp.asarray(x.astype(np.int32) if x.dtype.kind in "iub" else x).astype(jnp.int32)
+  x = jnp.asarray(x)
+  if jnp.issubdtype(x.dtype, jnp.unsignedinteger) and jnp.iinfo(x.dtype).bits >= 32:
+    x = jnp.minimum(x, INT32_MAX)
+  elif jnp.issubdtype(x.dtype, jnp.signedinteger) and jnp.iinfo(x.dtype).bits > 32:
+    x = jnp.clip(x, INT32_MIN, INT32_MAX)
+  return x.astype(jnp.int32)
 
 
 def validate_args(q, k, v, lengths, block_tables, *, v_head_dim=None, k_rope=None) -> tuple[bool, int]:
@@ -102,7 +259,7 @@ def _value_head_dim(k, v, v_head_dim, shapes) -> int:
     if (isinstance(v_head_dim, (bool, np.bool_)) or not isinstance(v_head_dim, numbers.Integral)
         or not 1 <= v_head_dim <= k.shape[-1]):
       raise ValueError(f"flash_decode: v_head_dim must be a static int in [1, k.shape[-1]={k.shape[-1]}] "
-                       f"(the values are k's first v_head_dim columns); got v_head_dim={v_head_dim!r}, {shapes}")
+                       f"(the values are k's first v_head_dim columns); got v_head_dim={describe(v_head_dim)}, {shapes}")
     if v is not None and v.shape[-1] != v_head_dim:
       raise ValueError(f"flash_decode: v_head_dim={v_head_dim} disagrees with v's head dim; pass v=None to "
                        f"read the values from k (MLA), or drop v_head_dim; got {shapes}")
@@ -113,37 +270,44 @@ def _value_head_dim(k, v, v_head_dim, shapes) -> int:
   return v.shape[-1]
 
 
-def validate_quant(name, cache, scale, offset):
-  """Checks the cache dtype against its scale; returns canonical (scale, offset) or Nones."""
+def validate_quant(name, cache, scale, offset, caller: str = "flash_decode", *, cache_name=None):
+  """Checks the cache dtype against its scale; returns canonical (scale, offset) or Nones.
+
+  ``name`` is the cache's argument name (``k``, ``prefix_k``...): its scale and offset are
+  ``{name}_scale`` / ``{name}_offset``. ``cache_name`` (default ``name``) names the cache
+  itself in messages."""
+  cache_name = name if cache_name is None else cache_name
+  scale_name, offset_name = f"{name}_scale", f"{name}_offset"
   if is_quantized(cache.dtype):
     if scale is None:
-      raise ValueError(f"flash_decode: {name} has dtype {cache.dtype}: pass {name}_scale "
-                       f"(a scalar, or shaped like {name}.shape={tuple(cache.shape)} with the last axis "
+      raise ValueError(f"{caller}: {cache_name} has dtype {cache.dtype}: pass {scale_name} "
+                       f"(a scalar, or shaped like {cache_name}.shape={tuple(cache.shape)} with the last axis "
                        "replaced by n_tiles)")
-    scale = canonical_scale(scale, cache.shape, f"{name}_scale")
+    scale = canonical_scale(scale, cache.shape, scale_name, caller)
     if offset is not None:
-      offset = canonical_scale(offset, cache.shape, f"{name}_offset")
+      offset = canonical_scale(offset, cache.shape, offset_name, caller)
       if offset.shape[-1] != scale.shape[-1]:
-        raise ValueError(f"flash_decode: {name}_offset must tile like {name}_scale; got "
-                         f"{name}_offset.shape={tuple(offset.shape)}, {name}_scale.shape={tuple(scale.shape)}")
+        raise ValueError(f"{caller}: {offset_name} must tile like {scale_name}; got "
+                         f"{offset_name}.shape={tuple(offset.shape)}, {scale_name}.shape={tuple(scale.shape)}")
     return scale, offset
-  if not jnp.issubdtype(cache.dtype, jnp.floating):
-    raise ValueError(f"flash_decode: {name} must be floating point or int8/float8 with {name}_scale, "
-                     f"got {name}.dtype={cache.dtype}")
+  if not jnp.issubdtype(cache.dtype, jnp.floating) or jnp.dtype(cache.dtype).itemsize < 2:
+    raise ValueError(f"{caller}: {cache_name} must be floating point or int8/float8 with {scale_name} (a "
+                     f"float of 16 bits or more, or int8 / float8_e4m3fn / float8_e5m2), got "
+                     f"{cache_name}.dtype={cache.dtype}")
   if scale is not None or offset is not None:
-    raise ValueError(f"flash_decode: {name}_scale/{name}_offset given but {name} is not quantized "
-                     f"({name}.dtype={cache.dtype})")
+    raise ValueError(f"{caller}: {scale_name}/{offset_name} given but {cache_name} is not quantized "
+                     f"({cache_name}.dtype={cache.dtype})")
   return None, None
 
 
 def check_concrete_page_ids(block_tables, lengths, num_pages, page_size, *, num_tokens=1,
-                             window=None) -> None:
+                             window=None, caller: str = "flash_decode", name: str = "block_tables") -> None:
   """When table and lengths are concrete: every page a live token some query may see
   needs is in [0, P). With a window, pages wholly before every query's window are never
   read, so they may be freed (hold anything)."""
   if isinstance(block_tables, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
     return
-  tables, lens = np.asarray(block_tables), np.asarray(lengths)
+  tables, lens = np.asarray(block_tables), np.asarray(lengths).astype(np.int64)
   cols = np.arange(tables.shape[1])[None, :]
   needed = cols < -(-lens[:, None] // page_size)
   if window is not None and isinstance(window, numbers.Integral) and window > 0:
@@ -152,17 +316,76 @@ def check_concrete_page_ids(block_tables, lengths, num_pages, page_size, *, num_
   bad = needed & ((tables < 0) | (tables >= num_pages))
   if bad.any():
     seq, j = map(int, np.argwhere(bad)[0])
-    raise ValueError(f"flash_decode: block_tables[{seq}, {j}] = {int(tables[seq, j])} is out of range "
+    raise ValueError(f"{caller}: {name}[{seq}, {j}] = {int(tables[seq, j])} is out of range "
                      f"[0, P={num_pages}) for a live token of sequence {seq} (length {int(lens[seq])})")
 
 
-def check_concrete_lengths(lengths, capacity, caller: str = "flash_decode") -> None:
-  """Value check when lengths are concrete (not traced); capacity None: no upper bound."""
+def check_concrete_lengths(lengths, capacity, caller: str = "flash_decode", name: str = "lengths") -> None:
+  """Value check when lengths are concrete (not traced): in ``[0, capacity]``; capacity
+  None: no upper bound but int32's."""
   if isinstance(lengths, jax.core.Tracer):
     return
   vals = np.asarray(lengths)
-  upper = np.inf if capacity is None else capacity
+  upper = INT32_MAX if capacity is None else capacity
   bad = np.nonzero((vals < 0) | (vals > upper))[0]
   if bad.size:
-    raise ValueError(f"{caller}: lengths must lie in [0, S={capacity}]; "
-                     f"sequence {int(bad[0])} has length {int(vals[bad[0]])}")
+    allowed = f"[0, S={capacity}]" if capacity is not None else f"[0, {INT32_MAX}] (int32)"
+    raise ValueError(f"{caller}: {name} must lie in {allowed}; sequence {int(bad[0])} has length "
+                     f"{int(vals[bad[0]])}")
+
+
+def check_kv_offset(kv_offset, lengths, batch: int, caller: str = "flash_decode") -> None:
+  """kv_offset: an int scalar or int ``[B]``; concrete values in int32, and so must be each
+  sequence's end relative to the cache, ``lengths - kv_offset``."""
+  shape = tuple(np.shape(kv_offset))
+  if shape not in ((), (batch,)):
+    raise ValueError(f"{caller}: kv_offset must be a scalar or [B]=({batch},); got kv_offset.shape={shape}")
+  if not jnp.issubdtype(jnp.result_type(kv_offset), jnp.integer):
+    raise ValueError(f"{caller}: kv_offset must be integer, got dtype {jnp.result_type(kv_offset)}")
+  check_int32("kv_offset", kv_offset, caller)
+  if isinstance(kv_offset, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
+    return
+  ends = np.asarray(lengths).astype(np.int64) - np.asarray(kv_offset).astype(np.int64)
+  bad = np.nonzero((ends < INT32_MIN) | (ends > INT32_MAX))[0]
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(f"{caller}: lengths - kv_offset must lie in [{INT32_MIN}, {INT32_MAX}] (int32, the "
+                     f"sequence's end relative to the cache); sequence {i} has {int(ends[i])}")
+
+
+def check_rope_theta(theta, caller: str) -> float:
+  """RoPE base: frequencies ``theta ** (-2i / D)`` in float32 stay in ``(0, 1]`` for
+  ``theta >= 1``, so angles of int32 positions stay finite."""
+  return static_float("rope_theta", theta, low=1.0, high=F32_MAX, caller=caller)
+
+
+def check_norm_eps(eps, caller: str) -> float:
+  """RMSNorm epsilon: positive (0 divides a zero row by 0), a normal float32."""
+  return static_float("norm_eps", eps, low=F32_TINY, high=F32_MAX, caller=caller)
+
+
+def check_cache_dtype(name, dtype, caller: str, *, quantized_ok: bool = True):
+  """A cache dtype: floating of 16 bits or more, or (``quantized_ok``) int8 / float8_e4m3fn /
+  float8_e5m2. Returns the ``jnp.dtype``."""
+  allowed = "a floating dtype of 16 bits or more" + (", int8, float8_e4m3fn or float8_e5m2" if quantized_ok else
+                                                    " (this array is never quantized)")
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    raise ValueError(f"{caller}: {name} must be {allowed}; got {describe(dtype)}") from None
+  if (quantized_ok and is_quantized(dt)) or (jnp.issubdtype(dt, jnp.floating) and dt.itemsize >= 2):
+    return dt
+  raise ValueError(f"{caller}: {name} must be {allowed}; got {name}={dt}")
+
+
+def check_cache_sizes(caller: str, batch, max_len, page_size) -> None:
+  """init_cache sizes: positive ints whose positions and page ids fit in int32."""
+  for name, value in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
+    if value is not None or name != "page_size":
+      static_int(name, value, caller=caller)
+  pages = 1 if page_size is None else -(-max_len // page_size)
+  capacity = max_len if page_size is None else pages * page_size
+  if capacity > INT32_MAX or batch * pages > INT32_MAX:
+    raise ValueError(f"{caller}: the cache's capacity ({capacity} tokens) and page count ({batch * pages}) "
+                     f"must fit in int32 (at most {INT32_MAX}); got batch={batch}, max_len={max_len}, "
+                     f"page_size={page_size}")

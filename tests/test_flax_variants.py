@@ -88,7 +88,7 @@ def test_alibi_slopes_standard_values():
 
 
 def test_bad_layer_options():
-  with pytest.raises(ValueError, match="window must be positive"):
+  with pytest.raises(ValueError, match="window must be a positive int"):
     DecodeAttention(E, HQ, HKV, D, window=0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="logits_soft_cap must be positive"):
     DecodeAttention(E, HQ, HKV, D, logits_soft_cap=-2.0, rngs=nnx.Rngs(0))

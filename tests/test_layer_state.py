@@ -140,11 +140,12 @@ def test_bad_inputs_change_nothing(call, pattern):
 
 
 @pytest.mark.parametrize("kw,pattern", [
-    (dict(batch=0, max_len=8), "batch must be a positive int, got 0"),
-    (dict(batch=2, max_len=-1), "max_len must be a positive int, got -1"),
-    (dict(batch=2.0, max_len=8), "batch must be a positive int, got 2.0"),
+    (dict(batch=0, max_len=8), r"batch must be a positive int, at most 2147483647 \(int32\); got batch=0"),
+    (dict(batch=2, max_len=-1), "max_len must be a positive int, .*got max_len=-1"),
+    (dict(batch=2.0, max_len=8), "batch must be an integer, got batch=2.0"),
     (dict(batch=2, max_len=8, page_size=0), "page_size must be a positive int"),
-    (dict(batch=2, max_len=8, dtype=jnp.int32), "dtype must be floating point, int8"),
+    (dict(batch=2, max_len=8, dtype=jnp.int32), "dtype must be a floating dtype of 16 bits or more, int8, "
+                                                 "float8_e4m3fn or float8_e5m2; got dtype=int32"),
 ])
 def test_init_cache_rejects(kw, pattern):
   layer = _layer()

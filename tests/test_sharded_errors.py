@@ -26,7 +26,7 @@ def _args(paged=False, **over):
 
 
 def _message(fn, args, **kw):
-  with pytest.raises(ValueError) as err:
+  with pytest.raises((ValueError, TypeError)) as err:
     fn(**args, **kw)
   return str(err.value)
 
@@ -62,6 +62,13 @@ BAD = {
     "paged-id-negative": (dict(paged=True, block_tables=np.where(TABLE == 7, -1, TABLE)), dict(batch_axis="a")),
     "paged-id-past-pool-seq": (dict(paged=True, block_tables=np.where(TABLE == 5, 99, TABLE)), dict(seq_axis="a")),
     "paged-lengths-past-S": (dict(paged=True, lengths=jnp.array([3, 17])), dict(seq_axis="a")),
+    # Issue 18: integers in int32, static floats in float32, lists as arrays.
+    "indices-past-int32": (dict(indices=np.array([[2 ** 32 + 3], [1]], np.int64)), dict(seq_axis="a")),
+    "kv-offset-past-int32": (dict(kv_offset=np.array([2 ** 31, 0], np.int64)), dict(batch_axis="a")),
+    "window-past-int32": (dict(window=2 ** 31), dict(seq_axis="a")),
+    "soft-cap-past-float32": (dict(logits_soft_cap=1e39), dict(head_axis="a")),
+    "scale-past-float32": (dict(softmax_scale=1e39), dict(seq_axis="a")),
+    "mask-ragged-list": (dict(mask=[[True] * S, [True]]), dict(seq_axis="a")),
 }
 
 

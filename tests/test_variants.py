@@ -235,7 +235,8 @@ BAD = [
     (dict(mask=jnp.ones((S,), bool)), r"mask must be \[B, S\].*mask.shape=\(77,\)"),
     (dict(bias=jnp.ones((4, T, 3, S))), r"bias must broadcast.*bias.shape=\(4, 3, 3, 77\)"),
     (dict(bias=jnp.ones((4, S), bool)), r"bias must be floating point"),
-    (dict(window=0), r"window must be positive"),
+    (dict(window=0), r"window must be a positive int, at most 2147483647 \(int32; the sliding window, "
+                     r"in tokens\); got window=0"),
     (dict(window=2.5), r"window must be an integer"),
     (dict(window=jnp.int32(4)), r"window must be a static"),
     (dict(logits_soft_cap=0.0), r"logits_soft_cap must be positive"),

@@ -8,6 +8,8 @@ import operator
 
 import numpy as np
 
+from fdecode.validation import describe, short_repr
+
 
 class PoolExhaustedError(RuntimeError, ValueError):
   """Raised when the page pool has too few free pages for a request; the failed call
@@ -149,7 +151,7 @@ class PageAllocator:
     count = _count("num_tokens", num_tokens, "prepare_write")
     if start < 0 or count < 0:
       raise ValueError(f"PageAllocator.prepare_write: start and num_tokens must be >= 0, got "
-                       f"{start=}, num_tokens={count} for sequence {seq_id!r}")
+                       f"{start=}, num_tokens={count} for sequence {short_repr(seq_id)}")
     pages = self._pages[seq_id]
     end = start + count
     first, stop = start // self.page_size, min(-(-end // self.page_size), len(pages))
@@ -187,13 +189,13 @@ class PageAllocator:
     """
     if isinstance(seq_ids, (str, bytes)) or not hasattr(seq_ids, "__len__"):
       raise ValueError(f"PageAllocator.block_table: seq_ids must be a list of sequence ids, got "
-                       f"{seq_ids!r}")
+                       f"{describe(seq_ids)}")
     seq_ids = list(seq_ids)
     for sid in seq_ids:
       self._known(sid)
     if len(set(seq_ids)) != len(seq_ids):
       dup = next(sid for i, sid in enumerate(seq_ids) if sid in seq_ids[:i])
-      raise ValueError(f"PageAllocator.block_table: sequence {dup!r} is listed twice in seq_ids; "
+      raise ValueError(f"PageAllocator.block_table: sequence {short_repr(dup)} is listed twice in seq_ids; "
                        "two rows would write the same pages")
     table = np.full((len(seq_ids), self.max_pages_per_seq), -1, np.int32)
     for row, sid in enumerate(seq_ids):
@@ -236,8 +238,8 @@ class PageAllocator:
     check happens here, before any change. ``extra``: more pages taken by the same call."""
     n = _count("num_tokens", num_tokens, method)
     if n < 0:
-      raise ValueError(f"PageAllocator.{method}: num_tokens must be >= 0, got {num_tokens!r} for "
-                       f"sequence {seq_id!r}")
+      raise ValueError(f"PageAllocator.{method}: num_tokens must be >= 0, got {describe(num_tokens)} for "
+                       f"sequence {short_repr(seq_id)}")
     total = -(-n // self.page_size)
     if total > self.max_pages_per_seq:
       raise ValueError(f"PageAllocator.{method}: {n} tokens need more than max_pages_per_seq="
@@ -245,30 +247,30 @@ class PageAllocator:
     need = max(total - have, 0)
     if need + extra > len(self._free):
       copies = f" ({extra} of them copies of shared pages)" if extra else ""
-      raise PoolExhaustedError(f"PageAllocator: sequence {seq_id!r} needs {need + extra} more pages"
+      raise PoolExhaustedError(f"PageAllocator: sequence {short_repr(seq_id)} needs {need + extra} more pages"
                                f"{copies}, {len(self._free)} of {self.num_pages} free")
     return n, need
 
   def _known(self, seq_id, method: str = "lookup"):
     _hashable(seq_id, method)
     if seq_id not in self._pages:
-      raise UnknownSequenceError(f"PageAllocator.{method}: unknown sequence {seq_id!r}")
+      raise UnknownSequenceError(f"PageAllocator.{method}: unknown sequence {short_repr(seq_id)}")
     return seq_id
 
   def _new_id(self, seq_id, method: str) -> None:
     _hashable(seq_id, method)
     if seq_id in self._pages:
-      raise ValueError(f"PageAllocator.{method}: sequence {seq_id!r} is already allocated")
+      raise ValueError(f"PageAllocator.{method}: sequence {short_repr(seq_id)} is already allocated")
 
 
 def _count(name: str, x, method: str) -> int:
   """``x`` as a Python int (int, numpy / JAX integer scalar); bool, float or str: ValueError."""
   if isinstance(x, (bool, np.bool_)):
-    raise ValueError(f"PageAllocator.{method}: {name} must be an int, got {x!r}")
+    raise ValueError(f"PageAllocator.{method}: {name} must be an int, got {describe(x)}")
   try:
     return operator.index(x)
   except TypeError:
-    raise ValueError(f"PageAllocator.{method}: {name} must be an int, got {x!r} "
+    raise ValueError(f"PageAllocator.{method}: {name} must be an int, got {describe(x)} "
                      f"({type(x).__name__})") from None
 
 
@@ -277,4 +279,4 @@ def _hashable(seq_id, method: str) -> None:
     hash(seq_id)
   except TypeError:
     raise ValueError(f"PageAllocator.{method}: seq_id must be hashable (a str, int, tuple...), "
-                     f"got {seq_id!r} ({type(seq_id).__name__})") from None
+                     f"got {short_repr(seq_id)} ({type(seq_id).__name__})") from None

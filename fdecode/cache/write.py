@@ -24,6 +24,7 @@ import numpy as np
 
 from fdecode.meshes import explicit_sharding, host_values, replicated
 from fdecode.quant import _QMAX, canonical_scale, is_quantized, quantize
+from fdecode.validation import as_array, check_int32, to_int32
 
 
 def _quantize_new(new, scale, dtype, per_token):
@@ -123,6 +124,7 @@ def _check_write(fn, k, v, k_new, v_new, positions, k_scale, v_scale, block_tabl
     raise ValueError(f"{fn}: positions must be [B]=({b},); got {shapes}")
   if not jnp.issubdtype(_dtype(positions), jnp.integer):
     raise ValueError(f"{fn}: positions must be integer, got dtype {_dtype(positions)}")
+  check_int32("positions", positions, fn)  # concrete: before the int32 cast, which would wrap
 
 
 def write_contiguous(k, v, k_new, v_new, positions, *, k_scale=None, v_scale=None):
@@ -141,12 +143,12 @@ def write_contiguous(k, v, k_new, v_new, positions, *, k_scale=None, v_scale=Non
     ValueError: for any shape or dtype mismatch (names the argument, shows the shapes),
       a missing scale for an 8-bit cache, or a scale for a float cache.
   """
-  positions = jnp.asarray(positions) if isinstance(positions, (list, tuple)) else positions
+  positions = as_array("positions", positions, "write_contiguous")
   _check_write("write_contiguous", k, v, k_new, v_new, positions, k_scale, v_scale)
   b, _, s, _ = k.shape
   k_new, v_new = _as_tokens(k_new), _as_tokens(v_new)
   t = k_new.shape[2]
-  slots = jnp.asarray(positions, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
+  slots = to_int32(positions)[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
   slots = jnp.where((slots >= 0) & (slots < s), slots, s)  # s: out of range -> dropped
   bi = jnp.arange(b)[:, None]
 
@@ -191,16 +193,16 @@ def write_paged(k_pages, v_pages, block_tables, positions, k_new, v_new, *, k_sc
     ValueError: as `write_contiguous`; also for a table that is not integer ``[B, n]``
       (B is the table's row count) or a per-page scale.
   """
-  as_array = lambda x: jnp.asarray(x) if isinstance(x, (list, tuple)) else x
-  block_tables, positions = as_array(block_tables), as_array(positions)
+  block_tables = as_array("block_tables", block_tables, "write_paged")
+  positions = as_array("positions", positions, "write_paged")
   _check_write("write_paged", k_pages, v_pages, k_new, v_new, positions, k_scale, v_scale,
                block_tables=block_tables)
   _, num_pages, ps, _ = k_pages.shape
   k_new, v_new = _as_tokens(k_new), _as_tokens(v_new)
   t = k_new.shape[2]
   # Small index arrays: replicated, so the page lookup's sharding is unambiguous.
-  tables = replicated(jnp.asarray(block_tables, jnp.int32))
-  pos = replicated(jnp.asarray(positions, jnp.int32))[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
+  tables = replicated(to_int32(block_tables))  # saturating: an id past int32 is outside the pool
+  pos = replicated(to_int32(positions))[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
   j = pos // ps
   in_table = (pos >= 0) & (j < tables.shape[1])
   page = jnp.take_along_axis(tables, jnp.clip(j, 0, tables.shape[1] - 1), axis=1)
@@ -258,8 +260,7 @@ def copy_pages(k_pages, v_pages, src, dst, *, k_scale=None, v_scale=None):
       an 8-bit pool, a scale for a float pool, or a scale not shaped for its pool.
   """
   fn = "copy_pages"
-  as_array = lambda x: jnp.asarray(x, jnp.int32) if isinstance(x, (list, tuple)) else x
-  src, dst = as_array(src), as_array(dst)
+  src, dst = as_array("src", src, fn), as_array("dst", dst, fn)
   shapes = (f"k_pages.shape={_shape(k_pages)}, v_pages.shape={_shape(v_pages)}, "
             f"src.shape={_shape(src)}, dst.shape={_shape(dst)}")
   if np.ndim(k_pages) != 4 or np.ndim(v_pages) != 4 or _shape(k_pages)[:3] != _shape(v_pages)[:3]:
@@ -282,9 +283,9 @@ def copy_pages(k_pages, v_pages, src, dst, *, k_scale=None, v_scale=None):
                        f"({name}.dtype={jnp.dtype(pool.dtype)})")
     if scale is not None:
       scales[scale_name] = canonical_scale(scale, pool.shape, scale_name, caller=fn)
-  dst = jnp.asarray(dst, jnp.int32)
+  dst = to_int32(dst)  # saturating, never wrapping: a negative id stays negative (skipped)
   dst = jnp.where((dst >= 0) & (dst < num_pages), dst, num_pages)  # invalid -> dropped
-  src = jnp.clip(jnp.asarray(src, jnp.int32), 0, num_pages - 1)
+  src = jnp.clip(to_int32(src), 0, num_pages - 1)
 
   def copy(arr):
     return _scatter(arr, (slice(None), dst), arr[:, src])
@@ -304,12 +305,19 @@ def _check_copy_ids(fn, src, dst, num_pages) -> None:
   src_v, dst_v = host_values(src), host_values(dst)
   if src_v is None or dst_v is None:
     return
-  if ((src_v < 0) | (src_v >= num_pages)).any():
-    raise ValueError(f"{fn}: src ids must lie in [0, P={num_pages}); got src={src_v.tolist()}")
-  if (dst_v >= num_pages).any():
+  bad = np.nonzero((src_v < 0) | (src_v >= num_pages))[0]
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(f"{fn}: src ids must lie in [0, P={num_pages}); got src[{i}] = {int(src_v[i])}")
+  bad = np.nonzero(dst_v >= num_pages)[0]
+  if bad.size:
+    i = int(bad[0])
     raise ValueError(f"{fn}: dst ids must lie in [0, P={num_pages}) (negative: skipped); got "
-                     f"dst={dst_v.tolist()}")
-  valid = dst_v[dst_v >= 0]
-  if len(np.unique(valid)) != len(valid):
+                     f"dst[{i}] = {int(dst_v[i])}")
+  valid = np.nonzero(dst_v >= 0)[0]
+  ids, counts = np.unique(dst_v[valid], return_counts=True)
+  if (counts > 1).any():
+    page = int(ids[counts > 1][0])
+    where = [int(i) for i in valid[dst_v[valid] == page][:2]]
     raise ValueError(f"{fn}: dst ids must be distinct (two copies into one page); got "
-                     f"dst={dst_v.tolist()}")
+                     f"dst[{where[0]}] = dst[{where[1]}] = {page}")

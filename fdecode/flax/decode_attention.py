@@ -14,8 +14,9 @@ from flax import nnx
 from fdecode.api import flash_decode
 from fdecode.cache.write import write_contiguous, write_paged
 from fdecode.meshes import host_values, replicated
-from fdecode.modifiers import canonicalize
 from fdecode.quant import is_quantized
+from fdecode.validation import (check_cache_dtype, check_cache_sizes, check_norm_eps, check_rope_theta, static_int,
+                                static_scale, static_soft_cap, static_window)
 
 __all__ = ["DecodeAttention", "alibi_slopes", "apply_rope"]
 
@@ -49,7 +50,12 @@ def apply_rope(x, positions, *, theta: float = 10000.0):
 def alibi_slopes(num_heads: int) -> jnp.ndarray:
   """The standard ALiBi slopes (Press et al.; BLOOM / MPT / vLLM), float32 ``[Hq]``:
   ``2 ** (-8 (i + 1) / n)`` for the largest power of two ``n <= Hq``, then every other
-  slope of ``2n`` heads for the rest."""
+  slope of ``2n`` heads for the rest.
+
+  Raises:
+    ValueError: ``num_heads`` not an int >= 1.
+  """
+  num_heads = static_int("num_heads", num_heads, caller="alibi_slopes", what=" (Hq, the query heads)")
   closest = 1 << (num_heads.bit_length() - 1)
   geometric = lambda n: [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
   slopes = geometric(closest) + geometric(2 * closest)[0::2][:num_heads - closest]
@@ -133,17 +139,32 @@ class DecodeAttention(nnx.Module):
       norm_eps: epsilon of the QK norms.
       softmax_scale: scores multiplier; default ``1/sqrt(D)``.
       rngs: parameter initialization.
+
+    Raises:
+      ValueError: a size not a positive int, Hq not a multiple of Hkv, D odd, or a static
+        option outside the domain it is used in (checked again at every call, before
+        anything is written): ``window`` an int32 >= 1; ``logits_soft_cap`` and
+        ``softmax_scale`` as `fdecode.flash_decode` takes them (float32, with
+        ``1 / logits_soft_cap`` normal); ``rope_theta`` a float32 >= 1; ``norm_eps`` (with
+        ``qk_norm``) a positive normal float32.
     """
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    head_dim = in_features // num_heads if head_dim is None else head_dim
-    if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+    caller = "DecodeAttention"
+    in_features = static_int("in_features", in_features, caller=caller)
+    num_heads = static_int("num_heads", num_heads, caller=caller)
+    num_kv_heads = num_heads if num_kv_heads is None else static_int("num_kv_heads", num_kv_heads, caller=caller)
+    head_dim = in_features // num_heads if head_dim is None else static_int("head_dim", head_dim, caller=caller)
+    if num_heads % num_kv_heads:
       raise ValueError(f"DecodeAttention: num_heads ({num_heads}) must be a positive "
                        f"multiple of num_kv_heads ({num_kv_heads})")
     if head_dim < 2 or head_dim % 2:
       raise ValueError(f"DecodeAttention: head_dim must be even and >= 2 (RoPE), got {head_dim}")
-    # The same checks flash_decode makes, at construction time.
-    canonicalize((1, 1, num_heads, head_dim), num_kv_heads, 1, window=window,
-                 logits_soft_cap=logits_soft_cap)
+    # The same checks flash_decode makes (float32 / int32 domains), at construction time.
+    window, logits_soft_cap = static_window(window, caller), static_soft_cap(logits_soft_cap, caller)
+    if softmax_scale is not None:
+      softmax_scale = static_scale(softmax_scale, head_dim, caller)
+    rope_theta = None if rope_theta is None else check_rope_theta(rope_theta, caller)
+    if qk_norm:
+      norm_eps = check_norm_eps(norm_eps, caller)
     self.in_features = in_features
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
@@ -185,17 +206,12 @@ class DecodeAttention(nnx.Module):
     axis 1): new tokens are quantized as they are written, dequantized inside the kernel.
 
     Raises:
-      ValueError: ``batch``, ``max_len`` or ``page_size`` not a positive int, or a
-        ``dtype`` neither floating nor 8-bit.
+      ValueError: ``batch``, ``max_len`` or ``page_size`` not a positive int (or a
+        capacity or page count past int32), or a ``dtype`` neither floating of 16 bits
+        or more nor int8 / float8_e4m3fn / float8_e5m2.
     """
-    for name, value in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
-      if value is None and name == "page_size":
-        continue
-      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"DecodeAttention.init_cache: {name} must be a positive int, got {value!r}")
-    if not (is_quantized(dtype) or jnp.issubdtype(dtype, jnp.floating)):
-      raise ValueError(f"DecodeAttention.init_cache: dtype must be floating point, int8, "
-                       f"float8_e4m3fn or float8_e5m2, got {jnp.dtype(dtype)}")
+    check_cache_sizes("DecodeAttention.init_cache", batch, max_len, page_size)
+    dtype = check_cache_dtype("dtype", dtype, "DecodeAttention.init_cache")
     if page_size is None:
       shape = (batch, self.num_kv_heads, max_len, self.head_dim)
       self.block_tables = None
@@ -348,7 +364,19 @@ class DecodeAttention(nnx.Module):
       return self.cached_key.shape[2]
     return self.block_tables.shape[1] * self.cached_key.shape[2]
 
+  def _check_attributes(self, method: str) -> None:
+    """The static options, checked again at use (an attribute may have been reassigned
+    since construction), before anything is computed or written."""
+    caller = f"DecodeAttention.{method}"
+    static_window(self.window, caller)
+    static_soft_cap(self.logits_soft_cap, caller)
+    if self.softmax_scale is not None:
+      static_scale(self.softmax_scale, self.head_dim, caller)
+    if self.rope_theta is not None:
+      check_rope_theta(self.rope_theta, caller)
+
   def _check_input(self, method: str, x):
+    self._check_attributes(method)
     if self.cached_key is None:
       raise ValueError(f"DecodeAttention.{method}: no cache; call init_cache(batch, max_len) first")
     batch = self.lengths.shape[0]

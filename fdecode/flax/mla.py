@@ -11,7 +11,6 @@ value width, Rq query LoRA rank (optional).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable
 
 import jax
@@ -24,6 +23,8 @@ from fdecode.cache.write import write_contiguous, write_paged
 from fdecode.flax.decode_attention import apply_rope
 from fdecode.meshes import host_values, replicated
 from fdecode.quant import is_quantized
+from fdecode.validation import (check_cache_dtype, check_cache_sizes, check_norm_eps, check_rope_theta,
+                                static_int, static_scale)
 
 __all__ = ["MLADecodeAttention"]
 
@@ -112,23 +113,25 @@ class MLADecodeAttention(nnx.Module):
       rngs: parameter initialization.
 
     Raises:
-      ValueError: a width < 1, or Dr odd.
+      ValueError: a width < 1, Dr odd, or a static float outside the float32 domain it is
+        used in: ``softmax_scale`` as `fdecode.flash_decode` takes it, ``rope_theta`` >= 1,
+        ``norm_eps`` positive (each checked again at every call, before anything is written).
     """
     dims = dict(in_features=in_features, num_heads=num_heads, kv_lora_rank=kv_lora_rank,
                 qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim)
     if q_lora_rank is not None:
       dims["q_lora_rank"] = q_lora_rank
     for name, value in dims.items():
-      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"MLADecodeAttention: {name} must be a positive int, got {value!r}")
+      static_int(name, value, caller="MLADecodeAttention")
     if qk_rope_head_dim % 2:
       raise ValueError(f"MLADecodeAttention: qk_rope_head_dim must be even (RoPE), got {qk_rope_head_dim}")
+    rope_theta = check_rope_theta(rope_theta, "MLADecodeAttention")
+    norm_eps = check_norm_eps(norm_eps, "MLADecodeAttention")
     self.in_features, self.num_heads = in_features, num_heads
     self.kv_lora_rank, self.v_head_dim = kv_lora_rank, v_head_dim
     self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
     self.rope_theta, self.dtype = rope_theta, dtype
-    self.softmax_scale = (1.0 / math.sqrt(qk_nope_head_dim + qk_rope_head_dim)
-                          if softmax_scale is None else float(softmax_scale))
+    self.softmax_scale = static_scale(softmax_scale, qk_nope_head_dim + qk_rope_head_dim, "MLADecodeAttention")
     self.decode_fn = flash_decode if decode_fn is None else decode_fn
     linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     norm = dict(epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -165,22 +168,17 @@ class MLADecodeAttention(nnx.Module):
     for an 8-bit latent, else ``dtype``).
 
     Raises:
-      ValueError: ``batch``, ``max_len`` or ``page_size`` not a positive int, or a dtype
-        neither floating nor 8-bit (``rope_dtype``: not floating).
+      ValueError: ``batch``, ``max_len`` or ``page_size`` not a positive int (or a
+        capacity or page count past int32), a ``dtype`` neither floating of 16 bits or
+        more nor int8 / float8_e4m3fn / float8_e5m2, or a ``rope_dtype`` that is not
+        floating of 16 bits or more (the RoPE columns are never quantized).
     """
-    for name, value in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
-      if value is None and name == "page_size":
-        continue
-      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"MLADecodeAttention.init_cache: {name} must be a positive int, got {value!r}")
+    caller = "MLADecodeAttention.init_cache"
+    check_cache_sizes(caller, batch, max_len, page_size)
+    dtype = check_cache_dtype("dtype", dtype, caller)
     quantized = is_quantized(dtype)
-    if not (quantized or jnp.issubdtype(dtype, jnp.floating)):
-      raise ValueError(f"MLADecodeAttention.init_cache: dtype must be floating point, int8, "
-                       f"float8_e4m3fn or float8_e5m2, got {jnp.dtype(dtype)}")
     rope_dtype = (jnp.bfloat16 if quantized else dtype) if rope_dtype is None else rope_dtype
-    if not jnp.issubdtype(rope_dtype, jnp.floating):
-      raise ValueError(f"MLADecodeAttention.init_cache: rope_dtype must be floating point, "
-                       f"got {jnp.dtype(rope_dtype)}")
+    rope_dtype = check_cache_dtype("rope_dtype", rope_dtype, caller, quantized_ok=False)
     if page_size is None:
       lead = (batch, 1, max_len)
       self.block_tables = None
@@ -337,6 +335,9 @@ class MLADecodeAttention(nnx.Module):
       getattr(self, name).set_value(value)
 
   def _check_input(self, method: str, x):
+    caller = f"MLADecodeAttention.{method}"  # static options, again: they may have been reassigned
+    static_scale(self.softmax_scale, 1, caller)
+    check_rope_theta(self.rope_theta, caller)
     if self.cached_latent is None:
       raise ValueError(f"MLADecodeAttention.{method}: no cache; call init_cache(batch, max_len) first")
     batch = self.lengths.shape[0]

@@ -11,6 +11,7 @@ from flax import nnx
 
 from fdecode import config as config_lib
 from fdecode.combine import MASK_VALUE, finalize_state, merge_states
+from fdecode.validation import static_int, static_scale
 
 __all__ = ["attention_fn", "token_major_decode"]
 
@@ -121,7 +122,9 @@ def token_major_decode(q, k, v, mask, *, softmax_scale=None, num_splits=None,
     (and -inf).
 
   Raises:
-    ValueError: for inconsistent shapes (names the argument, shows the shapes).
+    ValueError: for inconsistent shapes (names the argument, shows the shapes), a
+      ``softmax_scale`` outside float32 (as `fdecode.flash_decode`), or ``num_splits``
+      not a positive int dividing L.
   """
   shapes = (f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}, "
             f"mask.shape={tuple(mask.shape)}")
@@ -139,7 +142,9 @@ def token_major_decode(q, k, v, mask, *, softmax_scale=None, num_splits=None,
   if mask.shape[0] != b or mask.shape[1] not in (1, hq) or mask.shape[2] != length:
     raise ValueError(f"token_major_decode: mask must be [B, 1, L] or [B, Hq, L]; got {shapes}")
   g = hq // hkv
-  scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(dk)
+  scale = static_scale(softmax_scale, dk, "token_major_decode")
+  if num_splits is not None:
+    num_splits = static_int("num_splits", num_splits, caller="token_major_decode")
   if num_splits is None:
     # At least 2: with a single chunk XLA:CPU fuses the final normalization into the
     # value reduction and the step is ~6x slower (benchmarks/bench_flax.py).
