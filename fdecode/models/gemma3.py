@@ -148,7 +148,7 @@ class Gemma3(Transformer):
   """Gemma 3 decoder with `DecodeAttention` layers (head-major caches, per-sequence lengths).
 
   It shares `fdecode.generate.Transformer`'s cache plumbing (``init_cache``,
-  ``place_cache``, ``cache_bytes``), so `fdecode.generate.generate` drives it.
+  ``place_cache``, ``place_state``, ``cache_bytes``), so `fdecode.generate.generate` drives it.
   ``decode_fn`` goes to every attention layer (see `set_decode_fn`).
 
   Attributes:
