@@ -214,9 +214,10 @@ def generate(model: Transformer, prompts, prompt_lengths, steps: int, *,
       `Transformer.init_cache`); then they are placed on ``cache_sharding``, and every
       other array of the model (weights, lengths, block tables) replicated on its mesh
       (`Transformer.place_state`), and kept so through every decode step: the step
-      compiles once, not again when its first call hands back another layout. Prefilling on the 8 simulated CPU devices instead, with
-      XLA partitioning the prompt attention and the cache write, took 7x longer on a
-      2-core machine (11.6 s vs 1.6 s for 4 prompts of up to 1024 tokens).
+      compiles once, not again when its first call hands back another layout.
+      Prefilling on the 8 simulated CPU devices instead, with XLA partitioning the
+      prompt attention and the cache write, took 7x longer on a 2-core machine (11.6 s
+      vs 1.6 s for 4 prompts of up to 1024 tokens).
     on_step: called as ``on_step(done, steps)`` after each token is ready.
 
   Returns:
