@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from fdecode.cache import PageAllocator, copy_pages
-from fdecode.generate import Transformer
+from fdecode.generate import Transformer, check_prompt_ids
 
 
 @dataclasses.dataclass
@@ -74,7 +74,8 @@ def beam_search(model: Transformer, prompt, prompt_length: int | None = None, *,
   Args:
     model: a `Transformer` after ``init_cache(batch=beams, max_len, page_size=...)``
       (a paged cache); its caches, block tables and lengths are overwritten.
-    prompt: int ``[L]``, the prompt in ``prompt[:prompt_length]``.
+    prompt: int ``[L]``, the prompt in ``prompt[:prompt_length]``, ids in ``[0, V)``
+      (the rest is padding: ignored).
     prompt_length: in ``[1, L]``; default L.
     beams: K >= 1, at most V.
     steps: N >= 1 new tokens per beam, ``prompt_length + N - 1 <=`` the capacity
@@ -88,7 +89,8 @@ def beam_search(model: Transformer, prompt, prompt_length: int | None = None, *,
     `Branches`, rows sorted by score (best first).
 
   Raises:
-    ValueError: bad sizes (names the argument); PoolExhaustedError (a ValueError) when a
+    ValueError: bad sizes or a prompt id outside ``[0, V)`` (names the argument);
+      PoolExhaustedError (a ValueError) when a
       caller's ``allocator`` runs out of pages mid-search. On an error every sequence
       this call allocated is freed.
   """
@@ -118,8 +120,12 @@ def sample_n(model: Transformer, prompt, n: int, steps: int, key, temperature: f
   """Parallel sampling: ``n`` independent continuations of one prompt, sharing its pages.
 
   Token t of sample i is ``jax.random.categorical(jax.random.fold_in(keys[i], t),
-  logp / temperature)`` where ``logp`` is the float32 log-softmax of the model's logits;
-  so sample i equals a single-sequence run (``n=1``) with ``key=keys[i:i + 1]``.
+  scaled)``, ``scaled = (logp - max(logp)) / temperature`` in float32 with the maximum's
+  entry exactly 0, where ``logp`` is the float32 log-softmax of the model's logits; so
+  sample i equals a single-sequence run (``n=1``) with ``key=keys[i:i + 1]``. As the
+  temperature goes to 0 this is greedy decoding (ties: uniform among the tied maxima),
+  and so it is for a temperature that underflows float32 (below ~1.2e-38, where XLA
+  flushes it to 0): never NaN, never token 0 by default.
 
   Args:
     model: a `Transformer` after ``init_cache(batch=n, max_len, page_size=...)``.
@@ -128,7 +134,8 @@ def sample_n(model: Transformer, prompt, n: int, steps: int, key, temperature: f
     steps: N >= 1 new tokens per sample (capacity as in `beam_search`).
     key: one PRNG key (split into ``keys = jax.random.split(key, n)``), or ``keys``
       itself: a key array ``[n]`` (raw uint32 keys ``[2]`` / ``[n, 2]`` accepted).
-    temperature: > 0.
+    temperature: a real number > 0 and finite in float32 (at most ~3.4e38), the dtype
+      the logits are divided in; tiny values sample the argmax (see above).
     allocator, on_step: as in `beam_search`.
 
   Returns:
@@ -139,9 +146,7 @@ def sample_n(model: Transformer, prompt, n: int, steps: int, key, temperature: f
   """
   run = _Run("sample_n", model, prompt, prompt_length, n, steps, allocator, on_step)
   keys = _sample_keys(key, n)
-  if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) \
-      or not 0 < temperature < np.inf:
-    raise ValueError(f"sample_n: temperature must be a finite float > 0, got {temperature!r}")
+  temperature = _check_temperature(temperature)
   with run:
     logp = run.prefill()
     rows = np.broadcast_to(logp, (n, logp.shape[0]))
@@ -149,7 +154,7 @@ def sample_n(model: Transformer, prompt, n: int, steps: int, key, temperature: f
     for step in range(steps):
       if step:
         rows = run.decode(tokens[-1])
-      tok = np.asarray(_draw(jnp.asarray(rows), keys, step, temperature))
+      tok = np.asarray(_draw(jnp.asarray(rows), keys, np.int32(step), temperature))
       scores += rows[np.arange(n), tok]
       tokens.append(tok)
       if not step:
@@ -197,6 +202,7 @@ class _Run:
       raise ValueError(f"{fn}: prompt of L={prompt.shape[0]} (prompt_length={length}) and "
                        f"steps={steps} need prompt_length + steps - 1 <= S and L <= S, the "
                        f"capacity S={capacity} (max_pages_per_seq * page_size)")
+    prompt = check_prompt_ids(fn, "prompt", prompt, length, model.cfg.vocab)
     self.fn, self.model, self.prompt, self.length, self.k = fn, model, prompt, int(length), k
     self.alloc, self.on_step, self.step = allocator, on_step, 0
     self.tag = object()  # ids unique to this call, whatever else the allocator holds
@@ -294,11 +300,29 @@ def _sample_keys(key, n: int):
   return key
 
 
+def _check_temperature(temperature) -> np.float32:
+  """`sample_n`'s ``temperature`` -> float32 (0 when it underflows: the greedy limit)."""
+  real = isinstance(temperature, (int, float, np.integer, np.floating)) \
+      and not isinstance(temperature, (bool, np.bool_))
+  try:
+    value = float(temperature) if real else float("nan")
+  except OverflowError:  # an int beyond float64
+    value = float("inf")
+  if not 0 < value <= float(np.finfo(np.float32).max):
+    raise ValueError(f"sample_n: temperature must be a real number > 0 and finite in float32 (at "
+                     f"most {np.finfo(np.float32).max:.4g}), the dtype sampling divides in; got "
+                     f"{temperature!r}")
+  return np.float32(value)
+
+
 @jax.jit
 def _draw(logp, keys, step, temperature):
-  """float32 ``[K, V]`` log-probs, keys ``[K]`` -> int32 ``[K]`` sampled tokens."""
-  draw = lambda k, row: jax.random.categorical(jax.random.fold_in(k, step), row / temperature)
-  return jax.vmap(draw)(keys, logp).astype(jnp.int32)
+  """float32 ``[K, V]`` log-probs, keys ``[K]``, int32 step, float32 temperature ->
+  int32 ``[K]`` sampled tokens (`sample_n`'s formula)."""
+  z = logp - jnp.max(logp, axis=-1, keepdims=True)  # <= 0; 0 at the maxima
+  scaled = jnp.where(z == 0, 0.0, z / temperature)  # T -> 0: -inf off the maxima, never 0/0
+  draw = lambda k, row: jax.random.categorical(jax.random.fold_in(k, step), row)
+  return jax.vmap(draw)(keys, scaled).astype(jnp.int32)
 
 
 @nnx.jit

@@ -47,6 +47,29 @@ def _ensure_host_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {_HOST_DEVICES_FLAG}={n}".strip()
 
 
+# More simulated devices than this is no demo.
+_MAX_DEVICES = 512
+
+
+def _check_sizes(p: argparse.ArgumentParser, sizes: dict) -> None:
+  """Each option an int in ``[1, 2**31 - 1]`` (sizes are int32 on the device)."""
+  for name, value in sizes.items():
+    if not 1 <= value <= 2**31 - 1:
+      p.error(f"{name} must be in [1, 2**31 - 1], got {value}")
+
+
+def _check_memory(p: argparse.ArgumentParser, nbytes: int, what: str) -> None:
+  """An argparse error when ``what`` (``nbytes``) would not fit this machine's memory,
+  rather than an allocation that fails (or swaps) minutes later."""
+  try:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
+    return
+  if nbytes > total:
+    p.error(f"{what} would need {nbytes / 2**30:.4g} GiB, more than this machine's "
+            f"{total / 2**30:.4g} GiB of memory; use smaller sizes")
+
+
 def _progress(label: str):
   """A ``\\r`` text progress bar on stderr: ``on_step(done, total)``."""
   t0 = time.perf_counter()
@@ -70,7 +93,9 @@ _CACHE_KINDS = {
 }
 
 
-def generate_main(argv) -> int:
+def _generate_args(argv):
+  """The generation demo's arguments -> (args, `ModelConfig`, (HEADS, SEQ) mesh sizes);
+  argparse-style errors (usage, message, exit 2) for sizes no run could use."""
   p = argparse.ArgumentParser(prog="python -m fdecode.demo", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--context", type=int, default=4096, help="cache capacity S (tokens)")
@@ -93,15 +118,34 @@ def generate_main(argv) -> int:
     n_heads_axis, n_seq_axis = (int(x) for x in a.mesh.lower().split("x"))
   except ValueError:
     p.error(f"--mesh must be HEADSxSEQ, e.g. 2x4; got {a.mesh!r}")
-  _ensure_host_devices(max(8, n_heads_axis * n_seq_axis))
-
-  hq = a.heads or max(a.dim // 32, 1)
-  hkv = a.kv_heads or max(hq // 2, 1)
+  if min(n_heads_axis, n_seq_axis) < 1 or n_heads_axis * n_seq_axis > _MAX_DEVICES:
+    p.error(f"--mesh must be HEADSxSEQ with positive sizes and at most {_MAX_DEVICES} devices in all; "
+            f"got {a.mesh!r}")
+  hq = max(a.dim // 32, 1) if a.heads is None else a.heads
+  hkv = max(hq // 2, 1) if a.kv_heads is None else a.kv_heads
+  _check_sizes(p, {"--context": a.context, "--batch": a.batch, "--steps": a.steps, "--layers": a.layers,
+                   "--dim": a.dim, "--heads": hq, "--kv-heads": hkv, "--vocab": a.vocab})
+  if a.dim % hq or hq % hkv:
+    p.error(f"need --dim a multiple of --heads and --heads a multiple of --kv-heads; got --dim {a.dim}, "
+            f"--heads {hq}, --kv-heads {hkv}")
+  # Two models (fdecode and reference), each with float32 weights and a cache.
+  params = a.vocab * a.dim * 2 + a.layers * (4 * a.dim * a.dim + 6 * a.dim * a.dim)
+  cache = 2 * a.layers * a.batch * hkv * a.context * (a.dim // hq)
+  _check_memory(p, 2 * 4 * (params + cache), "the two models and their caches")
+  if not 0 <= a.seed < 2**32:
+    p.error(f"--seed must be in [0, 2**32), got {a.seed}")
+  if a.steps > a.context:
+    p.error(f"--steps must be in [1, --context={a.context}], got {a.steps}")
   cfg = ModelConfig(vocab=a.vocab, dim=a.dim, layers=a.layers, num_heads=hq, num_kv_heads=hkv,
                     head_dim=a.dim // hq, mlp_dim=2 * a.dim)
+  return a, cfg, (n_heads_axis, n_seq_axis)
+
+
+def generate_main(argv) -> int:
+  a, cfg, (n_heads_axis, n_seq_axis) = _generate_args(argv)
+  _ensure_host_devices(max(8, n_heads_axis * n_seq_axis))
+  hq, hkv = cfg.num_heads, cfg.num_kv_heads
   s, b, steps = a.context, a.batch, a.steps
-  if steps < 1 or steps > s:
-    p.error(f"--steps must be in [1, --context={s}], got {steps}")
 
   # Prompts of different lengths, right-padded; the longest starts mid-cache so that the
   # sequences sit in different "seq" shards while they decode.
@@ -212,8 +256,14 @@ def kernel_main(argv=None) -> int:
   p.add_argument("--impl", choices=["xla", "pallas", "reference"], default=None)
   p.add_argument("--iters", type=int, default=10)
   a = p.parse_args(argv)
-
+  _check_sizes(p, {"--batch": a.batch, "--context": a.context, "--q-heads": a.q_heads,
+                   "--kv-heads": a.kv_heads, "--head-dim": a.head_dim, "--iters": a.iters})
+  if a.q_heads % a.kv_heads:
+    p.error(f"--q-heads must be a multiple of --kv-heads; got {a.q_heads} and {a.kv_heads}")
   dtype = jnp.dtype(a.dtype)
+  # q, k, v and the float32 reference's copies of them.
+  _check_memory(p, (dtype.itemsize + 4) * a.batch * a.head_dim * (a.q_heads + 2 * a.kv_heads * a.context),
+                "q, k and v (and the reference's float32 copies)")
   kq, kk, kv, kl = jax.random.split(jax.random.key(0), 4)
   q = jax.random.normal(kq, (a.batch, a.q_heads, a.head_dim), dtype)
   k = jax.random.normal(kk, (a.batch, a.kv_heads, a.context, a.head_dim), dtype)

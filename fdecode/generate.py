@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from fdecode.flax import DecodeAttention
 from fdecode.meshes import is_explicit
@@ -115,6 +116,27 @@ class Transformer(nnx.Module):
         var = getattr(block.attn, name)
         var.set_value(jax.device_put(var[...], sharding))  # `var[...] =` would keep the old sharding
 
+  def place_state(self, cache_sharding) -> None:
+    """Puts the whole model on ``cache_sharding``'s mesh for a sharded decode loop: the
+    caches on ``cache_sharding`` (as `place_cache`), every other array (weights, lengths,
+    block tables) replicated. A step that keeps them there (`_pin_state`, inside the
+    trace) then sees the same input shardings at every call and compiles once."""
+    self._pin_state(cache_sharding, jax.device_put)
+
+  def _pin_state(self, cache_sharding, put=None) -> None:
+    """Every state array := ``put(array, sharding)`` with the sharding `place_state`
+    gives it; default ``put`` `_pin` (inside a trace), so the compiler cannot hand back a
+    state laid out otherwise than it came in (the next step would compile again)."""
+    put = put or _pin
+    replicated = NamedSharding(cache_sharding.mesh, PartitionSpec())
+    cache_names = set()
+    for block in self.blocks:
+      cache_names.update(block.attn.cache_arrays)
+    def place(path, x):
+      names = {getattr(k, "key", None) for k in path}
+      return put(x, cache_sharding if names & cache_names else replicated)
+    nnx.update(self, jax.tree_util.tree_map_with_path(place, nnx.state(self)))
+
   def cache_bytes(self) -> int:
     """Bytes of all layers' k and v caches."""
     return sum(getattr(b.attn, name)[...].nbytes for b in self.blocks for name in b.attn.cache_arrays)
@@ -135,16 +157,6 @@ class Transformer(nnx.Module):
       x = block.decode(x)
     return self.unembed(self.norm(x[:, 0])).astype(jnp.float32)
 
-  def _constrain_cache(self, sharding) -> None:
-    """Keeps the caches on ``sharding`` across jitted steps (inside a trace). On Explicit
-    mesh axes the sharding is part of the type (reshard: a no-op when it already
-    matches); on Auto axes it is a constraint for the compiler."""
-    keep = jax.sharding.reshard if is_explicit(sharding.mesh) else jax.lax.with_sharding_constraint
-    for block in self.blocks:
-      for name in block.attn.cache_arrays:
-        var = getattr(block.attn, name)
-        var.set_value(keep(var[...], sharding))
-
 
 @nnx.jit
 def _prefill_step(model: Transformer, tokens, lengths):
@@ -155,9 +167,18 @@ def _prefill_step(model: Transformer, tokens, lengths):
 @nnx.jit(static_argnames=("cache_sharding",))
 def _decode_step(model: Transformer, tokens, cache_sharding=None):
   logits = model.decode(tokens)
-  if cache_sharding is not None:
-    model._constrain_cache(cache_sharding)  # pylint: disable=protected-access
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+  tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  if cache_sharding is not None:  # outputs laid out as the inputs were: no second compile
+    model._pin_state(cache_sharding)  # pylint: disable=protected-access
+    tokens = _pin(tokens, NamedSharding(cache_sharding.mesh, PartitionSpec()))
+  return tokens, logits
+
+
+def _pin(x, sharding):
+  """``x`` kept on ``sharding`` inside a trace. On Explicit mesh axes the sharding is part
+  of the type (reshard: a no-op when it already matches); on Auto axes a constraint."""
+  keep = jax.sharding.reshard if is_explicit(sharding.mesh) else jax.lax.with_sharding_constraint
+  return keep(x, sharding)
 
 
 @dataclasses.dataclass
@@ -184,15 +205,19 @@ def generate(model: Transformer, prompts, prompt_lengths, steps: int, *,
 
   Args:
     model: a `Transformer` after ``init_cache(B, S)``; its cache is overwritten.
-    prompts: int ``[B, L]``, row b's prompt in ``prompts[b, :prompt_lengths[b]]``.
+    prompts: int ``[B, L]``, row b's prompt in ``prompts[b, :prompt_lengths[b]]``, ids
+      in ``[0, V)``; the padding after it may hold anything (it is replaced by 0).
     prompt_lengths: int ``[B]``, each in ``[1, L]``, with ``prompt_lengths + steps - 1 <= S``.
     steps: N >= 1 new tokens per sequence (1 from the prefill, N - 1 decode steps).
     cache_sharding: where the caches live while decoding (see `Transformer.place_cache`).
       The prefill runs where the caches are when called (one device after
-      `Transformer.init_cache`); then they are placed on ``cache_sharding`` and kept there
-      through every decode step. Prefilling on the 8 simulated CPU devices instead, with
-      XLA partitioning the prompt attention and the cache write, took 7x longer on a
-      2-core machine (11.6 s vs 1.6 s for 4 prompts of up to 1024 tokens).
+      `Transformer.init_cache`); then they are placed on ``cache_sharding``, and every
+      other array of the model (weights, lengths, block tables) replicated on its mesh
+      (`Transformer.place_state`), and kept so through every decode step: the step
+      compiles once, not again when its first call hands back another layout.
+      Prefilling on the 8 simulated CPU devices instead, with XLA partitioning the
+      prompt attention and the cache write, took 7x longer on a 2-core machine (11.6 s
+      vs 1.6 s for 4 prompts of up to 1024 tokens).
     on_step: called as ``on_step(done, steps)`` after each token is ready.
 
   Returns:
@@ -200,26 +225,16 @@ def generate(model: Transformer, prompts, prompt_lengths, steps: int, *,
     times are per-step latencies.
 
   Raises:
-    ValueError: for inconsistent shapes, or prompts that leave no room for ``steps``.
+    ValueError: for inconsistent shapes, non-integer prompts or lengths, a prompt id
+      outside ``[0, V)`` (ids past ``prompt_lengths[b]`` are padding: ignored, fed as 0),
+      or prompts that leave no room for ``steps``.
   """
-  prompts = jnp.asarray(prompts, jnp.int32)
-  lengths = jnp.asarray(prompt_lengths, jnp.int32)
-  if model.blocks[0].attn.cached_key is None:
-    raise ValueError("generate: no cache; call model.init_cache(batch, max_len) first")
-  b, s = model.blocks[0].attn.lengths.shape[0], model.blocks[0].attn.capacity
-  if prompts.ndim != 2 or prompts.shape[0] != b or lengths.shape != (b,):
-    raise ValueError(f"generate: prompts must be [B, L] and prompt_lengths [B] with the cache's "
-                     f"B={b}; got prompts.shape={tuple(prompts.shape)}, "
-                     f"prompt_lengths.shape={tuple(lengths.shape)}")
-  lens = np.asarray(lengths)
-  if steps < 1 or lens.min() < 1 or lens.max() > prompts.shape[1] or lens.max() + steps - 1 > s:
-    raise ValueError(f"generate: need steps >= 1, prompt_lengths in [1, L={prompts.shape[1]}] and "
-                     f"prompt_lengths + steps - 1 <= S={s}; got steps={steps}, "
-                     f"prompt_lengths={lens.tolist()}")
+  prompts, lengths = _check_generate_args(model, prompts, prompt_lengths, steps)
   t0 = time.perf_counter()
   tok, logits = jax.block_until_ready(_prefill_step(model, prompts, lengths))
-  if cache_sharding is not None:
-    model.place_cache(cache_sharding)
+  if cache_sharding is not None:  # the decode steps' inputs, laid out as their outputs will be
+    model.place_state(cache_sharding)
+    tok = jax.device_put(tok, NamedSharding(cache_sharding.mesh, PartitionSpec()))
   prefill_s = time.perf_counter() - t0
   tokens, all_logits, step_s = [tok], [logits], []
   if on_step:
@@ -235,3 +250,54 @@ def generate(model: Transformer, prompts, prompt_lengths, steps: int, *,
   return Generation(tokens=np.stack([np.asarray(t) for t in tokens], axis=1),
                     logits=np.stack([np.asarray(x) for x in all_logits], axis=1),
                     prefill_s=prefill_s, step_s=step_s)
+
+
+def _int_scalar(fn: str, name: str, value, low: int) -> int:
+  """``value`` as a Python int >= ``low`` (not a bool); ValueError naming ``name``."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < low:
+    raise ValueError(f"{fn}: {name} must be an int >= {low}, got {value!r}")
+  return int(value)
+
+
+def check_prompt_ids(fn: str, name: str, prompts, lengths, vocab: int) -> np.ndarray:
+  """Host check of right-padded prompts: int ``[B, L]`` (or ``[L]``) ``prompts`` and int
+  ``[B]`` (or a scalar) ``lengths`` in ``[0, L]`` (checked by the caller) -> int32
+  prompts of the same shape with the padding (``t >= lengths[b]``) set to 0.
+
+  Raises:
+    ValueError: ``prompts`` is not an integer array, or an id a prompt uses lies outside
+      ``[0, vocab)``: names ``name``, the first bad id, where it is, and how many are bad.
+  """
+  prompts = np.asarray(prompts)
+  if not np.issubdtype(prompts.dtype, np.integer):
+    raise ValueError(f"{fn}: {name} must hold integer token ids; got dtype {prompts.dtype}")
+  used = np.arange(prompts.shape[-1]) < np.asarray(lengths)[..., None]  # [B, L] or [L]
+  bad = used & ((prompts < 0) | (prompts >= vocab))  # in the ids' own integer dtype: no wrap
+  if bad.any():
+    where = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(f"{fn}: {name} ids must lie in [0, V={vocab}) (the model's vocabulary); got "
+                     f"{name}{list(where)} = {int(prompts[where])} ({int(bad.sum())} id(s) out of range)")
+  return np.where(used, prompts, 0).astype(np.int32)
+
+
+def _check_generate_args(model: Transformer, prompts, prompt_lengths, steps):
+  """`generate`'s checks -> (int32 ``[B, L]`` prompts, padding zeroed; int32 ``[B]`` lengths)."""
+  if model.blocks[0].attn.cached_key is None:
+    raise ValueError("generate: no cache; call model.init_cache(batch, max_len) first")
+  steps = _int_scalar("generate", "steps", steps, 1)
+  b, s = model.blocks[0].attn.lengths.shape[0], model.blocks[0].attn.capacity
+  prompts, lens = np.asarray(prompts), np.asarray(prompt_lengths)
+  if prompts.ndim != 2 or prompts.shape[0] != b or lens.shape != (b,):
+    raise ValueError(f"generate: prompts must be [B, L] and prompt_lengths [B] with the cache's "
+                     f"B={b}; got prompts.shape={tuple(prompts.shape)}, "
+                     f"prompt_lengths.shape={tuple(lens.shape)}")
+  if not np.issubdtype(lens.dtype, np.integer):
+    raise ValueError(f"generate: prompt_lengths must be integers; got dtype {lens.dtype}")
+  low, high = int(lens.argmin()), int(lens.argmax())
+  if lens[low] < 1 or lens[high] > prompts.shape[1] or int(lens[high]) + steps - 1 > s:
+    bad = low if lens[low] < 1 else high
+    raise ValueError(f"generate: need prompt_lengths in [1, L={prompts.shape[1]}] and "
+                     f"prompt_lengths + steps - 1 <= S={s} (the cache capacity); got "
+                     f"prompt_lengths[{bad}]={int(lens[bad])}, steps={steps}")
+  prompts = check_prompt_ids("generate", "prompts", prompts, lens, model.cfg.vocab)
+  return jnp.asarray(prompts), jnp.asarray(lens, jnp.int32)

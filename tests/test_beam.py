@@ -49,7 +49,8 @@ def _alone(prompt, steps, *, tokens=None, key=None, temperature=1.0, cache_dtype
     if tokens is not None:
       tok = int(tokens[t])
     else:
-      tok = int(jax.random.categorical(jax.random.fold_in(key, t), logp / temperature))
+      z = logp - logp.max()  # as sample_n documents
+      tok = int(jax.random.categorical(jax.random.fold_in(key, t), jnp.where(z == 0, 0.0, z / temperature)))
     out.append(tok)
     total += float(logp[tok])
   return np.array(out), total

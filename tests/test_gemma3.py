@@ -53,8 +53,10 @@ def _weights(seed=0):
   return w
 
 
-def write_gguf(path, weights, *, arch="gemma3", raw=None):
-  """A Gemma 3 GGUF as llama.cpp's converter writes it; ``raw``: {name: (bytes array, type)}."""
+def write_gguf(path, weights, *, arch="gemma3", raw=None, meta=None, vocab=None):
+  """A Gemma 3 GGUF as llama.cpp's converter writes it; ``raw``: {name: (bytes array, type)};
+  ``meta``: {key: (value, GGUFValueType)} added or overriding; ``vocab``: (tokens, scores,
+  types) instead of `_vocab`."""
   w = gguf.GGUFWriter(str(path), arch)
   w.add_context_length(128)
   w.add_embedding_length(CFG["dim"])
@@ -67,7 +69,7 @@ def write_gguf(path, weights, *, arch="gemma3", raw=None):
   w.add_rope_freq_base(CFG["rope_global"])
   w.add_layer_norm_rms_eps(CFG["eps"])
   w.add_sliding_window(CFG["window"])
-  tokens, scores, types = _vocab()
+  tokens, scores, types = vocab or _vocab()
   w.add_tokenizer_model("llama")
   w.add_token_list(tokens)
   w.add_token_scores(scores)
@@ -78,6 +80,8 @@ def write_gguf(path, weights, *, arch="gemma3", raw=None):
   w.add_pad_token_id(0)
   w.add_add_bos_token(True)
   w.add_add_space_prefix(False)
+  for key, (value, kind) in (meta or {}).items():
+    w.add_key_value(key, value, kind)
   for name, x in weights.items():
     if name in QUANTIZED:
       w.add_tensor(name, gguf.quants.quantize(x, Q8), raw_dtype=Q8)

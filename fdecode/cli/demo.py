@@ -68,66 +68,117 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-def gemma_main(argv) -> int:
-  p = _parser()
+# Bounds on arguments checked before anything is loaded (the model's own context is
+# checked once it is): more simulated devices than this is no demo.
+_MAX_DEVICES = 512
+
+
+def _parse(p: argparse.ArgumentParser, argv):
+  """Parsed arguments and the mesh shape (None without --mesh); argparse-style errors
+  (usage, message, exit 2) for values no run could use."""
   a = p.parse_args(argv)
   if a.max_new_tokens < 1:
     p.error(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+  for i, text in enumerate(a.prompt or ()):
+    try:
+      text.encode("utf-8")
+    except UnicodeEncodeError as e:
+      from fdecode.models.tokenizer import describe_bad_text  # pylint: disable=import-outside-toplevel
+      p.error(f"--prompt number {i + 1} is not valid UTF-8 text: {describe_bad_text(text, e)}")
   mesh_shape = None
   if a.mesh:
     try:
       mesh_shape = tuple(int(x) for x in a.mesh.lower().split("x"))
     except ValueError:
       mesh_shape = ()
-    if len(mesh_shape) != 2 or min(mesh_shape) < 1:
-      p.error(f"--mesh must be HEADSxSEQ with positive sizes, e.g. 2x4; got {a.mesh!r}")
+    if len(mesh_shape) != 2 or min(mesh_shape) < 1 or mesh_shape[0] * mesh_shape[1] > _MAX_DEVICES:
+      p.error(f"--mesh must be HEADSxSEQ with positive sizes and at most {_MAX_DEVICES} devices in "
+              f"all, e.g. 2x4; got {a.mesh!r}")
+  return a, mesh_shape
+
+
+def _load(p: argparse.ArgumentParser, path, jnp):
+  """(model, tokenizer) from the GGUF file; a file it cannot use ends as a clean error."""
+  from fdecode.models import GGUFTokenizer, load_gemma3  # pylint: disable=import-outside-toplevel
+  try:
+    model, gguf_file = load_gemma3(path, dtype=jnp.float32)
+    return model, GGUFTokenizer(gguf_file.metadata)
+  except (OSError, ValueError) as e:
+    p.error(f"cannot use the GGUF file {str(path)!r}: {e}")
+    raise  # unreachable: p.error exits
+
+
+def _encode(p: argparse.ArgumentParser, tok, texts, steps: int, context: int):
+  """Right-padded int32 prompts ``[B, L]`` and lengths ``[B]``; each prompt must hold a
+  token and, with ``steps`` new tokens, fit the model's ``context``."""
+  ids = [tok.encode(t) for t in texts]
+  empty = [i for i, x in enumerate(ids) if not x]
+  if empty:
+    p.error(f"--prompt number {empty[0] + 1} encodes to no tokens; give some text")
+  longest = max(map(len, ids))
+  if longest + steps > context:
+    p.error(f"--max-new-tokens {steps}: the longest prompt ({longest} tokens) plus the new tokens "
+            f"must fit the model's context of {context} tokens (context_length), so at most "
+            f"{max(context - longest, 0)} here")
+  prompts = np.zeros((len(ids), longest), np.int32)
+  for i, x in enumerate(ids):
+    prompts[i, :len(x)] = x
+  return prompts, np.asarray([len(x) for x in ids], np.int32)
+
+
+def _sharding(cfg, mesh_shape, mesh_arg, paged: bool):
+  """(decode_fn, cache_sharding, where) for ``--mesh``: None, None and "1 device" without
+  one, or when the mesh cannot be used (printed as a FALLBACK line)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  import fdecode  # pylint: disable=import-outside-toplevel
+  if not mesh_shape:
+    return None, None, "1 device"
+  n_h, n_s = mesh_shape
+  devices = jax.devices()
+  why_not = None
+  if len(devices) < n_h * n_s:
+    why_not = f"only {len(devices)} device(s), mesh {mesh_arg} needs {n_h * n_s}"
+  elif cfg.num_heads % n_h or (n_h % cfg.num_kv_heads and cfg.num_kv_heads % n_h):
+    why_not = f"Hq={cfg.num_heads}, Hkv={cfg.num_kv_heads} do not split over {n_h} head shards"
+  if why_not:
+    print(f"  FALLBACK: single-device flash_decode ({why_not})")
+    return None, None, "1 device"
+  mesh = jax.make_mesh((n_h, n_s), ("heads", "seq"), devices=devices[:n_h * n_s])
+  decode_fn = functools.partial(fdecode.sharded_flash_decode, mesh=mesh, head_axis="heads",
+                                seq_axis="seq")
+  heads = "heads" if cfg.num_kv_heads % n_h == 0 else None  # MQA: the kv head is replicated
+  spec = P(heads, "seq", None, None) if paged else P(None, heads, "seq", None)
+  return decode_fn, NamedSharding(mesh, spec), f"mesh heads={n_h} x seq={n_s}"
+
+
+def gemma_main(argv) -> int:
+  p = _parser()
+  a, mesh_shape = _parse(p, argv)
+  if mesh_shape:
     synthetic._ensure_host_devices(max(8, mesh_shape[0] * mesh_shape[1]))  # pylint: disable=protected-access
 
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
   import fdecode  # pylint: disable=import-outside-toplevel
   from fdecode.generate import generate  # pylint: disable=import-outside-toplevel
-  from fdecode.models import GGUFTokenizer, gemma3_270m_path, load_gemma3  # pylint: disable=import-outside-toplevel
+  from fdecode.models import gemma3_270m_path  # pylint: disable=import-outside-toplevel
 
   path = a.gguf or gemma3_270m_path()
   t0 = time.perf_counter()
-  model, gguf_file = load_gemma3(path, dtype=jnp.float32)
-  tok = GGUFTokenizer(gguf_file.metadata)
+  model, tok = _load(p, path, jnp)
   cfg = model.cfg
   load_s = time.perf_counter() - t0
   texts = a.prompt or list(DEFAULT_PROMPTS)
-  ids = [tok.encode(t) for t in texts]
-  b, longest, steps = len(ids), max(map(len, ids)), a.max_new_tokens
-  prompts = np.zeros((b, longest), np.int32)
-  for i, x in enumerate(ids):
-    prompts[i, :len(x)] = x
-  lengths = np.asarray([len(x) for x in ids], np.int32)
+  steps = a.max_new_tokens
+  prompts, lengths = _encode(p, tok, texts, steps, cfg.context)
+  b, longest = prompts.shape
   # Capacity S: whole pages of 16 in every seq shard.
   unit = math.lcm(64, 16 * (mesh_shape[1] if mesh_shape else 1))
   s = -(-(longest + steps) // unit) * unit
   kind = synthetic._CACHE_KINDS[a.cache]  # pylint: disable=protected-access
-
-  decode_fn, cache_sharding, where = None, None, "1 device"
-  if mesh_shape:
-    n_h, n_s = mesh_shape
-    devices = jax.devices()
-    why_not = None
-    if len(devices) < n_h * n_s:
-      why_not = f"only {len(devices)} device(s), mesh {a.mesh} needs {n_h * n_s}"
-    elif cfg.num_heads % n_h or (n_h % cfg.num_kv_heads and cfg.num_kv_heads % n_h):
-      why_not = f"Hq={cfg.num_heads}, Hkv={cfg.num_kv_heads} do not split over {n_h} head shards"
-    if why_not:
-      print(f"  FALLBACK: single-device flash_decode ({why_not})")
-    else:
-      mesh = jax.make_mesh((n_h, n_s), ("heads", "seq"), devices=devices[:n_h * n_s])
-      decode_fn = functools.partial(fdecode.sharded_flash_decode, mesh=mesh, head_axis="heads",
-                                    seq_axis="seq")
-      heads = "heads" if cfg.num_kv_heads % n_h == 0 else None  # MQA: the kv head is replicated
-      spec = P(heads, "seq", None, None) if kind["page_size"] else P(None, heads, "seq", None)
-      cache_sharding = NamedSharding(mesh, spec)
-      where = f"mesh heads={n_h} x seq={n_s}"
+  decode_fn, cache_sharding, where = _sharding(cfg, mesh_shape, a.mesh, bool(kind["page_size"]))
   model.set_decode_fn(decode_fn)
   model.init_cache(b, s, **kind)
   cache_mib = model.cache_bytes() / 2**20
@@ -151,13 +202,14 @@ def gemma_main(argv) -> int:
     out = out[:out.index(tok.eos_id)] if tok.eos_id in out else out
     print(f"\n--- prompt {i} ({lengths[i]} tokens) ---\n{text}{bold}{tok.decode(out)}{plain}")
   print()
-  print(f"  flash ({where}): prefill (compiles) {gen.prefill_s:.2f}s; decode step median {ms:.1f} ms "
-        f"= {tok_s:.1f} tokens/s (batch {b})")
+  first = f", first decode step (compiles) {gen.step_s[0]:.2f}s" if gen.step_s else ""
+  print(f"  flash ({where}): prefill (compiles) {gen.prefill_s:.2f}s{first}; decode step median "
+        f"{ms:.1f} ms over {len(timed)} = {tok_s:.1f} tokens/s (batch {b})")
 
   model.set_decode_fn(functools.partial(fdecode.flash_decode, impl="reference"))
   if cache_sharding is not None:
-    # The sharded steps leave the weights typed on the mesh (some even split over
-    # "heads"), which a device_put keeps: rebuild them as plain one-device arrays.
+    # generate left the weights replicated on the mesh (`Transformer.place_state`), which
+    # a device_put keeps: rebuild them as plain one-device arrays.
     nnx.update(model, jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), nnx.state(model)))
   model.init_cache(b, s, **kind)  # the same cache kind, read by the reference, on 1 device
   ref = generate(model, prompts, lengths, steps, on_step=synthetic._progress("reference"))  # pylint: disable=protected-access

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from fdecode.flax import DecodeAttention
@@ -60,11 +61,25 @@ class Gemma3Config:
   mlp_dim: int = 2048            # F
   window: int = 512              # local layers' sliding window (tokens, query included)
   global_every: int = 6          # layer i is global iff (i + 1) % global_every == 0
+  context: int = 32768           # context_length: the longest sequence the model is made for
   rope_local: float = 10000.0
   rope_global: float = 1e6
   norm_eps: float = 1e-6
   query_pre_attn_scalar: float = 256.0   # scores scale: query_pre_attn_scalar ** -0.5
   dtype: Any = jnp.float32       # parameters and computation
+
+  def __post_init__(self):
+    for name in ("vocab", "dim", "layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim", "window",
+                 "global_every", "context"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Gemma3Config: {name} must be an int >= 1, got {value!r}")
+    for name in ("rope_local", "rope_global", "norm_eps", "query_pre_attn_scalar"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, float)) or not 0 < value <= float(np.finfo(np.float32).max) \
+          or np.float32(value) == 0:
+        raise ValueError(f"Gemma3Config: {name} must be a number > 0, finite and nonzero in float32; "
+                         f"got {value!r}")
 
   def is_global(self, layer: int) -> bool:
     return (layer + 1) % self.global_every == 0
@@ -73,35 +88,68 @@ class Gemma3Config:
   def from_gguf(cls, f: GGUFFile, dtype: Any = jnp.float32) -> "Gemma3Config":
     """Reads the ``gemma3.*`` metadata (llama.cpp's defaults where the file is silent).
 
+    Every value is checked in the domain it is used in: sizes are integers in
+    ``[1, 2**31 - 1]``, RoPE bases and the RMS epsilon numbers > 0 that are finite and
+    nonzero in float32.
+
     Raises:
-      ValueError: not a ``gemma3`` file, a required key missing, key and value head
-        dims differing, or RoPE scaling (not implemented).
+      ValueError: not a ``gemma3`` file; a required key missing; a value of the wrong type
+        or range (names the key and the value); ``block_count`` disagreeing with the
+        file's ``blk.N.*`` tensors (a truncated or padded model); heads not a multiple of
+        kv heads; key and value head dims differing; RoPE scaling (not implemented).
     """
     arch = f.require("general.architecture", str)
     if arch != "gemma3":
       raise ValueError(f"Gemma3Config.from_gguf: {f.path!r} holds a {arch!r} model, not 'gemma3'")
-    get = lambda key, default=None: f.metadata.get(f"{arch}.{key}", default)
-    need = lambda key: f.require(f"{arch}.{key}", (int, float))
-    heads = need("attention.head_count")
-    head_dim = need("attention.key_length") if get("attention.key_length") else need("embedding_length") // heads
-    if get("attention.value_length", head_dim) != head_dim:
+    key = lambda name: f"{arch}.{name}"
+    heads = f.int_value(key("attention.head_count"))
+    kv_heads = f.int_value(key("attention.head_count_kv"), heads)
+    if heads % kv_heads:
+      raise ValueError(f"Gemma3Config.from_gguf: {key('attention.head_count')}={heads} must be a "
+                       f"multiple of {key('attention.head_count_kv')}={kv_heads} in {f.path!r}")
+    dim = f.int_value(key("embedding_length"))
+    head_dim = f.int_value(key("attention.key_length"), None)
+    if head_dim is None:
+      if dim % heads:
+        raise ValueError(f"Gemma3Config.from_gguf: no {key('attention.key_length')}, and "
+                         f"{key('embedding_length')}={dim} is not a multiple of the {heads} heads")
+      head_dim = dim // heads
+    if f.int_value(key("attention.value_length"), head_dim) != head_dim:
       raise ValueError(f"Gemma3Config.from_gguf: key_length {head_dim} != value_length "
-                       f"{get('attention.value_length')} is not supported")
-    scaling = get("rope.scaling.type", "none")
-    if scaling not in ("none", None) and get("rope.scaling.factor", 1.0) != 1.0:
+                       f"{f.metadata[key('attention.value_length')]} is not supported")
+    scaling = f.metadata.get(key("rope.scaling.type"), "none")
+    if scaling not in ("none", None) and f.metadata.get(key("rope.scaling.factor"), 1.0) != 1.0:
       raise ValueError(f"Gemma3Config.from_gguf: RoPE scaling {scaling!r} (factor "
-                       f"{get('rope.scaling.factor')}) is not implemented")
+                       f"{f.metadata.get(key('rope.scaling.factor'))}) is not implemented")
     tokens = f.metadata.get("tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens else f.tensor_shapes.get("token_embd.weight", (cls.vocab,))[0]
-    return cls(vocab=vocab, dim=need("embedding_length"), layers=need("block_count"),
-               num_heads=heads, num_kv_heads=get("attention.head_count_kv", heads),
-               head_dim=head_dim, mlp_dim=need("feed_forward_length"),
-               window=int(get("attention.sliding_window", cls.window)),
-               global_every=int(get("attention.sliding_window_pattern", cls.global_every)),
-               rope_local=float(get("rope.freq_base_swa", cls.rope_local)),
-               rope_global=float(get("rope.freq_base", cls.rope_global)),
-               norm_eps=float(get("attention.layer_norm_rms_epsilon", cls.norm_eps)),
+    return cls(vocab=vocab, dim=dim, layers=_block_count(f, key("block_count")), num_heads=heads,
+               num_kv_heads=kv_heads, head_dim=head_dim, mlp_dim=f.int_value(key("feed_forward_length")),
+               window=f.int_value(key("attention.sliding_window"), cls.window),
+               global_every=f.int_value(key("attention.sliding_window_pattern"), cls.global_every),
+               context=f.int_value(key("context_length"), cls.context),
+               rope_local=f.float_value(key("rope.freq_base_swa"), cls.rope_local),
+               rope_global=f.float_value(key("rope.freq_base"), cls.rope_global),
+               norm_eps=f.float_value(key("attention.layer_norm_rms_epsilon"), cls.norm_eps),
                query_pre_attn_scalar=float(head_dim), dtype=dtype)
+
+
+def _block_count(f: GGUFFile, key: str) -> int:
+  """``{arch}.block_count``, checked against the blocks the file's ``blk.N.*`` tensors hold:
+  the count must be exactly 0..N-1 (a smaller count would load a truncated model)."""
+  count = f.int_value(key)
+  blocks = sorted({int(part) for part in (n.split(".")[1] for n in f.tensor_shapes
+                                          if n.startswith("blk.") and n.count(".") >= 2)
+                   if part.isdigit()})
+  if blocks != list(range(count)):
+    extra = [b for b in blocks if b >= count]
+    missing = sorted(set(range(count)) - set(blocks))
+    detail = (f"tensors of blocks past it (blk.{extra[0]}.* ... blk.{extra[-1]}.*)" if extra else
+              f"no tensors for blocks {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    raise ValueError(f"Gemma3Config.from_gguf: metadata {key!r} = {count} disagrees with the "
+                     f"tensors in {f.path!r}: {len(blocks)} blocks hold blk.N.* tensors, and it has "
+                     f"{detail}; a truncated or corrupt file")
+  return count
 
 
 class GeGLU(nnx.Module):
@@ -148,7 +196,7 @@ class Gemma3(Transformer):
   """Gemma 3 decoder with `DecodeAttention` layers (head-major caches, per-sequence lengths).
 
   It shares `fdecode.generate.Transformer`'s cache plumbing (``init_cache``,
-  ``place_cache``, ``cache_bytes``), so `fdecode.generate.generate` drives it.
+  ``place_cache``, ``place_state``, ``cache_bytes``), so `fdecode.generate.generate` drives it.
   ``decode_fn`` goes to every attention layer (see `set_decode_fn`).
 
   Attributes:
@@ -229,11 +277,17 @@ def load_weights(model: Gemma3, f: GGUFFile) -> None:
 
   Raises:
     ValueError: a tensor missing, of the wrong shape or of an unsupported type
-      (`GGUFFile.tensor`), or an ``output.weight`` (untied head: not Gemma 3).
+      (`GGUFFile.tensor`), tensors of blocks past ``model.cfg.layers``, or an
+      ``output.weight`` (untied head: not Gemma 3).
   """
   if "output.weight" in f.tensor_types:
     raise ValueError(f"load_weights: {f.path!r} has an untied output.weight; Gemma 3 ties "
                      "the output projection to token_embd.weight")
+  past = sorted(n for n in f.tensor_types if n.startswith("blk.") and n.split(".")[1].isdigit()
+                and int(n.split(".")[1]) >= model.cfg.layers)
+  if past:  # a config with fewer layers than the file: it would load a truncated model
+    raise ValueError(f"load_weights: {f.path!r} has {len(past)} tensors of blocks past the model's "
+                     f"{model.cfg.layers} layers (e.g. {past[0]!r})")
   for name, (shape, var, transpose) in _tensor_map(model.cfg).items():
     w = f.tensor(name, shape)
     var(model).set_value(jnp.asarray(w.T if transpose else w, model.cfg.dtype))

@@ -28,6 +28,19 @@ __all__ = ["GGUFFile", "SUPPORTED_TYPES"]
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
 
 
+_REQUIRED = object()
+_INT32_MAX = 2**31 - 1
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _show(value) -> str:
+  """A metadata value for an error message: its repr, or for an array its type and size."""
+  if isinstance(value, (list, np.ndarray)):
+    return f"an array of {len(value)} values"
+  text = repr(value)
+  return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _gguf():
   try:
     import gguf  # pylint: disable=import-outside-toplevel
@@ -96,8 +109,47 @@ class GGUFFile:
                        f"(architecture {self.metadata.get('general.architecture')!r})")
     value = self.metadata[key]
     if kind is not None and not isinstance(value, kind):
-      raise ValueError(f"GGUFFile: metadata {key!r} must be {kind}, got {value!r}")
+      names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+      raise ValueError(f"GGUFFile: metadata {key!r} must be {names}, got {_show(value)} in {self.path!r}")
     return value
+
+  def int_value(self, key: str, default: Any = _REQUIRED, *, low: int = 1,
+                high: int = _INT32_MAX) -> int:
+    """The integer under ``key`` (``default`` when absent; required without one), in
+    ``[low, high]`` (default ``[1, 2**31 - 1]``: sizes used as int32).
+
+    Raises:
+      ValueError: missing, not an integer (a bool, float, string or array), or out of
+        range; names the key, the value and what is allowed.
+    """
+    if key not in self.metadata and default is not _REQUIRED:
+      return default
+    value = self.require(key)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+      raise ValueError(f"GGUFFile: metadata {key!r} must be an integer in [{low}, {high}]; got "
+                       f"{_show(value)} in {self.path!r}")
+    return int(value)
+
+  def float_value(self, key: str, default: Any = _REQUIRED, *, allow_zero: bool = False) -> float:
+    """The real number under ``key`` (``default`` when absent), > 0 (or >= 0 with
+    ``allow_zero``) and finite in float32 (the dtype the model uses it in; a positive
+    value that rounds to 0 in float32 counts as 0).
+
+    Raises:
+      ValueError: missing, not a number, negative, zero, NaN or beyond float32; names the
+        key, the value and what is allowed.
+    """
+    if key not in self.metadata and default is not _REQUIRED:
+      return default
+    value = self.require(key)
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    as32 = np.float32(value) if ok and abs(float(value)) <= _F32_MAX else np.float32(np.nan)
+    if not (np.isfinite(as32) and (as32 >= 0 if allow_zero else as32 > 0)):
+      bound = ">= 0" if allow_zero else "> 0"
+      raise ValueError(f"GGUFFile: metadata {key!r} must be a number {bound} and finite in float32 "
+                       f"(at most {_F32_MAX:.4g}, and nonzero there when > 0 is required); got "
+                       f"{_show(value)} in {self.path!r}")
+    return float(value)
 
   def tensor(self, name: str, shape: Sequence[int]) -> np.ndarray:
     """Tensor ``name`` dequantized to float32, numpy order.

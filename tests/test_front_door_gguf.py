@@ -1,0 +1,185 @@
+"""The model front door, file and command-line side: GGUF metadata checked by key, type and
+range (block_count against the blk.N tensors, RMS epsilon, sliding_window_pattern...),
+tokenizer vocabularies and texts, and the demos' arguments, each rejected with a readable
+ValueError or a clean argparse error (exit 2, no traceback). Tiny GGUF files come from
+tests/test_gemma3.py's writer."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from fdecode.models.gemma3 import Gemma3Config, load_gemma3  # noqa: E402
+from fdecode.models.gguf import GGUFFile  # noqa: E402
+from fdecode.models.tokenizer import GGUFTokenizer  # noqa: E402
+from test_gemma3 import _vocab, _weights, write_gguf  # noqa: E402
+
+T = gguf.GGUFValueType
+
+
+def _file(tmp_path, name="meta.gguf", **kw):
+  return write_gguf(tmp_path / name, _weights(), **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  return _file(tmp_path_factory.mktemp("gguf"), "tiny.gguf")
+
+
+@pytest.mark.parametrize("count, pattern", [
+    (5, r"'gemma3\.block_count' = 5 disagrees .* 7 blocks hold blk\.N\.\* tensors, and it has tensors "
+        r"of blocks past it \(blk\.5\.\* \.\.\. blk\.6\.\*\)"),
+    (9, r"'gemma3\.block_count' = 9 disagrees .* no tensors for blocks \[7, 8\]"),
+])
+def test_block_count_must_match_the_block_tensors(tmp_path, count, pattern):
+  """A smaller block_count loaded silently as a truncated 5-layer model."""
+  with pytest.raises(ValueError, match=pattern):
+    load_gemma3(_file(tmp_path, meta={"gemma3.block_count": (count, T.UINT32)}))
+
+
+def test_load_weights_rejects_blocks_past_the_config(tiny):
+  from fdecode.models.gemma3 import Gemma3, load_weights  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  f = GGUFFile(tiny)
+  cfg = Gemma3Config.from_gguf(f)
+  short = Gemma3Config(**{**cfg.__dict__, "layers": 6})
+  model = nnx.eval_shape(lambda: Gemma3(short))
+  with pytest.raises(ValueError, match=r"13 tensors of blocks past the model's 6 layers \(e\.g\. 'blk\.6\."):
+    load_weights(model, f)
+
+
+@pytest.mark.parametrize("key, value, kind, allowed", [
+    ("attention.sliding_window_pattern", 0, T.UINT32, r"an integer in \[1, 2147483647\]; got 0"),
+    ("attention.sliding_window_pattern", "6", T.STRING, r"an integer in \[1, 2147483647\]; got '6'"),
+    ("attention.sliding_window_pattern", 6.0, T.FLOAT32, r"an integer .* got 6\.0"),
+    ("attention.sliding_window_pattern", True, T.BOOL, r"an integer .* got True"),
+    ("attention.sliding_window", -4, T.INT32, r"an integer in \[1, .* got -4"),
+    ("block_count", 2**32 - 1, T.UINT32, r"an integer in \[1, 2147483647\]; got 4294967295"),
+    ("attention.head_count", "four", T.STRING, r"an integer .* got 'four'"),
+    ("attention.layer_norm_rms_epsilon", -1e-6, T.FLOAT64,
+     r"a number > 0 and finite in float32 .* got -1e-06"),
+    ("attention.layer_norm_rms_epsilon", float("nan"), T.FLOAT32, r"a number > 0 .* got nan"),
+    ("attention.layer_norm_rms_epsilon", 1e-50, T.FLOAT64, r"a number > 0 .*nonzero there.* got 1e-50"),
+    ("rope.freq_base", float("inf"), T.FLOAT32, r"a number > 0 .* got inf"),
+    ("rope.freq_base", 0.0, T.FLOAT32, r"a number > 0 .* got 0\.0"),
+    ("rope.freq_base_swa", "10000", T.STRING, r"a number > 0 .* got '10000'"),
+])
+def test_metadata_checked_by_key_type_and_range(tmp_path, key, value, kind, allowed):
+  """sliding_window_pattern=0 raised ZeroDivisionError, "6" "invalid literal for int()",
+  a negative epsilon was accepted."""
+  path = _file(tmp_path, meta={f"gemma3.{key}": (value, kind)})
+  with pytest.raises(ValueError, match=rf"metadata 'gemma3\.{key}' must be {allowed}"):
+    Gemma3Config.from_gguf(GGUFFile(path))
+
+
+def test_heads_must_split_into_kv_heads(tmp_path):
+  path = _file(tmp_path, meta={"gemma3.attention.head_count_kv": (3, T.UINT32)})
+  with pytest.raises(ValueError, match=r"head_count=4 must be a multiple of .*head_count_kv=3"):
+    Gemma3Config.from_gguf(GGUFFile(path))
+
+
+def test_config_checks_its_own_fields():
+  with pytest.raises(ValueError, match=r"Gemma3Config: global_every must be an int >= 1, got 0"):
+    Gemma3Config(global_every=0)
+  with pytest.raises(ValueError, match=r"Gemma3Config: norm_eps must be a number > 0.* got -1e-06"):
+    Gemma3Config(norm_eps=-1e-6)
+
+
+# ---- tokenizer ----
+
+def _metadata(tokens=None, **extra):
+  t, scores, types = _vocab()
+  tokens = t if tokens is None else tokens
+  return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+          "tokenizer.ggml.scores": np.asarray(scores, np.float32),
+          "tokenizer.ggml.token_type": np.asarray(types, np.int32), "tokenizer.ggml.bos_token_id": 2,
+          "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
+          "tokenizer.ggml.add_space_prefix": False, **extra}
+
+
+def test_encode_rejects_text_that_is_not_unicode():
+  """A lone surrogate ended in a pybind RuntimeError traceback."""
+  tok = GGUFTokenizer(_metadata())
+  with pytest.raises(ValueError, match=r"encode: text is not valid Unicode: U\+D800 at index 2 \(a lone "
+                                       r"surrogate\)$"):
+    tok.encode("ab\ud800c")
+  with pytest.raises(ValueError, match=r"U\+DCFF at index 0 .* the byte 0xff that is not UTF-8"):
+    tok.encode("\udcff\udcfe")  # how Python holds the command-line bytes ff fe
+  with pytest.raises(TypeError, match=r"encode: text must be a str, got bytes"):
+    tok.encode(b"abc")
+  with pytest.raises(ValueError, match=r"decode: ids must lie in \[0, 300\); got ids\[1\] = 300"):
+    tok.decode([2, 300, -1])
+
+
+def test_vocabulary_pieces_checked_at_load():
+  """Duplicate or empty pieces gave sentencepiece "INTERNAL:" errors."""
+  tokens = _vocab()[0]
+  dup = list(tokens)
+  dup[290] = dup[270]  # "▁the" twice, both normal pieces
+  with pytest.raises(ValueError, match=r"tokens\[290\] = '▁the' repeats tokens\[270\]; pieces must be "
+                                       r"distinct"):
+    GGUFTokenizer(_metadata(dup))
+  empty = list(tokens)
+  empty[280] = ""
+  with pytest.raises(ValueError, match=r"tokens\[280\] is ''; every piece must be a non-empty string"):
+    GGUFTokenizer(_metadata(empty))
+  control = list(tokens)
+  control[276] = "<bos>"  # a normal piece with the text of the control piece tokens[2]
+  with pytest.raises(ValueError, match=r"tokens\[276\] = '<bos>' repeats tokens\[2\]"):
+    GGUFTokenizer(_metadata(control))
+  with pytest.raises(ValueError, match=r"bos_token_id must be a token id in \[0, 300\) .* got 300"):
+    GGUFTokenizer(_metadata(**{"tokenizer.ggml.bos_token_id": 300}))
+
+
+# ---- the command lines ----
+
+def _cli_error(capsys, main, argv):
+  with pytest.raises(SystemExit) as exc:
+    main(argv)
+  err = capsys.readouterr().err
+  assert exc.value.code == 2 and "Traceback" not in err, err
+  return err
+
+
+def test_gemma_demo_rejects_bad_arguments_cleanly(tiny, tmp_path, capsys):
+  from fdecode.cli import demo  # pylint: disable=import-outside-toplevel
+  err = _cli_error(capsys, demo.main, ["--gguf", str(tiny), "--max-new-tokens", "1099511627776"])
+  assert "--max-new-tokens 1099511627776: the longest prompt (" in err
+  assert "must fit the model's context of 128 tokens (context_length)" in err, err
+  err = _cli_error(capsys, demo.main, ["--gguf", str(tiny), "--prompt", "ok", "--prompt", "\udcff\udcfe"])
+  assert "--prompt number 2 is not valid UTF-8 text: U+DCFF at index 0" in err, err
+  err = _cli_error(capsys, demo.main, ["--gguf", str(tiny), "--mesh", "100000x100000"])
+  assert "at most 512 devices" in err
+  bad = write_gguf(tmp_path / "bad.gguf", _weights(), meta={"gemma3.block_count": (5, T.UINT32)})
+  err = _cli_error(capsys, demo.main, ["--gguf", str(bad)])
+  assert "cannot use the GGUF file" in err and "'gemma3.block_count' = 5 disagrees" in err, err
+
+
+def test_demo_prompt_bytes_from_a_real_command_line():
+  """scripts/demo --prompt $'\\xff\\xfe': exit 2 and one clean message, before any model loads."""
+  run = subprocess.run([sys.executable, "-m", "fdecode.cli.demo", "--prompt", b"\xff\xfe"],
+                       capture_output=True, text=True, timeout=120, check=False)
+  assert run.returncode == 2, run.stderr
+  assert "Traceback" not in run.stderr
+  assert "--prompt number 1 is not valid UTF-8 text: U+DCFF at index 0 (a lone surrogate), which " \
+         "stands for the byte 0xff that is not UTF-8" in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--context", "1099511627776"], "--context must be in [1, 2**31 - 1], got 1099511627776"),
+    (["--steps", "0"], "--steps must be in [1, 2**31 - 1], got 0"),
+    (["--context", "2147483647", "--steps", "4"], "the two models and their caches would need"),
+    (["--dim", "30", "--heads", "4"], "need --dim a multiple of --heads"),
+    (["--heads", "0"], "--heads must be in [1, 2**31 - 1], got 0"),
+    (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
+    (["--mesh", "0x4"], "--mesh must be HEADSxSEQ with positive sizes"),
+    (["--kernel", "--context", "2147483647"], "q, k and v (and the reference's float32 copies) would need"),
+    (["--kernel", "--q-heads", "6", "--kv-heads", "4"], "--q-heads must be a multiple of --kv-heads"),
+    (["--kernel", "--iters", "0"], "--iters must be in [1, 2**31 - 1], got 0"),
+])
+def test_synthetic_demo_rejects_bad_sizes_cleanly(capsys, argv, message):
+  from fdecode import demo  # pylint: disable=import-outside-toplevel
+  assert message in _cli_error(capsys, demo.main, argv)
