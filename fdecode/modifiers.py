@@ -153,11 +153,11 @@ def row_bounds(ends, num_tokens: int, group: int, seq_capacity: int, mods: Modif
     hi = jnp.clip(qpos + 1, 0, seq_capacity)
   else:
     hi = jnp.broadcast_to(jnp.clip(ends, 0, seq_capacity)[:, None], qpos.shape).astype(jnp.int32)
-  lo = jnp.zeros_like(hi) if mods.window is None else _window_lo(qpos, mods.window, seq_capacity).astype(jnp.int32)
+  lo = jnp.zeros_like(hi) if mods.window is None else window_lo(qpos, mods.window, seq_capacity).astype(jnp.int32)
   return lo, hi, qpos
 
 
-def _window_lo(pos, window: int, seq_capacity: int):
+def window_lo(pos, window: int, seq_capacity: int):
   """``clip(pos - window + 1, 0, S)`` without int32 overflow for any int32 ``pos`` and a
   window up to ``2**31 - 1`` (``pos - min(pos, window - 1)`` is never negative)."""
   return jnp.minimum(pos - jnp.minimum(pos, window - 1), seq_capacity)
@@ -170,4 +170,4 @@ def window_start(ends, num_tokens: int, seq_capacity: int, mods: Modifiers):
     return jnp.zeros_like(ends)
   # The first token's position, saturating at int32's minimum (ends may be very negative).
   first = jnp.maximum(ends, jnp.iinfo(jnp.int32).min + num_tokens) - num_tokens
-  return _window_lo(first, mods.window, seq_capacity).astype(ends.dtype)
+  return window_lo(first, mods.window, seq_capacity).astype(ends.dtype)

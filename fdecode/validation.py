@@ -270,6 +270,24 @@ def _value_head_dim(k, v, v_head_dim, shapes) -> int:
   return v.shape[-1]
 
 
+def _real_data(name, x, caller):
+  """A scale / offset (data, used as float32): a real dtype (not bool or complex), and, when
+  given as host data (Python / numpy), finite values within float32's range: 1e39 would
+  become inf. Non-finite values are kept (corrupt data propagates, it is not rejected)."""
+  dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else None
+  if dtype is None or dtype.kind not in "iuf":
+    raise TypeError(f"{caller}: {name} must be a real number or a float / int array (used as "
+                    f"float32); got {describe(x)}")
+  if isinstance(x, (np.ndarray, np.generic)):
+    vals = np.asarray(x, np.float64)
+    big = np.isfinite(vals) & (np.abs(vals) > F32_MAX)
+    if big.any():
+      raise ValueError(f"{caller}: {name} must be within float32's range (|x| <= {F32_MAX:.8g}; it is "
+                       f"used as float32); got {name} = {vals[big].flat[0]!r}"
+                       + (f" at index {tuple(int(i) for i in np.argwhere(big)[0])}" if vals.ndim else ""))
+  return x
+
+
 def validate_quant(name, cache, scale, offset, caller: str = "flash_decode", *, cache_name=None):
   """Checks the cache dtype against its scale; returns canonical (scale, offset) or Nones.
 
@@ -283,9 +301,9 @@ def validate_quant(name, cache, scale, offset, caller: str = "flash_decode", *, 
       raise ValueError(f"{caller}: {cache_name} has dtype {cache.dtype}: pass {scale_name} "
                        f"(a scalar, or shaped like {cache_name}.shape={tuple(cache.shape)} with the last axis "
                        "replaced by n_tiles)")
-    scale = canonical_scale(scale, cache.shape, scale_name, caller)
+    scale = canonical_scale(_real_data(scale_name, scale, caller), cache.shape, scale_name, caller)
     if offset is not None:
-      offset = canonical_scale(offset, cache.shape, offset_name, caller)
+      offset = canonical_scale(_real_data(offset_name, offset, caller), cache.shape, offset_name, caller)
       if offset.shape[-1] != scale.shape[-1]:
         raise ValueError(f"{caller}: {offset_name} must tile like {scale_name}; got "
                          f"{offset_name}.shape={tuple(offset.shape)}, {scale_name}.shape={tuple(scale.shape)}")

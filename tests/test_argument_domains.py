@@ -112,14 +112,22 @@ def test_window_past_int32_is_a_clear_error_and_the_int32_max_is_no_window():
     assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
-def test_window_with_far_negative_ends_does_not_wrap():
+def test_window_with_far_negative_ends_does_not_wrap(impl):
   """kv_offset near int32's max puts every query long before the cache: it sees nothing
-  (out 0, lse -inf), also with the largest window (no int32 overflow in the bounds)."""
+  (out 0, lse -inf), also with the largest window (no int32 overflow in the bounds, in
+  `fdecode.modifiers` nor in the kernels' `row_geometry`)."""
   q, k, v = _qkv(t=2)
   for window in (3, 2 ** 31 - 1):
     out, lse = fdecode.flash_decode(q, k, v, np.array([2, 3]), kv_offset=2 ** 31 - 1, causal=False,
-                                    window=window, impl="xla", return_lse=True)
+                                    window=window, impl=impl, return_lse=True)
     assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+  # The largest window is no window, in the kernels too. Non-causal T = 4 with length 1:
+  # row 0 sits at position -3, and -3 - window + 1 wrapped to int32's max in the kernels'
+  # `row_geometry`, hiding key 0 from it.
+  q4, k4, v4 = _qkv(t=4)
+  want = fdecode.flash_decode(q4, k4, v4, np.array([1, 3]), causal=False, impl="xla")
+  got = fdecode.flash_decode(q4, k4, v4, np.array([1, 3]), causal=False, impl=impl, window=2 ** 31 - 1)
+  assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("kw,pattern", [

@@ -307,7 +307,7 @@ def valid_cases(draw, nan_at_visible=False):
   if draw(st.integers(0, 2)) == 2:
     kw["window"] = draw(st.sampled_from([1, 2, 7, 5 * s + 3]))
   if draw(st.integers(0, 3)) == 3:
-    kw["logits_soft_cap"] = draw(st.sampled_from([0.3, 2.0, 50.0, 1e-20, 3e38]))
+    kw["logits_soft_cap"] = draw(st.sampled_from([0.3, 2.0, 50.0, 1e-20, 2.0 ** 100]))
   if draw(st.integers(0, 3)) == 3:
     kw["softmax_scale"] = draw(st.sampled_from([0.05, 3.0, 0.0, -0.7, np.float32(0.25)]))
   if draw(st.integers(0, 3)) == 3:
@@ -654,7 +654,7 @@ def _mutations():
 
   @add("logits_soft_cap", ("logits_soft_cap",))
   def _(d, a):
-    a["kw"]["logits_soft_cap"] = d(st.sampled_from(NONFINITE_STATICS + [0.0, -1.0, 1e-46, "1", True]))
+    a["kw"]["logits_soft_cap"] = d(st.sampled_from(NONFINITE_STATICS + [0.0, -1.0, 1e-46, 3e38, "1", True]))
 
   @add("window", ("window",))
   def _(d, a):

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from fdecode.combine import MASK_VALUE, finalize_state
-from fdecode.modifiers import Modifiers, window_start
+from fdecode.modifiers import Modifiers, window_lo, window_start
 from fdecode.quant import dequantize
 
 
@@ -159,10 +159,12 @@ def row_geometry(end, num_rows: int, rows_p: int, group: int, num_tokens: int, s
   under causality and the window (`fdecode.modifiers`); padding rows see nothing. A
   program holding rows ``[first_row, first_row + rows_p)`` gets theirs."""
   rows = first_row + lax.broadcasted_iota(jnp.int32, (rows_p, 1), 0)
+  # Overflow-free int32 (as `fdecode.modifiers.row_bounds`): a far-negative end saturates.
+  end = jnp.maximum(end, jnp.iinfo(jnp.int32).min + num_tokens)
   qpos = end - num_tokens + rows // group
   hi = jnp.clip(qpos + 1, 0, seq_len) if mods.causal else jnp.broadcast_to(jnp.clip(end, 0, seq_len), qpos.shape)
   hi = jnp.where(rows < num_rows, hi, 0)
-  lo = None if mods.window is None else jnp.clip(qpos - mods.window + 1, 0, seq_len)
+  lo = None if mods.window is None else window_lo(qpos, mods.window, seq_len)
   return Rows(lo, hi, qpos)
 
 
