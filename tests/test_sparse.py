@@ -154,6 +154,21 @@ def test_unselected_garbage_never_leaks(impl, dtype):
   np.testing.assert_array_equal(np.asarray(a_lse), np.asarray(b_lse))
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_one_token_cache(paged):
+  """S = 1 (contiguous) or one page of one slot: the XLA gather once took a token axis of
+  1 for a per-head scale's and failed to reshape (found by tests/test_fuzz.py)."""
+  q, k, v = make_problem(17, b=2, t=None, hq=4, hkv=2, s=1, dk=16)
+  lengths, idx = np.array([1, 0]), np.array([[0, 0, -1, 0, 1], [0, 0, 0, 0, 0]], np.int32)
+  if not paged:
+    check(q, k, v, lengths, idx, impl="xla")
+    return
+  kp, vp = k.transpose(1, 0, 2, 3)[:, :1], v.transpose(1, 0, 2, 3)[:, :1]  # [Hkv, P=1, ps=1, D]
+  tables = np.zeros((2, 1), np.int32)
+  kd, vd = gather_pages(kp, tables), gather_pages(vp, tables)
+  check(q, kp, vp, lengths, idx, impl="xla", block_tables=tables, ref_kv=(kd, vd))
+
+
 def test_everything_selected_equals_dense():
   """Every position selected once: exactly the dense decode (one more independent check)."""
   q, k, v = make_problem(13, b=2, t=3, hq=4, hkv=2, s=S, dk=32)

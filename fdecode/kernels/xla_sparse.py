@@ -18,8 +18,8 @@ from fdecode.quant import dequantize
 from fdecode.sparse import Sparse
 
 
-def _gather(x, idx, src, block_tables, page_size, fold=False):
-  """Token rows of a cache (or a canonical rank-4 scale) at canonical positions.
+def _gather(x, idx, src, block_tables, page_size, fold=False, scale=False):
+  """Token rows of a cache (or a canonical rank-4 scale: ``scale``) at canonical positions.
 
   Args:
     x: contiguous ``[B|1, Hkv|1, S|1, D]`` or paged ``[Hkv|1, P|1, ps|1, D]``.
@@ -33,7 +33,7 @@ def _gather(x, idx, src, block_tables, page_size, fold=False):
   h = x.shape[1] if block_tables is None else x.shape[0]
   hs = jnp.arange(h)[None, :, None]
   if block_tables is None:
-    if x.shape[2] == 1:  # per head / per tensor: nothing varies along the tokens
+    if scale and x.shape[2] == 1:  # per head / per tensor: nothing varies along the tokens
       return x[src if x.shape[0] > 1 else jnp.zeros_like(src)][:, :h]
     rows = jnp.broadcast_to(jnp.clip(idx, 0, x.shape[2] - 1), (idx.shape[0], h, idx.shape[2]))
     if x.shape[0] == src.shape[0] and not fold:  # one list per cache row: per (row, head) a
@@ -41,7 +41,7 @@ def _gather(x, idx, src, block_tables, page_size, fold=False):
       return jax.vmap(jax.vmap(lambda xh, ih: xh[ih]))(x, rows)
     b = src[:, None, None] if x.shape[0] > 1 else 0
     return x[b, hs, rows]
-  if x.shape[1] == 1 and x.shape[2] == 1:  # a per-head / per-tensor scale of a pool
+  if scale and x.shape[1] == 1 and x.shape[2] == 1:  # a per-head / per-tensor scale of a pool
     return x.reshape(1, h, 1, x.shape[-1])
   col = jnp.clip(idx // page_size, 0, block_tables.shape[1] - 1)
   page = jnp.clip(jnp.take_along_axis(block_tables[:, None, :], col, axis=2), 0, None)
@@ -80,12 +80,13 @@ def sparse_partials(q_rows, k, v, ends, *, indices, index_bounds, sparse: Sparse
   idx = jnp.where(pad, s, idx)  # ... replaced by the sentinel: a dropped slot
   c = idx.shape[-1] // n
   dtype = q_rows.dtype
-  gather = lambda x: None if x is None else _gather(x, idx, src, block_tables, page_size, sparse.fold > 1)
+  gather = lambda x, scale=False: None if x is None else _gather(x, idx, src, block_tables, page_size,
+                                                                   sparse.fold > 1, scale)
 
   def load(x, scale, offset):  # [B', Hkv, K, D] in the compute dtype, dequantized after the gather
     x = gather(x)
     x = jnp.broadcast_to(x, (b, hkv) + x.shape[2:])
-    return x.astype(dtype) if scale is None else dequantize(x, gather(scale), gather(offset), dtype)
+    return x.astype(dtype) if scale is None else dequantize(x, gather(scale, True), gather(offset, True), dtype)
 
   keys = load(k, k_scale, k_offset)
   values = keys if v is None else load(v, v_scale, v_offset)  # MLA: one gather, k's first columns
