@@ -1,0 +1,210 @@
+"""The one backend dispatch of `flash_decode`: by the platform being lowered for (XLA on
+CPU, Triton on GPU, Mosaic on TPU, or the float32 reference), each path's split count,
+and the merge of its per-split states. Arguments arrive validated and canonical
+(`fdecode.api`)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+
+from fdecode import config as config_lib
+from fdecode import modifiers
+from fdecode import sparse as sparse_lib
+from fdecode.cache.paged import gather_pages, gather_scale
+from fdecode.combine import apply_sinks, merge_states
+from fdecode.kernels import mosaic_tpu_sparse as mosaic_sparse
+from fdecode.kernels.mosaic_tpu import mosaic_partials, plan as mosaic_plan
+from fdecode.kernels.mosaic_tpu_plan import dma_unit as mosaic_dma_unit
+from fdecode.kernels.triton import triton_partials, triton_unsupported
+from fdecode.kernels.xla import window_tokens, xla_partials
+from fdecode.kernels.xla_sparse import sparse_partials
+from fdecode.quant import dequantize, is_quantized
+from fdecode.reference import reference_decode
+
+
+def forced_tpu_interpret():
+  """The InterpretParams of an enclosing ``pltpu.force_tpu_interpret_mode(...)``, else None:
+  under it, ``impl="pallas"`` runs the TPU kernel interpreted, as the context promises."""
+  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
+  flag = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
+  return None if flag is None else flag.value
+
+
+def compute_dtype(q_dtype, *cache_dtypes):
+  """The dtype the matmuls read: q's dtype promoted with every float cache's dtype (an
+  8-bit cache contributes nothing: it is dequantized to q's dtype; None entries are
+  absent caches). A float32 query on a bfloat16 cache computes in float32; a bfloat16
+  query on a float32 cache too."""
+  dtypes = [q_dtype] + [d for d in cache_dtypes if d is not None and not is_quantized(d)]
+  return jnp.result_type(*dtypes)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "softmax_scale", "cfg", "interpret", "mods",
+                                             "v_head_dim", "sparse"))
+def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg, interpret, mods,
+            v_head_dim, sparse):
+  """q ``[B, T, Hq, Dk]`` -> (out ``[B, T, Hq, Dv]`` in q.dtype, lse f32 ``[B, T, Hq]``).
+
+  ``cache``: dict of block_tables, canonical scales / offsets and k_rope (None when absent).
+  ``v`` None: the values are ``k[..., :v_head_dim]`` (MLA). ``sparse`` (`fdecode.sparse.Sparse`):
+  ``cache`` holds canonical ``indices`` / ``index_bounds`` and q row b' reads cache row
+  ``b' // sparse.fold``.
+  ``mods`` / ``mod_arrays``: the score modifiers (`fdecode.modifiers.canonicalize`);
+  ``sinks`` (f32 ``[Hq]`` or None) join the softmax once, after the merge.
+  The one dispatch: by the platform being *lowered for* (`jax.lax.platform_dependent`),
+  so exporting for TPU or CUDA from a CPU host embeds that platform's kernel.
+  """
+  b, t, hq, dk = q.shape
+  hkv = k.shape[0] if cache["block_tables"] is not None else k.shape[1]
+  g = hq // hkv
+  if impl == "reference":
+    tables = cache["block_tables"]
+    kf = _materialize(k, tables, cache["k_scale"], cache["k_offset"])
+    vf = kf[..., :v_head_dim] if v is None else _materialize(v, tables, cache["v_scale"], cache["v_offset"])
+    if cache["k_rope"] is not None:  # key-only columns after k's own
+      kf = jnp.concatenate([kf, _materialize(cache["k_rope"], tables)], axis=-1)
+    mask = mod_arrays["mask"]
+    if sparse is not None:  # the selected positions as a mask, each pseudo-sequence's cache row
+      src = jnp.arange(b) // sparse.fold
+      kf, vf = kf[src], vf[src]
+      sel = sparse_lib.dense_mask(cache["indices"], kf.shape[2])  # [B', Hi, S]
+      mask = sel[:, :, None, None, :]  # canonical [B', Hi, 1, 1, S] ...
+      if sel.shape[1] > 1:  # ... per kv head: the same list for its G query heads
+        mask = jnp.broadcast_to(mask, (b, hkv, 1, g, sel.shape[2]))
+    user = lambda x: None if x is None else modifiers.user_form(x)
+    alibi = mod_arrays["alibi"]
+    out, lse = reference_decode(
+        q, kf, vf, ends, softmax_scale=softmax_scale, causal=mods.causal,
+        mask=user(mask), bias=user(mod_arrays["bias"]),
+        alibi_slopes=None if alibi is None else alibi.reshape(-1), window=mods.window,
+        logits_soft_cap=mods.soft_cap, sinks=sinks)
+    return out.astype(q.dtype), lse
+  # Rows of one kv head: r = t * G + g, in the compute dtype.
+  rope = cache["k_rope"]
+  cd = compute_dtype(q.dtype, k.dtype, None if v is None else v.dtype, None if rope is None else rope.dtype)
+  q_rows = q.reshape(b, t, hkv, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dk).astype(cd)
+  kw = dict(num_tokens=t, softmax_scale=softmax_scale, cfg=cfg, mods=mods, v_head_dim=v_head_dim,
+            **cache, **mod_arrays)
+  if sparse is not None:
+    kw["sparse"] = sparse
+
+  # Each path yields per-split states, merged in-branch (the branches' split counts differ).
+  merged = lambda states: merge_states(*states, axis=2)  # [B, Hkv, R, Dv], [B, Hkv, R]
+  xla = lambda platform: merged(_xla(q_rows, k, v, ends, platform=platform, **kw))
+  triton = lambda platform, interp: merged(
+      _triton(q_rows, k, v, ends, platform=platform, interpret=interp, **kw))
+  mosaic = lambda interp: merged(_mosaic(q_rows, k, v, ends, interpret=interp, **kw))
+  if impl == "xla":  # explicitly asked for, on whatever host traces it
+    o, lse = xla(jax.default_backend())
+  elif isinstance(interpret, pltpu.InterpretParams):
+    o, lse = mosaic(interpret)
+  elif impl == "pallas" and interpret:
+    o, lse = triton("cpu", True)
+  else:
+    # platform_dependent traces every branch and lowers only the target's. A shape Triton
+    # cannot tile gets the XLA path on GPU, except that impl="pallas" traced on a GPU host
+    # raises (triton_partials names the shape) rather than silently not using Pallas.
+    if triton_supports(k, v, cache, v_head_dim) or (impl == "pallas" and jax.default_backend() == "gpu"):
+      gpu = lambda: triton("gpu", False)
+    else:
+      gpu = lambda: xla("gpu")
+    if impl == "pallas":  # compiled for the lowering platform; CPU has only the interpreter
+      cpu = lambda: triton("cpu", True)
+    else:  # impl=None: XLA on CPU, Triton on GPU, Mosaic on TPU
+      cpu = lambda: xla("cpu")
+    o, lse = lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, tpu=lambda: mosaic(False))
+  dv = o.shape[-1]
+  out = o.reshape(b, hkv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, dv)
+  lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
+  if sinks is not None:  # once, after every split is merged
+    out, lse = apply_sinks(out, lse, sinks)
+  return out.astype(q.dtype), lse
+
+
+def seq_capacity(k, block_tables):
+  return k.shape[2] if block_tables is None else block_tables.shape[1] * k.shape[2]
+
+
+def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, **cache):
+  b, hkv = q_rows.shape[:2]
+  tables = cache["block_tables"]
+  if "sparse" in cache:  # the K selected tokens, in chunks of about XLA_CHUNK_TOKENS
+    kk = cache["indices"].shape[-1]
+    splits = cfg.num_splits or max(1, kk // config_lib.XLA_CHUNK_TOKENS)
+    return sparse_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                           num_splits=splits, mods=mods, **cache)
+  s = window_tokens(seq_capacity(k, tables), num_tokens, mods, None if tables is None else k.shape[2])
+  splits = cfg.num_splits or _xla_default_splits(b, hkv, s, cache, platform)
+  return xla_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                      num_splits=splits, mods=mods, **cache)
+
+
+def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, interpret, **cache):
+  # The kernel sizes its block and splits to the GPU lowered for (`triton.launch_plan`).
+  return triton_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                         num_splits=cfg.num_splits, block_k=cfg.block_k or config_lib.DEFAULT_BLOCK_K,
+                         interpret=interpret, **cache)
+
+
+def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, **cache):
+  b, hkv = q_rows.shape[:2]
+  unit = mosaic_dma_unit(k, v, cache["k_rope"])
+  if ("sparse" in cache or cache["block_tables"] is not None) and k.shape[2] % unit:
+    # Pages (or sparse rows) that split a 32-bit sublane: no DMA can address them.
+    return _xla(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
+                platform="tpu", **cache)
+  if "sparse" in cache:  # blocks of index-list slots, each token DMA'd on its own
+    slots = cache["indices"].shape[-1]
+    plan_args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
+    p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, num_slots=slots,
+                    slot_rows=unit, **plan_args)
+    splits = cfg.num_splits or config_lib.default_num_splits(
+        b, hkv, max(-(-slots // p.block), 1), config_lib.num_parallel_units("tpu"))
+    return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                                  num_splits=splits, plan=p, interpret=interpret, **cache)
+  p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, **cache)
+  seen = window_tokens(seq_capacity(k, cache["block_tables"]), num_tokens, cache["mods"])
+  num_blocks = max(-(-seen // p.block), 1)
+  splits = cfg.num_splits or config_lib.default_num_splits(
+      b, hkv, num_blocks, config_lib.num_parallel_units("tpu"))
+  return mosaic_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                         num_splits=splits, plan=p, interpret=interpret, **cache)
+
+
+def triton_supports(k, v, cache, v_head_dim=None) -> bool:
+  """Whether the compiled Triton kernel takes these shapes (see `triton_unsupported`)."""
+  tiles = lambda sc: 1 if sc is None else sc.shape[-1]
+  rope = cache["k_rope"]
+  return triton_unsupported(k.shape[-1], v_head_dim if v is None else v.shape[-1], tiles(cache["k_scale"]),
+                            tiles(cache["v_scale"]), v_from_k=v is None,
+                            rope_dim=0 if rope is None else rope.shape[-1]) is None
+
+
+def _materialize(x, tables, scale=None, offset=None):
+  """Float32 contiguous ``[B, Hkv, S, D]`` copy of a cache (the reference's input)."""
+  if tables is not None:
+    page_size = x.shape[2]
+    x = gather_pages(x, tables)
+    scale = None if scale is None else gather_scale(scale, tables, page_size)
+    offset = None if offset is None else gather_scale(offset, tables, page_size)
+  if scale is None:
+    return x.astype(jnp.float32)
+  return dequantize(x, scale, offset)
+
+
+def _xla_default_splits(b, hkv, s, cache, backend):
+  """The XLA path's split count: the parallelism heuristic, raised to chunks of about
+  `config.XLA_CHUNK_TOKENS` tokens (one chunk's scores, or its gathered / dequantized
+  pages, stay cache-sized: 0.50 of the floor at S=16384 on a 2-core CPU vs 0.38 unsplit,
+  benchmarks/RESULTS.md). Contiguous float caches round down to a divisor of S so that
+  the split stays a free reshape."""
+  n = config_lib.default_num_splits(b, hkv, max(s, 1), config_lib.num_parallel_units(backend))
+  n = max(n, s // config_lib.XLA_CHUNK_TOKENS)
+  if cache["block_tables"] is None and cache["k_scale"] is None and cache["v_scale"] is None:
+    return config_lib.largest_divisor_at_most(s, n)
+  return max(n, 1)
