@@ -77,9 +77,13 @@ def reference_decode(q, k, v, lengths, *, softmax_scale=None, causal=True, mask=
   if mask is not None:
     visible &= _broadcast4(mask, b, t, hq, s)
   visible = jnp.broadcast_to(visible, scores.shape)
-  # A slot no query of a head sees is dead and may hold anything: select it away.
+  # A slot no query of a head sees is dead and may hold anything: select it away. A value
+  # row holding inf / NaN is selected away too, and poisons its scores instead: the rows
+  # that see it turn NaN, the others (earlier tokens of the step) never meet it.
   seen = jnp.any(visible, axis=1)[..., None]  # [B, Hq, S, 1]
-  vf = jnp.where(seen, vf, 0.0)
+  bad = ~jnp.all(jnp.isfinite(vf), axis=-1)  # [B, Hq, S]
+  vf = jnp.where(seen & ~bad[..., None], vf, 0.0)
+  scores = jnp.where(bad[:, None], jnp.nan, scores)
   scores = jnp.where(visible, scores, -jnp.inf)
   # m is -inf exactly for a row with no visible key (or only -inf scores); a NaN or +inf
   # score the row sees makes m (and then p, out and lse) NaN: corruption propagates.

@@ -11,7 +11,7 @@ import pytest
 
 import fdecode
 from fdecode.combine import apply_sinks, merge_states
-from conftest import make_problem
+from conftest import impl_param, make_problem
 
 S = 64
 LENGTHS = jnp.array([40, 64])
@@ -131,3 +131,47 @@ def test_merge_states_nan_in_negligible_part():
   assert np.asarray(out_lse) == 0.0
   out, out_lse = apply_sinks(jnp.array([[1.0, 2.0]]), jnp.array([0.0]), jnp.array([-jnp.inf]))
   np.testing.assert_array_equal(np.asarray(out), [[1.0, 2.0]])
+
+
+@pytest.mark.parametrize("form", ["T=3 causal", "per-head mask", "paged T=3", "MLA T=3"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_corrupt_value_reaches_only_rows_that_see_it(request, impl, form, bad):
+  """Rows of one kv head that see different slots: a non-finite value at a slot only some
+  of them see (the last new token's own value; a slot one head's mask hides) turns those
+  rows NaN and no other. The PV matmul shares value rows across a kv head's rows, so
+  without the per-row select (`fdecode.kernels.block.guard_values`) 0 * NaN reached the
+  earlier tokens too."""
+  if impl_param(request) != "xla" and bad == np.inf:
+    pytest.skip("interpreted kernels run this path once (the NaN case)")
+  t = 1 if form == "per-head mask" else 3
+  mla = form == "MLA T=3"
+  q, k, v = make_problem(3, b=2, t=t, hq=4, hkv=2, s=S, dk=32)
+  lengths = jnp.array([40, 64])
+  kw, seen = {}, np.zeros((2, t, 4), bool)  # which (b, t, hq) rows see the corrupt slot
+  if form == "per-head mask":
+    mask = np.ones((2, 1, 4, S), bool)
+    mask[0, 0, 1, 20] = False  # head 1 (kv head 0) does not see slot 20; head 0 does
+    kw["mask"] = jnp.asarray(mask)
+    slot, seen[0, 0, 0] = 20, True
+  else:
+    slot, seen[0, 2, :2] = 39, True  # sequence 0's last new token, kv head 0's two heads
+  if mla:
+    k = k.at[0, 0, slot, 5].set(bad)  # a value column of the latent (v = k[..., :16])
+    args, kw = (q, k, None), dict(kw, v_head_dim=16)
+  else:
+    args = (q, k, v.at[0, 0, slot, 5].set(bad))
+  if form == "paged T=3":
+    tables = jnp.array([[3, 0, 1, 2], [7, 6, 5, 4]])
+    pool = lambda x: jnp.zeros((2, 8, 16, x.shape[-1]), x.dtype).at[:, tables.reshape(-1)].set(
+        x.transpose(1, 0, 2, 3).reshape(2, 8, 16, -1))
+    args, kw = (q, pool(args[1]), pool(args[2])), dict(kw, block_tables=tables)
+  clean = fdecode.flash_decode(q, *( (k, None) if mla else (k, v)), lengths, impl="xla",
+                               **{n: x for n, x in kw.items() if n != "block_tables"})
+  for impl_ in (impl, "reference") if impl == "xla" else (impl,):
+    out, lse = fdecode.flash_decode(*args, lengths, impl=impl_, num_splits=3, block_k=16,
+                                    return_lse=True, **kw)
+    out, lse = np.asarray(out).reshape(2, t, 4, -1), np.asarray(lse).reshape(2, t, 4)
+    np.testing.assert_array_equal(np.isnan(lse), seen, err_msg=impl_)
+    assert np.isnan(out[seen]).all(), impl_
+    np.testing.assert_allclose(out[~seen], np.asarray(clean).reshape(2, t, 4, -1)[~seen],
+                               atol=2e-5, rtol=2e-5, err_msg=impl_)

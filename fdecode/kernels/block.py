@@ -97,13 +97,41 @@ def block_scores(q_pieces, k_pieces, softmax_scale: float):
   return s * softmax_scale
 
 
+def rows_may_differ(num_tokens: int, mods: Modifiers) -> bool:
+  """Static: whether the rows of one kv head may see different slots (several new tokens
+  under causality or a window, or a mask with per-token / per-head entries). Only then
+  can a slot be visible to one row and not to another, which `guard_values` handles."""
+  return num_tokens > 1 or bool(mods.mask)
+
+
+def guard_values(k_pieces, v_pieces, enabled: bool):
+  """Per-row selection of corrupt values, before the scores (static ``enabled``, see
+  `rows_may_differ`; otherwise ``(k_pieces, None)``).
+
+  The PV matmul shares a value row among all rows of a kv head, and ``0 * NaN`` is NaN,
+  so a NaN (or inf) value that one row sees would reach a row that does not. Instead,
+  such a value row poisons its key (the score is NaN for every row, then selected per
+  row like any score: only rows that see the slot turn NaN) and is itself selected to 0
+  (`online_update`'s ``bad``). Returns ``(k_pieces, bad bool [bk, 1])``."""
+  if not enabled:
+    return k_pieces, None
+  bad = None
+  for v in v_pieces:  # abs(x) <= max is False for inf and NaN (no NaN-ignoring max involved)
+    b = jnp.max(jnp.where(jnp.abs(v.astype(jnp.float32)) <= jnp.finfo(jnp.float32).max, 0.0, 1.0),
+                axis=1, keepdims=True)
+    bad = b if bad is None else jnp.maximum(bad, b)
+  bad = bad > 0
+  first = k_pieces[0]
+  return [jnp.where(bad, jnp.array(jnp.nan, first.dtype), first), *k_pieces[1:]], bad
+
+
 def init_state(rows: int, v_pieces):
   """Empty online-softmax state: (acc pieces f32 ``[rows, w]``, m ``[rows, 1]``, l ``[rows, 1]``)."""
   acc = tuple(jnp.zeros((rows, p.width), jnp.float32) for p in v_pieces)
   return acc, jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32)
 
 
-def online_update(state, s, visible, live, v_pieces):
+def online_update(state, s, visible, live, v_pieces, bad=None):
   """One block of the online softmax.
 
   Args:
@@ -113,11 +141,15 @@ def online_update(state, s, visible, live, v_pieces):
     live: bool ``[bk, 1]``: slot j holds a live token of the sequence (some row may see
       it). Dead value rows are selected to 0 before the PV matmul.
     v_pieces: value pieces ``[bk, w]`` in the compute dtype.
+    bad: bool ``[bk, 1]`` or None: value rows holding inf / NaN (`guard_values`), also
+      selected to 0.
 
   Returns:
     the updated state.
   """
   acc, m, l = state
+  if bad is not None:
+    live = live & ~bad
   s = jnp.where(visible, s, MASK_VALUE)
   m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
   alpha = jnp.exp(m - m_new)

@@ -120,13 +120,14 @@ def _contiguous_kernel(ends_ref, q_ref, k_ref, *refs, has_v, has_rope, has_quant
     load = lambda ref: None if ref is None else ref[...]
     kb, vb = _block_kv(k_ref[...], load(v_ref), load(rope_ref), k_pieces, v_pieces,
                        [load(x) for x in quant], dtype)
+    kb, bad = blk.guard_values(kb, vb, blk.rows_may_differ(num_tokens, mods))
     rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, mods)
     s = blk.block_scores(q_pieces, kb, softmax_scale)
     loaded = [None if ref is None else ref[...] for ref in mod_refs]
     s, visible, live = _modify(s, mods, rows, start, live_end, bk, loaded, end=end,
                                seq_len=seq_len, group=group, num_tokens=num_tokens)
     state = (tuple(ref[...] for ref in acc_refs), m_ref[...], l_ref[...])
-    acc, m, l = blk.online_update(state, s, visible, live, vb)
+    acc, m, l = blk.online_update(state, s, visible, live, vb, bad)
     m_ref[...], l_ref[...] = m, l
     for ref, a in zip(acc_refs, acc):
       ref[...] = a
@@ -334,10 +335,11 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
         buf_of[i][slot] if i in buf_of else None if src is None else src[...]
         for i, src in enumerate(srcs))
     kb, vb = _block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
+    kb, bad = blk.guard_values(kb, vb, blk.rows_may_differ(num_tokens, mods))
     s = blk.block_scores(q_pieces, kb, softmax_scale)
     s, visible, live = _modify(s, mods, rows, step * block, live_end, block, (mask, bias, slopes),
                                end=end, seq_len=seq_len, group=group, num_tokens=num_tokens)
-    return blk.online_update(state, s, visible, live, vb)
+    return blk.online_update(state, s, visible, live, vb, bad)
 
   @pl.when(first < last)
   def _first_fetch():

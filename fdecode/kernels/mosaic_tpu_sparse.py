@@ -106,11 +106,12 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
     kx, vx, rx, ks, ko, vs, vo = (buf_of[i][slot] if i in buf_of else None if src is None else src[...]
                                   for i, src in enumerate(srcs[:7]))
     kb, vb = _block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
+    kb, bad = blk.guard_values(kb, vb, blk.rows_may_differ(num_tokens, mods))
     s = blk.block_scores(q_pieces, kb, softmax_scale)
     pos_row = pos_ref[pl.ds(step, 1), :]  # [1, bk * unit] the buffer rows' positions
     s = blk.modify_scores(s, mods, rows, pos_row, slopes)
     visible, live = blk.sparse_block_masks(rows, pos_row, live_end, first_visible)
-    return blk.online_update(state, s, visible, live, vb)
+    return blk.online_update(state, s, visible, live, vb, bad)
 
   @pl.when(first < last)
   def _first_fetch():

@@ -141,12 +141,21 @@ def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=F
     offsets = first + jnp.arange(n * c, dtype=jnp.int32).reshape(1, 1, n, 1, c)
     pos = base[:, None, None, None, None] + offsets  # [B, 1, n, 1, C]
   scores, valid = geo.apply(scores, pos, first, heads_outer)
+  bad = None
+  if select_dead and (geo.t > 1 or geo.mask is not None):
+    # Rows of a kv head may see different slots: a value row holding inf / NaN would reach
+    # the rows that do not see it through the shared PV matmul (0 * NaN). It poisons its
+    # scores instead (selected per row below) and is selected to 0 (`block.guard_values`).
+    values = vc if v_cols is None else vc[..., :v_cols]
+    bad = ~jnp.all(jnp.isfinite(values), axis=-1)[..., None, :]  # [B, Hkv, n, 1, C]
+    scores = jnp.where(bad, jnp.nan, scores)
   scores = jnp.where(valid, scores, MASK_VALUE)
   m = jnp.max(scores, axis=-1)
   p = jnp.where(valid, jnp.exp(scores - m[..., None]), 0.0)
   l = jnp.sum(p, axis=-1)
   if select_dead:
-    live = jnp.swapaxes(jnp.any(valid, axis=3, keepdims=True), -1, -2)  # [B, Hkv|1, n, C, 1]
+    live = jnp.any(valid, axis=3, keepdims=True)  # [B, Hkv|1, n, 1, C]
+    live = jnp.swapaxes(live if bad is None else live & ~bad, -1, -2)
     vc = jnp.where(live, vc, jnp.zeros((), vc.dtype))
   acc = jnp.einsum("bhnrc,bhncd->bhnrd", p.astype(vc.dtype), vc, preferred_element_type=jnp.float32)
   return finalize_state(acc if v_cols is None else acc[..., :v_cols], m, l)
