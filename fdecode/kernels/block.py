@@ -104,23 +104,31 @@ def rows_may_differ(num_tokens: int, mods: Modifiers) -> bool:
   return num_tokens > 1 or bool(mods.mask)
 
 
+def corrupt_value_rows(v_pieces):
+  """bool ``[bk, 1]``: value row j holds an inf or NaN (``abs(x) <= max`` is False for
+  both; no NaN-ignoring max involved)."""
+  bad = None
+  for v in v_pieces:
+    b = jnp.max(jnp.where(jnp.abs(v.astype(jnp.float32)) <= jnp.finfo(jnp.float32).max, 0.0, 1.0),
+                axis=1, keepdims=True)
+    bad = b if bad is None else jnp.maximum(bad, b)
+  return bad > 0
+
+
 def guard_values(k_pieces, v_pieces, enabled: bool):
-  """Per-row selection of corrupt values, before the scores (static ``enabled``, see
-  `rows_may_differ`; otherwise ``(k_pieces, None)``).
+  """Per-row selection of corrupt values through the keys, before the scores (static
+  ``enabled``, see `rows_may_differ`; otherwise ``(k_pieces, None)``).
 
   The PV matmul shares a value row among all rows of a kv head, and ``0 * NaN`` is NaN,
   so a NaN (or inf) value that one row sees would reach a row that does not. Instead,
   such a value row poisons its key (the score is NaN for every row, then selected per
   row like any score: only rows that see the slot turn NaN) and is itself selected to 0
-  (`online_update`'s ``bad``). Returns ``(k_pieces, bad bool [bk, 1])``."""
+  (`online_update`'s ``bad``). Returns ``(k_pieces, bad bool [bk, 1])``. The Mosaic
+  kernels use this form; Triton's poisons the scores in `online_update` (``guard``),
+  which keeps the value block's registers out of the QK matmul."""
   if not enabled:
     return k_pieces, None
-  bad = None
-  for v in v_pieces:  # abs(x) <= max is False for inf and NaN (no NaN-ignoring max involved)
-    b = jnp.max(jnp.where(jnp.abs(v.astype(jnp.float32)) <= jnp.finfo(jnp.float32).max, 0.0, 1.0),
-                axis=1, keepdims=True)
-    bad = b if bad is None else jnp.maximum(bad, b)
-  bad = bad > 0
+  bad = corrupt_value_rows(v_pieces)
   first = k_pieces[0]
   return [jnp.where(bad, jnp.array(jnp.nan, first.dtype), first), *k_pieces[1:]], bad
 
@@ -131,7 +139,7 @@ def init_state(rows: int, v_pieces):
   return acc, jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32)
 
 
-def online_update(state, s, visible, live, v_pieces, bad=None):
+def online_update(state, s, visible, live, v_pieces, bad=None, guard: bool = False):
   """One block of the online softmax.
 
   Args:
@@ -141,13 +149,18 @@ def online_update(state, s, visible, live, v_pieces, bad=None):
     live: bool ``[bk, 1]``: slot j holds a live token of the sequence (some row may see
       it). Dead value rows are selected to 0 before the PV matmul.
     v_pieces: value pieces ``[bk, w]`` in the compute dtype.
-    bad: bool ``[bk, 1]`` or None: value rows holding inf / NaN (`guard_values`), also
-      selected to 0.
+    bad: bool ``[bk, 1]`` or None: value rows holding inf / NaN whose keys
+      `guard_values` poisoned; they are selected to 0 too.
+    guard: static; find those rows here instead and poison their scores (the
+      `guard_values` semantics, with the transpose of ``bad`` a reshape).
 
   Returns:
     the updated state.
   """
   acc, m, l = state
+  if guard:
+    bad = corrupt_value_rows(v_pieces)
+    s = jnp.where(bad.reshape(1, bad.shape[0]), jnp.nan, s)
   if bad is not None:
     live = live & ~bad
   s = jnp.where(visible, s, MASK_VALUE)

@@ -289,6 +289,8 @@ def _kernel(*refs, plan: _Plan, softmax_scale, num_splits, num_rows, group, num_
       return (page if pages > 1 else 0) * slots + (slot if slots > 1 else 0)
     return pl.ds(0, 1) if dims[0] == 1 else pl.ds(start, bk)
 
+  guard = blk.rows_may_differ(num_tokens, mods)
+
   def body(j, state):
     start = j * bk
     if plan.sparse:  # slot j holds the key at position idx[j]: gather its row
@@ -321,19 +323,18 @@ def _kernel(*refs, plan: _Plan, softmax_scale, num_splits, num_rows, group, num_
     else:
       v_pieces = [_load_piece(v_ref, index, p, quant[2:4], qi[2:4], dtype, v_bits) for p in plan.v_pieces]
     k_pieces += [_load_piece(rope_ref, index, p, (None, None), None, dtype) for p in plan.r_pieces]
-    k_pieces, bad = blk.guard_values(k_pieces, v_pieces, blk.rows_may_differ(num_tokens, mods))
     s = blk.block_scores(q_pieces, k_pieces, softmax_scale)
     if plan.sparse:
       s = blk.modify_scores(s, mods, rows, pos[None, :], slopes)
       visible, live = blk.sorted_slot_masks(rows, pos[None, :], live_end, first_visible, bk)
-      return blk.online_update(state, s, visible, live, v_pieces, bad)
+      return blk.online_update(state, s, visible, live, v_pieces, guard=guard)
     pos_row = load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     bias = None if bias_ref is None else by_rows(bias_ref, mods.bias, load_start).astype(jnp.float32)
     s = blk.modify_scores(s, mods, rows, pos_row, slopes, bias)
     mask = None if mask_ref is None else by_rows(mask_ref, mods.mask, load_start) != 0
     visible, live = blk.block_masks(rows, load_start, start, live_end, bk,
                                     first_visible=first_visible, mask=mask)
-    return blk.online_update(state, s, visible, live, v_pieces, bad)
+    return blk.online_update(state, s, visible, live, v_pieces, guard=guard)
 
   state = lax.fori_loop(first, last, body, blk.init_state(rows_p, plan.v_pieces))
   o_pieces, lse = blk.finalize(state)
