@@ -153,9 +153,9 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   sink it sees (or a NaN / +inf score) gives NaN in its row's out and lse, on every
   impl, split count and device count. "No visible key" is decided from positions
   (lengths, causality, window, mask, indices) or visible scores all -inf, never from a
-  NaN. A sink of +inf gives out 0, lse +inf (its limit); -inf is no sink. Limitation:
-  with T > 1, a NaN value at a slot some rows of a kv head see also reaches that kv
-  head's other rows through the shared PV matmul (0 * NaN).
+  NaN. A sink of +inf gives out 0, lse +inf (its limit); -inf is no sink. A corrupt
+  value reaches only the rows that see it, also with T > 1 or per-head masks
+  (`fdecode.kernels.block.guard_values`); a visible inf value gives NaN too.
 
   Returns:
     ``out`` shaped like ``q`` with last dim Dv, dtype ``q.dtype``; with ``return_lse``
