@@ -16,15 +16,15 @@ largest difference between the two outputs (they compute the same attention).
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import fdecode
-from _timing import print_rows, timeit  # benchmarks/ is on sys.path when a script here runs
-from bench_decode import as_float32_words, cpu_model, floor_fn
+from _records import add_json_arg, machine_line, table_records, write  # benchmarks/ is on sys.path
+from _timing import print_rows, timeit
+from bench_decode import as_float32_words, floor_fn
 
 
 def make_data(b, prefix_len, suffix_len, hkv, hq, d, dtype):
@@ -67,21 +67,22 @@ def rows_for(b, prefix_len, suffix_len, hkv, hq, d, dtype, iters):
   return rows, diff
 
 
-
-
 def main(argv=None):
+  """Prints the table; writes its rows as records (benchmarks/_records.py): shape B, prefix
+  Sp, suffix Ss, Hkv, Hq, D; extra fields ``compile_s`` and ``max_abs_diff`` (cascade vs full)."""
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--quick", action="store_true", help="tiny shapes, few iterations")
   p.add_argument("--iters", type=int, default=7)
   p.add_argument("--hkv", type=int, default=8, help="kv heads (Hq = 4 * Hkv)")
+  add_json_arg(p, "bench_cascade")
   a = p.parse_args(argv)
   if a.quick:
     b, prefix_len, suffix_len, hkv, d, iters = 4, 512, 32, 2, 64, min(a.iters, 3)
   else:
     b, prefix_len, suffix_len, hkv, d, iters = 32, 16384, 256, a.hkv, 128, a.iters
   hq, dtype = 4 * hkv, jnp.bfloat16
-  print(f"# fdecode cascade (shared-prefix) benchmark\n\nmachine: {cpu_model()}, {os.cpu_count()} cores, "
-        f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
+  machine = machine_line()
+  print(f"# fdecode cascade (shared-prefix) benchmark\n\nmachine: {machine}")
   rows, diff = rows_for(b, prefix_len, suffix_len, hkv, hq, d, dtype, iters)
   print_rows(f"B={b} sharing one prefix of {prefix_len} tokens, suffix {suffix_len} each, Hkv={hkv} "
               f"Hq={hq} D={d} {jnp.dtype(dtype).name}, T=1", rows)
@@ -89,6 +90,9 @@ def main(argv=None):
   cascade, full = t["cascade_decode"], t[f"flash_decode over {b} full copies"]
   print(f"\ncascade speed-up over full copies: {full[1] / cascade[1]:.2f}x; bytes read: "
         f"{full[3] / cascade[3]:.1f}x fewer; max |cascade - full| = {diff:.3g}")
+  write(a.json, "bench_cascade", table_records(
+      "bench_cascade", rows, shape=dict(B=b, Sp=prefix_len, Ss=suffix_len, Hkv=hkv, Hq=hq, D=d),
+      dtype=jnp.dtype(dtype).name, machine=machine, max_abs_diff=diff), machine=machine, argv=argv)
   return 0
 
 

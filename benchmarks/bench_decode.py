@@ -15,8 +15,6 @@ ratios within one run.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 
 import jax
@@ -24,7 +22,8 @@ import jax.numpy as jnp
 
 import fdecode
 from fdecode.quant import quantize
-from _timing import timeit  # benchmarks/ is on sys.path when a script here runs
+from _records import add_json_arg, machine_line, table_records, write  # benchmarks/ is on sys.path
+from _timing import timeit
 
 
 def as_float32_words(a):
@@ -98,18 +97,6 @@ def cache_format_rows(b, s, hkv, hq, d, page_size, iters):
   return rows
 
 
-def cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      info = f.read()
-    name = next(l.split(":", 1)[1].strip() for l in info.splitlines() if l.startswith("model name"))
-    flags = next(l for l in info.splitlines() if l.startswith("flags")).split()
-    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({'/'.join(simd)})"
-  except (OSError, StopIteration):
-    return platform.processor() or platform.machine()
-
-
 def print_table(title, rows, floor_name_prefix="floor"):
   print(f"\n### {title}\n")
   print("| contender | median ms | compile s | GB/s | fraction of floor |")
@@ -123,24 +110,38 @@ def print_table(title, rows, floor_name_prefix="floor"):
   sys.stdout.flush()
 
 
+FORMAT_OF = {"contiguous": "contiguous", "paged": "paged", "int8": "int8", "floor f32": "contiguous",
+             "floor int8": "int8"}  # a cache-format row's format, from its name's first words
+
+
 def main(argv=None):
+  """Prints the tables; writes every row as a record (benchmarks/_records.py) with the extra
+  fields ``section`` ("main", "sweep", "formats"), ``compile_s`` and, for formats, ``format``."""
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--quick", action="store_true", help="tiny shapes, few iterations")
   p.add_argument("--iters", type=int, default=15)
   p.add_argument("--sections", default="main,sweep,formats")
+  p.add_argument("--seqs", default=None, help="comma-separated S values of the sweep "
+                 "(default 1024,4096,16384,65536; quick 256,512)")
+  add_json_arg(p, "bench_decode")
   a = p.parse_args(argv)
   sections = a.sections.split(",")
   if a.quick:
     b, s, hkv, hq, d, iters, slow, sweep, page = 2, 512, 2, 8, 64, 3, 1, [256, 512], 16
   else:
     b, s, hkv, hq, d, iters, slow, sweep, page = 4, 16384, 8, 32, 128, a.iters, 3, [1024, 4096, 16384, 65536], 16
-  print(f"# fdecode decode benchmark\n\nmachine: {cpu_model()}, "
-        f"{os.cpu_count()} cores, backend {jax.default_backend()} ({jax.devices()[0].device_kind}), "
-        f"jax {jax.__version__}")
+  sweep = [int(x) for x in a.seqs.split(",")] if a.seqs else sweep
+  machine = machine_line()
+  print(f"# fdecode decode benchmark\n\nmachine: {machine}")
+  records = []
+  shape = lambda sl: dict(B=b, S=sl, Hkv=hkv, Hq=hq, D=d)
+  add = lambda rows, sl, dtype, **extra: records.extend(table_records(
+      "bench_decode", rows, shape=shape(sl), dtype=jnp.dtype(dtype).name, machine=machine, **extra))
   if "main" in sections:
     for dtype in (jnp.float32, jnp.bfloat16):
       rows = contiguous_rows(b, s, hkv, hq, d, dtype, iters, slow, with_slow=True)
       print_table(f"B={b} S={s} Hkv={hkv} Hq={hq} D={d} {jnp.dtype(dtype).name}", rows)
+      add(rows, s, dtype, section="main")
   if "sweep" in sections:
     for dtype in (jnp.float32, jnp.bfloat16):
       print(f"\n### sweep over S, B={b} Hkv={hkv} Hq={hq} D={d} {jnp.dtype(dtype).name}\n")
@@ -148,6 +149,7 @@ def main(argv=None):
       print("|---:|---:|---:|---:|---:|---:|")
       for sl in sweep:
         rows = contiguous_rows(b, sl, hkv, hq, d, dtype, iters, slow, with_slow=False)
+        add(rows, sl, dtype, section="sweep")
         t = {r[0]: r[1] for r in rows}
         f, x, dpa = t["floor: read K, V"], t["fdecode default (xla)"], t["jax.nn.dot_product_attention"]
         print(f"| {sl} | {f * 1e3:.2f} | {x * 1e3:.2f} | {f / x:.2f} | {dpa * 1e3:.2f} | {dpa / x:.1f}x |")
@@ -155,10 +157,16 @@ def main(argv=None):
   if "formats" in sections:
     rows = cache_format_rows(b, s, hkv, hq, d, page, iters)
     print_table(f"cache formats, B={b} S={s} Hkv={hkv} Hq={hq} D={d} (each against the floor above it)", rows)
+    for r in table_records("bench_decode", rows, shape=shape(s), dtype="float32", machine=machine,
+                           section="formats"):
+      fmt = next(f for prefix, f in FORMAT_OF.items() if r["contender"].startswith(prefix))
+      records.append(dict(r, dtype="int8" if fmt == "int8" else r["dtype"],
+                          format=f"paged{page}" if fmt == "paged" else fmt))
     t = {r[0]: r[1] for r in rows}
     contiguous = t["contiguous f32 (xla)"]
     print(f"\npaged / contiguous time: {t[f'paged f32, page {page} (xla)'] / contiguous:.2f}x; "
           f"int8 speed-up over f32 cache: {contiguous / t['int8 per-token (xla)']:.2f}x")
+  write(a.json, "bench_decode", records, machine=machine, argv=argv)
   return 0
 
 

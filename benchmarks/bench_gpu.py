@@ -22,6 +22,8 @@ Times: the median of --iters samples; a sample is --inner back-to-back calls end
 block_until_ready, divided by --inner (benchmarks/_timing.py); compile time (the first
 call) apart. GB/s: bytes of K, V and scales read / time. fraction of floor: floor time /
 time, the floor reading the same bytes. Configurations that do not fit the device are skipped with a note.
+bench_gpu.json holds "meta", the raw "rows" and the same rows as "records" (benchmarks/_records.py;
+extra fields ``format``, ``compile_s``, ``note``); `benchmarks/plot.py` draws it.
 
   python benchmarks/bench_gpu.py --out DIR            # the full grid (minutes on an H100)
   python benchmarks/bench_gpu.py --out DIR --quick    # smoke run: B 1, 8 x S 4k, 32k, few samples
@@ -41,7 +43,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import json
 import math
 import pathlib
 import statistics
@@ -51,7 +52,8 @@ import jax
 import jax.numpy as jnp
 
 import fdecode
-from _timing import timeit  # benchmarks/ is on sys.path when a script here runs
+from _records import machine_line, record, write  # benchmarks/ is on sys.path when a script here runs
+from _timing import timeit
 
 NEEDS_GPU = "n/a (needs GPU)"
 FORMATS = ("contiguous", "paged16", "paged64", "int8", "fp8")
@@ -297,6 +299,20 @@ def markdown(results, meta):
   return "\n".join(lines) + "\n"
 
 
+def records_of(results, meta, machine):
+  """The rows as records (benchmarks/_records.py): one per (B, S) and contender."""
+  dtypes = {"int8": "int8", "fp8": "float8_e4m3fn"}
+  out = []
+  for (b, s), rows in results.items():
+    times = {r.name: r.seconds for r in rows}
+    for r in rows:
+      out.append(record("bench_gpu", r.name, shape=dict(B=b, S=s, Hq=meta["hq"], Hkv=meta["hkv"], D=meta["d"]),
+                        dtype=dtypes.get(r.fmt, "bfloat16"), seconds=r.seconds, nbytes=r.nbytes,
+                        floor_seconds=times.get(r.floor) if r.floor else r.seconds, machine=machine,
+                        format=r.fmt, compile_s=r.compile_s, note=r.note))
+  return out
+
+
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True, help="directory for bench_gpu.md and bench_gpu.json")
@@ -335,9 +351,9 @@ def main(argv=None):
   out.mkdir(parents=True, exist_ok=True)
   text = markdown(results, meta)
   (out / "bench_gpu.md").write_text(text)
-  (out / "bench_gpu.json").write_text(json.dumps(
-      {"meta": meta, "rows": [dict(b=b, s=s, **dataclasses.asdict(r)) for (b, s), rows in results.items()
-                              for r in rows]}, indent=1))
+  machine = machine_line()
+  write(out / "bench_gpu.json", "bench_gpu", records_of(results, meta, machine), machine=machine, argv=argv,
+        meta=meta, rows=[dict(b=b, s=s, **dataclasses.asdict(r)) for (b, s), rows in results.items() for r in rows])
   print(text)
   return 0
 

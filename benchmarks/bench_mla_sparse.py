@@ -24,7 +24,6 @@ default impl of this machine's backend (XLA on CPU, the Pallas kernels on GPU / 
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
@@ -32,8 +31,9 @@ import numpy as np
 
 import fdecode
 from fdecode.quant import quantize
-from _timing import print_rows, timeit  # benchmarks/ is on sys.path when a script here runs
-from bench_decode import as_float32_words, cpu_model, floor_fn
+from _records import add_json_arg, machine_line, table_records, write  # benchmarks/ is on sys.path
+from _timing import print_rows, timeit
+from bench_decode import as_float32_words, floor_fn
 
 
 def nbytes(*xs):
@@ -95,12 +95,13 @@ def sparse_rows(b, hkv, hq, d, s, top_k, iters):
   return rows
 
 
-
-
 def main(argv=None):
+  """Prints the tables; writes their rows as records (benchmarks/_records.py) with the extra
+  fields ``section`` ("mla": shape B, Hq, S, Dk, Dv; "sparse": B, Hkv, Hq, D, S, K) and ``compile_s``."""
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--quick", action="store_true", help="tiny shapes, few iterations")
   p.add_argument("--iters", type=int, default=5)
+  add_json_arg(p, "bench_mla_sparse")
   a = p.parse_args(argv)
   if a.quick:
     mla = dict(b=2, hq=16, s=512, dc=128, dr=64)
@@ -110,9 +111,11 @@ def main(argv=None):
     mla = dict(b=8, hq=128, s=16384, dc=512, dr=64)
     sp = dict(b=4, hkv=8, hq=32, d=128, s=65536, top_k=2048)
     iters = a.iters
-  print(f"# fdecode MLA / sparse benchmark\n\nmachine: {cpu_model()}, {os.cpu_count()} cores, "
-        f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
+  machine = machine_line()
+  print(f"# fdecode MLA / sparse benchmark\n\nmachine: {machine}")
   rows = mla_rows(iters=iters, **mla)
+  records = table_records("bench_mla_sparse", rows, machine=machine, dtype="bfloat16", section="mla", shape=dict(
+      B=mla["b"], Hq=mla["hq"], S=mla["s"], Dk=mla["dc"] + mla["dr"], Dv=mla["dc"]))
   print_rows(f"MLA: B={mla['b']}, Hq={mla['hq']} on one latent head, S={mla['s']}, "
               f"Dk={mla['dc'] + mla['dr']}, Dv={mla['dc']}", rows)
   t = {r[0]: r[1] for r in rows}
@@ -120,10 +123,13 @@ def main(argv=None):
   print(f"\nMLA one read vs a value copy: {two / one:.2f}x; fp8 vs bf16: "
         f"{one / t['flash_decode fp8 latent (FlashMLA layout)']:.2f}x")
   rows = sparse_rows(iters=iters, **sp)
+  records += table_records("bench_mla_sparse", rows, machine=machine, dtype="bfloat16", section="sparse",
+                           shape=dict(B=sp["b"], Hkv=sp["hkv"], Hq=sp["hq"], D=sp["d"], S=sp["s"], K=sp["top_k"]))
   print_rows(f"sparse top-k: B={sp['b']}, Hkv={sp['hkv']}, Hq={sp['hq']}, D={sp['d']}, bf16, T=1", rows)
   small, _, sparse, big = (r[1] for r in rows[1:])
   print(f"\nsparse over S={sp['s']} (K={sp['top_k']}) / dense over S={sp['top_k']}: {sparse / small:.2f}x "
         f"(target <= 1.5x); dense S={sp['s']} / sparse: {big / sparse:.1f}x")
+  write(a.json, "bench_mla_sparse", records, machine=machine, argv=argv)
   return 0
 
 

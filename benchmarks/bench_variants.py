@@ -17,7 +17,6 @@ Sections:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import jax
@@ -29,8 +28,9 @@ from fdecode import config as config_lib
 from fdecode.kernels import block as blk
 from fdecode.kernels.triton import block_size
 from fdecode.modifiers import Modifiers
-from _timing import timeit  # benchmarks/ is on sys.path when a script here runs
-from bench_decode import as_float32_words, cpu_model, floor_fn
+from _records import add_json_arg, machine_line, record, table_records, write  # benchmarks/ is on sys.path
+from _timing import timeit
+from bench_decode import as_float32_words, floor_fn
 
 
 def _problem(b, s, hkv, hq, d, dtype, seed=0):
@@ -94,23 +94,28 @@ def window_section(b, hkv, hq, d, dtype, iters, s_long, window):
     fn = jax.jit(lambda q, k, v, n, mods=mods: fdecode.flash_decode(q, k, v, n, **mods))
     sec, comp = timeit(fn, q, k, v, lengths, iters=iters)
     blocks, bk, splits = kernel_blocks(b, s, hkv, [s] * b, 1, mods.get("window"))
-    rows.append((name, sec, comp, blocks, bk, splits, blocks * bk * 2 * d * jnp.dtype(dtype).itemsize))
+    rows.append((name, sec, comp, blocks, bk, splits, blocks * bk * 2 * d * jnp.dtype(dtype).itemsize, s))
     del q, k, v
   return rows
 
 
 def main(argv=None):
+  """Prints the tables; writes their rows as records (benchmarks/_records.py). Extra fields:
+  ``section`` ("overhead", "window"), ``compile_s``; overhead rows ``time_over_plain``;
+  window rows ``pallas_blocks``, ``block_k``, ``splits``, ``pallas_bytes`` (no GB/s or floor:
+  the time is the XLA path's, the bytes the Pallas kernels')."""
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--quick", action="store_true", help="tiny shapes, few iterations")
   p.add_argument("--iters", type=int, default=11)
+  add_json_arg(p, "bench_variants")
   a = p.parse_args(argv)
   if a.quick:
     b, s, hkv, hq, d, iters, s_long, window = 2, 1024, 2, 8, 64, a.iters, 4096, 256
   else:
     b, s, hkv, hq, d, iters, s_long, window = 4, 16384, 8, 32, 128, a.iters, 65536, 4096
   dtype = jnp.bfloat16
-  print(f"# fdecode score-modifier benchmark\n\nmachine: {cpu_model()}, {os.cpu_count()} cores, "
-        f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), jax {jax.__version__}")
+  machine = machine_line()
+  print(f"# fdecode score-modifier benchmark\n\nmachine: {machine}")
   rows = overhead_rows(b, s, hkv, hq, d, dtype, iters, window)
   plain = next(sec for name, sec, *_ in rows if name == "plain")
   floor = rows[0][1]
@@ -121,6 +126,9 @@ def main(argv=None):
     print(f"| {name} | {sec * 1e3:.2f} | {comp:.2f} | {nbytes / sec / 1e9:.1f} | {sec / plain:.2f} | "
           f"{floor / sec:.2f} |")
   sys.stdout.flush()
+  shape = dict(B=b, S=s, Hkv=hkv, Hq=hq, D=d)
+  records = [dict(r, time_over_plain=r["median_ms"] / (plain * 1e3)) for r in table_records(
+      "bench_variants", rows, shape=shape, dtype="bfloat16", machine=machine, section="overhead")]
   rows = window_section(b, hkv, hq, d, dtype, iters, s_long, window)
   print(f"\n### sliding window reads only the window, B={b} Hkv={hkv} Hq={hq} D={d} bfloat16, "
         f"every sequence full\n")
@@ -128,9 +136,14 @@ def main(argv=None):
         "(bk, splits) | Pallas K+V bytes read |")
   print("|---|---:|---:|---:|---:|---:|")
   base = rows[0][1]
-  for name, sec, comp, blocks, bk, splits, nbytes in rows:
+  for name, sec, comp, blocks, bk, splits, nbytes, sl in rows:
     print(f"| {name} | {sec * 1e3:.2f} | {comp:.2f} | {sec / base:.2f} | {blocks} ({bk}, {splits}) | "
           f"{nbytes / 2**20:.1f} MiB |")
+    records.append(record("bench_variants", name, shape=dict(shape, S=sl),
+                          dtype="bfloat16", seconds=sec, nbytes=None, floor_seconds=None, machine=machine,
+                          section="window", compile_s=comp, pallas_blocks=blocks, block_k=bk,
+                          splits=splits, pallas_bytes=int(nbytes)))
+  write(a.json, "bench_variants", records, machine=machine, argv=argv)
   return 0
 
 

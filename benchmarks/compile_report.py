@@ -16,15 +16,21 @@ scales) of the benchmark grid (Hq=32, Hkv=8, D=128, every sequence full, at B x 
   chip's TensorCores) that double buffering has to hide.
 
 Run in the compile tier's environment (``scripts/compile_tier`` makes ``.venv-chips``):
-``JAX_PLATFORMS=cpu .venv-chips/bin/python benchmarks/compile_report.py [--json OUT]``.
-The tables go to stdout (markdown, for benchmarks/RESULTS.md).
+``JAX_PLATFORMS=cpu .venv-chips/bin/python benchmarks/compile_report.py [--chips h100,a100] [--json OUT]``.
+The tables go to stdout (markdown, for benchmarks/RESULTS.md); the rows to ``--json``
+(default benchmarks/results/compile_report.json): the raw rows per chip under "chips", and
+"records" (benchmarks/_records.py), one per chip and case, never timed (median_ms and
+gb_per_s null). A GPU record's floor_fraction is the *predicted* floor / predicted time
+(``predicted: true``), with extra fields ``chip``, ``case``, ``programs``, ``one_wave``
+(SMs x resident programs per SM), ``waves``, ``floor_us``, ``predicted_us``, ``regs``,
+``spills`` (``error`` if rejected); a TPU record has no floor_fraction and carries
+``chip``, ``case``, ``compiles``, ``steps``, ``vmem``, ``floor_us``, ``overhead_us``.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
 import sys
@@ -36,6 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import fdecode  # noqa: E402
 from fdecode import chips, config  # noqa: E402
+from _records import add_json_arg, machine_line, record, write  # noqa: E402  (benchmarks/ is on sys.path)
 
 GRID = {"B=1 S=32k": (1, 8, 32, 32768), "B=8 S=32k": (8, 8, 32, 32768),
         "B=64 S=4k": (64, 8, 32, 4096), "B=1 Hkv=1 S=1M": (1, 1, 8, 1 << 20)}
@@ -144,13 +151,37 @@ def markdown(chip: str, rows: list[dict]) -> str:
   return "\n".join(out)
 
 
+def records_of(chip: str, rows: list[dict], machine: str) -> list[dict]:
+  """One chip's rows as records (see the module docstring)."""
+  out = []
+  for r in rows:
+    variant, grid_name = r["case"].split(" ", 1)
+    b, hkv, hq, s = GRID[grid_name]
+    common = dict(shape=dict(B=b, S=s, Hkv=hkv, Hq=hq, D=D), seconds=None, nbytes=None, machine=machine,
+                  dtype={"int8": "int8", "fp8": "float8_e4m3fn"}.get(variant, "bfloat16"), chip=chip, case=r["case"])
+    if chip in chips.GPUS and "error" in r:
+      out.append(record("compile_report", f"fdecode {variant}", floor_seconds=None, error=r["error"], **common))
+    elif chip in chips.GPUS:
+      sms = chips.GPUS[chip].sms
+      out.append(record("compile_report", f"fdecode {variant}", floor_seconds=None, **common) | dict(
+          floor_fraction=r["floor_us"] / r["predicted_us"], predicted=True, programs=r["programs"],
+          one_wave=sms * r["resident"], waves=r["waves"], floor_us=r["floor_us"],
+          predicted_us=r["predicted_us"], regs=r["regs"], spills=r["spills"]))
+    else:
+      out.append(record("compile_report", f"fdecode {variant}", floor_seconds=None, compiles=r["ok"],
+                        steps=r["steps"], vmem=r["vmem"], floor_us=r["floor_us"], overhead_us=r["overhead_us"],
+                        **common))
+  return out
+
+
 def main(argv=None):
   from fdecode.compile_check import Target, run_cases  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--chips", default="h100,a100,v5e,v6e")
-  parser.add_argument("--json", help="also write the rows as JSON here")
+  add_json_arg(parser, "compile_report")
   args = parser.parse_args(argv)
-  tables, data = [], {}
+  machine = f"{machine_line()}; deviceless compiles, no chip ran"
+  tables, data, records = [], {}, []
   for chip in args.chips.split(","):
     reports = run_cases(chip, os.path.abspath(__file__), list(CASES))
     if chip in chips.GPUS:
@@ -158,11 +189,10 @@ def main(argv=None):
     else:
       rows = [tpu_row(chips.TPUS[chip], Target(chip), n, reports[n]) for n in CASES]
     data[chip] = rows
+    records += records_of(chip, rows, machine)
     tables.append(markdown(chip, rows))
     print(tables[-1] + "\n", flush=True)
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(data, f, indent=1)
+  write(args.json, "compile_report", records, machine=machine, argv=argv, chips=data)
   return 0
 
 
