@@ -151,6 +151,7 @@ def cache_formats(path, doc):
   ax.set_ylim(0, top * 1.3)  # room for the legend above the bars
   shape = recs[0]["shape"]
   ax.set_xticks(range(len(groups)), [f"B={b} S={s}" for b, s in groups])
+  ax.set_xlim(-0.6, len(groups) - 0.4)
   ax.set_ylabel("speed relative to the contiguous cache\n(contiguous time / time; > 1 faster)")
   ax.set_xlabel(f"configuration ({_shape(shape, ('B', 'S'))})")
   ax.legend(fontsize=8, loc="upper left", ncols=len(formats))
@@ -199,7 +200,7 @@ def compile_report(path, doc):
   axes[0].set_xlabel("programs / one wave (SMs x programs resident per SM)")
   axes[0].set_title("launch grid: waves of the chip", fontsize=9)
   axes[1].set_xlim(0, 1.1)
-  axes[1].set_xlabel("predicted fraction of the roofline (floor time / predicted time)")
+  axes[1].set_xlabel("predicted fraction of the roofline (floor / predicted time)")
   axes[1].set_title("roofline model incl. split partials and the busiest SM", fontsize=9)
   for ax in axes:
     ax.grid(axis="x", alpha=0.3)
