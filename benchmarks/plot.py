@@ -44,7 +44,8 @@ SIZES = {"decode_floor_fraction.png": (800, 500), "cache_formats.png": (800, 500
 COLOURS = (("floor", "#7f7f7f"), ("reference", "#8c564b"), ("page 64", "#c5b0d5"), ("paged64", "#c5b0d5"),
            ("page", "#9467bd"), ("int8", "#e377c2"), ("fp8", "#bcbd22"), ("cudnn", "#d62728"),
            ("dot_product_attention", "#ff7f0e"), ("public api", "#98df8a"), ("gqa", "#2ca02c"),
-           ("value copy", "#aec7e8"), ("full copies", "#aec7e8"), ("dense decode", "#aec7e8"), ("fdecode pallas", "#17becf"),
+           ("value copy", "#aec7e8"), ("full copies", "#aec7e8"), ("dense decode", "#aec7e8"),
+           ("fdecode pallas", "#17becf"),
            ("h100", "#76b900"), ("a100", "#3a5f0b"), ("fdecode", "#1f77b4"), ("contiguous", "#1f77b4"),
            ("cascade", "#1f77b4"), ("flash_decode", "#1f77b4"), ("decode", "#1f77b4"))
 

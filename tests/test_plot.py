@@ -30,13 +30,17 @@ def decode_records():
   out = []
   for dtype in ("float32", "bfloat16"):
     for s in (256, 1024, 4096):
-      for name, ms in (("floor: read K, V", 1.0), ("fdecode default (xla)", 2.0), ("jax.nn.dot_product_attention", 8.0)):
-        out.append(rec("bench_decode", name, ms * s / 256, 1.0 / ms, dtype=dtype, section="sweep", B=2, S=s, Hkv=2, Hq=8, D=64))
-  for name, fmt, ms, frac in (("floor f32: read K, V", "contiguous", 1.0, 1.0), ("contiguous f32 (xla)", "contiguous", 2.0, 0.5),
-                              ("paged f32, page 16 (xla)", "paged16", 3.0, 0.33), ("floor int8: read K8, V8, scales", "int8", 0.3, 1.0),
+      for name, ms in (("floor: read K, V", 1.0), ("fdecode default (xla)", 2.0),
+                       ("jax.nn.dot_product_attention", 8.0)):
+        out.append(rec("bench_decode", name, ms * s / 256, 1.0 / ms, dtype=dtype, section="sweep",
+                       B=2, S=s, Hkv=2, Hq=8, D=64))
+  for name, fmt, ms, frac in (("floor f32: read K, V", "contiguous", 1.0, 1.0),
+                              ("contiguous f32 (xla)", "contiguous", 2.0, 0.5),
+                              ("paged f32, page 16 (xla)", "paged16", 3.0, 0.33),
+                              ("floor int8: read K8, V8, scales", "int8", 0.3, 1.0),
                               ("int8 per-token (xla)", "int8", 1.0, 0.3)):
-    out.append(rec("bench_decode", name, ms, frac, dtype="int8" if fmt == "int8" else "float32", section="formats",
-                   format=fmt, B=2, S=512, Hkv=2, Hq=8, D=64))
+    out.append(rec("bench_decode", name, ms, frac, dtype="int8" if fmt == "int8" else "float32",
+                   section="formats", format=fmt, B=2, S=512, Hkv=2, Hq=8, D=64))
   return out
 
 
