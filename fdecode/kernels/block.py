@@ -240,16 +240,28 @@ def row_source(rows_p: int, group: int, num_tokens: int, form, shape, first_row=
   return (t if tm > 1 else 0) * gm + (rows % group if gm > 1 else 0)
 
 
-def expand_rows(block, rows_p: int, group: int, num_tokens: int, form):
+def expand_rows(block, rows_p: int, group: int, num_tokens: int, form, *, finite: bool = False):
   """A canonical mask / bias block float32 ``[Tm * Gm, bk]`` -> ``[R_p | 1, bk]`` by rows,
-  as a one-hot matmul (exact in float32; for kernels without gathers)."""
+  as a one-hot matmul (exact in float32; for kernels without gathers).
+
+  The matmul multiplies every other source row by 0, so an inf / NaN entry (a bias at a
+  slot its row may not see can hold anything) would reach every row. Non-finite entries
+  go through the matmul as codes instead (NaN 1, +inf 2, -inf 3; finite 0) and are
+  selected back per row: each row gets exactly its own entries. ``finite``: the block
+  is known finite (a mask as 0 / 1), skip that."""
   m = block.shape[0]
   if m == 1:
     return block
   src = row_source(rows_p, group, num_tokens, form, (rows_p, m))
   one_hot = jnp.where(src == lax.broadcasted_iota(jnp.int32, (rows_p, m), 1), 1.0, 0.0)
-  return lax.dot_general(one_hot, block, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32)
+  pick = lambda x: lax.dot_general(one_hot, x, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                                   preferred_element_type=jnp.float32)
+  if finite:
+    return pick(block)
+  ok = jnp.abs(block) <= jnp.finfo(jnp.float32).max  # False for inf and NaN
+  code = pick(jnp.where(ok, 0.0, jnp.where(block > 0, 2.0, jnp.where(block < 0, 3.0, 1.0))))
+  out = pick(jnp.where(ok, block, 0.0))
+  return jnp.where(code == 0.0, out, jnp.where(code == 2.0, jnp.inf, jnp.where(code == 3.0, -jnp.inf, jnp.nan)))
 
 
 def modify_scores(s, mods: Modifiers, rows: Rows, pos_row, slopes=None, bias=None):

@@ -145,11 +145,11 @@ def _modify(s, mods, rows, start, live_end, bk, loaded, *, end, seq_len, group, 
   on TPU). Returns (scores, visible, live) for `block.online_update`."""
   mask, bias, slopes = loaded
   rows_p = s.shape[0]
-  expand = lambda x, form: blk.expand_rows(x.astype(jnp.float32), rows_p, group, num_tokens, form)
+  expand = lambda x, form, **kw: blk.expand_rows(x.astype(jnp.float32), rows_p, group, num_tokens, form, **kw)
   pos_row = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
   bias = None if bias is None else expand(bias, mods.bias)
   s = blk.modify_scores(s, mods, rows, pos_row, slopes, bias)
-  mask = None if mask is None else expand(mask, mods.mask) > 0.5
+  mask = None if mask is None else expand(mask, mods.mask, finite=True) > 0.5
   visible, live = blk.block_masks(rows, start, start, live_end, bk, mask=mask,
                                   first_visible=window_start(end, num_tokens, seq_len, mods))
   return s, visible, live
