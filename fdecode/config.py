@@ -16,6 +16,8 @@ import os
 import jax
 import numpy as np
 
+from fdecode.validation import describe
+
 # Split the cache only while batch*kv_heads leaves the machine idle: the Ascend
 # IncreFlashAttention rule (split when B*Hkv < 0.4 * cores).
 _SPLIT_OCCUPANCY = 0.4
@@ -54,9 +56,7 @@ class Config:
       if value is None:
         continue
       if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        shown = repr(value) if isinstance(value, (numbers.Number, str)) and len(repr(value)) < 60 else (
-            f"{type(value).__name__} of shape {np.shape(value)}" if hasattr(value, "shape") else type(value).__name__)
-        raise ValueError(f"{name} must be a positive int or None, got {shown}")
+        raise ValueError(f"{name} must be a positive int or None, got {describe(value)}")
       if not 1 <= value <= _STATIC_INT_MAX[name]:
         why = "int32; a block is rounded up to a power of two" if name == "block_k" else "int32"
         raise ValueError(f"{name} must be a positive int or None, at most {_STATIC_INT_MAX[name]} "

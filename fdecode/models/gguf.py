@@ -22,6 +22,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from fdecode.validation import F32_MAX, INT32_MAX, describe
+
 __all__ = ["GGUFFile", "SUPPORTED_TYPES"]
 
 # ggml types this loader dequantizes: what the Gemma 3 Q4_K_M file holds, plus plain floats.
@@ -29,16 +31,6 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
 
 
 _REQUIRED = object()
-_INT32_MAX = 2**31 - 1
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
-def _show(value) -> str:
-  """A metadata value for an error message: its repr, or for an array its type and size."""
-  if isinstance(value, (list, np.ndarray)):
-    return f"an array of {len(value)} values"
-  text = repr(value)
-  return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _gguf():
@@ -110,11 +102,11 @@ class GGUFFile:
     value = self.metadata[key]
     if kind is not None and not isinstance(value, kind):
       names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
-      raise ValueError(f"GGUFFile: metadata {key!r} must be {names}, got {_show(value)} in {self.path!r}")
+      raise ValueError(f"GGUFFile: metadata {key!r} must be {names}, got {describe(value)} in {self.path!r}")
     return value
 
   def int_value(self, key: str, default: Any = _REQUIRED, *, low: int = 1,
-                high: int = _INT32_MAX) -> int:
+                high: int = INT32_MAX) -> int:
     """The integer under ``key`` (``default`` when absent; required without one), in
     ``[low, high]`` (default ``[1, 2**31 - 1]``: sizes used as int32).
 
@@ -127,7 +119,7 @@ class GGUFFile:
     value = self.require(key)
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
       raise ValueError(f"GGUFFile: metadata {key!r} must be an integer in [{low}, {high}]; got "
-                       f"{_show(value)} in {self.path!r}")
+                       f"{describe(value)} in {self.path!r}")
     return int(value)
 
   def float_value(self, key: str, default: Any = _REQUIRED, *, allow_zero: bool = False) -> float:
@@ -143,12 +135,12 @@ class GGUFFile:
       return default
     value = self.require(key)
     ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    as32 = np.float32(value) if ok and abs(float(value)) <= _F32_MAX else np.float32(np.nan)
+    as32 = np.float32(value) if ok and abs(float(value)) <= F32_MAX else np.float32(np.nan)
     if not (np.isfinite(as32) and (as32 >= 0 if allow_zero else as32 > 0)):
       bound = ">= 0" if allow_zero else "> 0"
       raise ValueError(f"GGUFFile: metadata {key!r} must be a number {bound} and finite in float32 "
-                       f"(at most {_F32_MAX:.4g}, and nonzero there when > 0 is required); got "
-                       f"{_show(value)} in {self.path!r}")
+                       f"(at most {F32_MAX:.4g}, and nonzero there when > 0 is required); got "
+                       f"{describe(value)} in {self.path!r}")
     return float(value)
 
   def tensor(self, name: str, shape: Sequence[int]) -> np.ndarray:
