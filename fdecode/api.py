@@ -12,6 +12,7 @@ from jax.experimental.pallas import tpu as pltpu
 from fdecode import config as config_lib
 from fdecode import modifiers
 from fdecode import sparse as sparse_lib
+from fdecode.cache.layout import check_layout, head_major, shape_names
 from fdecode.dispatch import decode, forced_tpu_interpret, seq_capacity
 from fdecode.validation import (as_arrays, check_concrete_lengths, check_concrete_page_ids,
                                 check_kv_offset, describe, static_scale, to_int32, validate_args,
@@ -24,7 +25,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
                  softmax_scale=None, num_splits=None, block_k=None, impl=None,
                  interpret=None, return_lse=False, k_offset=None, v_offset=None, kv_offset=None,
                  causal=True, mask=None, bias=None, alibi_slopes=None, window=None,
-                 logits_soft_cap=None, sinks=None, v_head_dim=None, k_rope=None, indices=None):
+                 logits_soft_cap=None, sinks=None, v_head_dim=None, k_rope=None, indices=None,
+                 kv_layout="HND"):
   """FlashDecode attention of new tokens over a KV cache.
 
   Legend: B batch, T new tokens per sequence, Hq query heads, Hkv kv heads
@@ -157,6 +159,12 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   value reaches only the rows that see it, also with T > 1 or per-head masks
   (`fdecode.kernels.block.guard_values`); a visible inf value gives NaN too.
 
+  Layout:
+    kv_layout: ``"HND"`` (default, head-major, the shapes above) or ``"NHD"``
+      (token-major, as Flax / vLLM / JAX's ragged paged attention hold it): contiguous
+      ``[B, S, Hkv, D]``, paged ``[P, page_size, Hkv, D]``; scales, offsets and k_rope
+      follow the same layout (`fdecode.cache.layout`).
+
   Returns:
     ``out`` shaped like ``q`` with last dim Dv, dtype ``q.dtype``; with ``return_lse``
     also ``lse``: float32 natural-log ``[B, Hq]`` or ``[B, T, Hq]``. A query that sees
@@ -177,6 +185,9 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
        q=q, k=k, v=v, lengths=lengths, block_tables=block_tables, k_scale=k_scale, v_scale=v_scale,
        k_offset=k_offset, v_offset=v_offset, kv_offset=kv_offset, mask=mask, bias=bias,
        alibi_slopes=alibi_slopes, sinks=sinks, k_rope=k_rope, indices=indices)
+  k, v, k_rope, k_scale, v_scale, k_offset, v_offset = to_head_major(
+      kv_layout, block_tables is not None, k=k, v=v, k_rope=k_rope, k_scale=k_scale, v_scale=v_scale,
+      k_offset=k_offset, v_offset=v_offset)
   single_token, dv = validate_args(q, k, v, lengths, block_tables, v_head_dim=v_head_dim, k_rope=k_rope)
   k_scale, k_offset = validate_quant("k", k, k_scale, k_offset)
   if v is None and (v_scale is not None or v_offset is not None):
@@ -235,6 +246,19 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   if single_token:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out
+
+
+def to_head_major(kv_layout, paged, caller="flash_decode", **caches):
+  """The cache arrays (k, v, k_rope, scales, offsets, in that order) in the head-major
+  layout the paths take (`fdecode.cache.layout`); checks ``kv_layout`` and the caches' rank."""
+  check_layout(kv_layout, caller)
+  if kv_layout != "HND":
+    for name in ("k", "v", "k_rope"):
+      x = caches[name]
+      if x is not None and np.ndim(x) != 4:
+        raise ValueError(f"{caller}: with kv_layout={kv_layout!r}, {name} must be "
+                         f"{shape_names(kv_layout, paged)}; got {name}.shape={tuple(np.shape(x))}")
+  return tuple(head_major(x, kv_layout, paged) for x in caches.values())
 
 
 def _sparse_setup(q4, ends, indices, cache, kv_offset, seq_capacity, mods):

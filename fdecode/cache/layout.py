@@ -1,0 +1,57 @@
+"""KV cache layouts: head-major ``"HND"`` (fdecode's own) and token-major ``"NHD"`` (Flax,
+vLLM, JAX's ragged paged attention).
+
+================  ======================  =========================
+layout            contiguous              paged pool
+================  ======================  =========================
+``"HND"``         ``[B, Hkv, S, D]``      ``[Hkv, P, page_size, D]``
+``"NHD"``         ``[B, S, Hkv, D]``      ``[P, page_size, Hkv, D]``
+================  ======================  =========================
+
+Scales, offsets and ``k_rope`` follow their cache's layout (scales with the last axis
+replaced by ``n_tiles``; leading axes of size 1 broadcast).
+
+The attention paths take head-major arrays: `head_major` is the one conversion. It is a
+transpose, which XLA folds into the consumer where it can (the einsums of the XLA path);
+the Pallas kernels read the converted copy (in-place token-major kernels are open work,
+see benchmarks/RESULTS.md). Cache *writes* (`fdecode.ragged`) go to the caller's layout in
+place.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from fdecode.validation import describe
+
+KV_LAYOUTS = ("HND", "NHD")
+
+
+def check_layout(kv_layout, caller: str) -> str:
+  if not isinstance(kv_layout, str) or kv_layout not in KV_LAYOUTS:
+    raise ValueError(f"{caller}: kv_layout must be one of {KV_LAYOUTS}, got {describe(kv_layout)}")
+  return kv_layout
+
+
+def head_major(x, kv_layout: str, paged: bool):
+  """A cache-shaped array (cache, rank-4 scale / offset, k_rope) in ``kv_layout`` -> the
+  head-major layout; scalars and None pass through."""
+  if x is None or kv_layout == "HND" or np.ndim(x) != 4:
+    return x
+  x = jnp.asarray(x)
+  return x.transpose(2, 0, 1, 3) if paged else x.swapaxes(1, 2)
+
+
+def kv_heads(k_shape, kv_layout: str, paged: bool) -> int:
+  """Hkv of a cache of shape ``k_shape`` (rank 4) in ``kv_layout``."""
+  if kv_layout == "NHD":
+    return k_shape[2]
+  return k_shape[0] if paged else k_shape[1]
+
+
+def shape_names(kv_layout: str, paged: bool, d: str = "D") -> str:
+  """The cache's documented shape, for messages."""
+  if kv_layout == "NHD":
+    return f"[P, page_size, Hkv, {d}]" if paged else f"[B, S, Hkv, {d}]"
+  return f"[Hkv, P, page_size, {d}]" if paged else f"[B, Hkv, S, {d}]"

@@ -1,0 +1,355 @@
+"""`ragged_decode`: one attention call over a serving step's packed new tokens, with a
+different number of new tokens per sequence (decodes of 1 beside prefill chunks), as
+engines schedule them (vLLM / SGLang / tpu-inference; FlashAttention's ``cu_seqlens_q``,
+FlashInfer's ``qo_indptr``, JAX's ``ragged_paged_attention``).
+
+How the work is split (all inside one jit-compiled program):
+
+* **Decode part.** Every live sequence's *last* new token, as a batch of ``max_seqs``
+  single-token queries over the caches in place: exactly `flash_decode`'s decode path,
+  so a step of pure decodes costs what `flash_decode` costs (benchmarks/RESULTS.md).
+* **Prefill part.** The other new tokens, in query blocks of up to ``QUERY_BLOCK`` rows
+  of one sequence (aligned to the sequence's last token), each a ``T = QUERY_BLOCK``
+  `flash_decode` call over that sequence's cache (its block-table row when paged, its
+  cache row when contiguous). A ``lax.while_loop`` runs only the real blocks,
+  ``sum_i ceil((q_len_i - 1) / QUERY_BLOCK)``: padding rows and dead sequences cost
+  nothing, a step with no prefill runs no block, and no work scales with
+  ``max_seqs * max(q_len)``.
+
+The fused cache write (``new_k`` / ``new_v``) is one scatter per cache in the caller's
+layout, before the attention, in the same program: under ``jit(...,
+donate_argnums=...)`` it updates the donated cache in place. Padding rows write nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fdecode.api import flash_decode, to_head_major
+from fdecode.cache.layout import check_layout, kv_heads, shape_names
+from fdecode.cache.write import _scatter
+from fdecode.quant import is_quantized
+from fdecode.validation import (as_arrays, check_concrete_page_ids, check_int32, describe, to_int32)
+
+QUERY_BLOCK = 64  # rows of a prefill query block
+CALLER = "ragged_decode"
+# flash_decode's keywords ragged_decode forwards; the per-row ones are indexed by row.
+_OPTIONS = ("k_scale", "v_scale", "k_offset", "v_offset", "softmax_scale", "num_splits", "block_k",
+            "impl", "interpret", "return_lse", "causal", "mask", "bias", "alibi_slopes", "window",
+            "logits_soft_cap", "sinks", "v_head_dim", "k_rope", "indices")
+_PER_ROW = ("mask", "bias", "indices")
+_PER_SEQ = ("k_scale", "v_scale", "k_offset", "v_offset", "k_rope")  # contiguous: a batch axis
+
+
+def ragged_decode(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *, kv_layout="HND",
+                  new_k=None, new_v=None, **options):
+  """Attention of a packed, ragged batch of new tokens over their sequences' KV caches.
+
+  Legend: N packed new tokens (rows), M = max_seqs, Hq / Hkv query / kv heads, S a
+  sequence's cache capacity, Dk / Dv key / value head dims.
+
+  Args:
+    q: ``[N, Hq, Dk]``, every sequence's new tokens packed in order: sequence i owns rows
+      ``cu_q_lens[i]:cu_q_lens[i + 1]``, its last ``q_len_i`` positions (of ``kv_lens[i]``
+      tokens), causal among themselves. A decode is ``q_len = 1``, a prefill chunk any
+      length. Rows from ``cu_q_lens[num_seqs]`` to N are padding: out 0 (lse -inf).
+    k, v: the caches, in ``kv_layout``: ``"HND"`` contiguous ``[M, Hkv, S, D]`` / paged
+      ``[Hkv, P, page_size, D]``; ``"NHD"`` contiguous ``[M, S, Hkv, D]`` / paged
+      ``[P, page_size, Hkv, D]`` (`fdecode.cache.layout`). Float, or 8-bit with scales;
+      ``v=None`` for MLA (with ``v_head_dim``), as in `flash_decode`.
+    kv_lens: int ``[M]``: tokens of each sequence, its new ones included, in ``[0, S]``.
+    block_tables: int ``[M, n]`` (paged; ``S = n * page_size``) or None (contiguous).
+    cu_q_lens: int ``[M + 1]``: 0, then non-decreasing row offsets.
+    num_seqs: int scalar or ``[1]``: only sequences ``< num_seqs`` are live.
+    kv_layout: ``"HND"`` or ``"NHD"``.
+    new_k, new_v: optional ``[N, Hkv, Dk]`` / ``[N, Hkv, Dv]``: the new tokens' keys and
+      values, written at their rows' positions before attending (fused write). Float for
+      a float cache (cast to its dtype); for an 8-bit cache, already quantized with the
+      cache's scales, in its dtype. ``new_v`` is None exactly when ``v`` is None.
+    **options: `flash_decode`'s keywords (scales, offsets, ``softmax_scale``, splits,
+      ``impl``, ``interpret``, ``return_lse``, every score modifier, sinks, MLA
+      ``v_head_dim`` / ``k_rope``, sparse ``indices``). ``mask`` / ``bias`` are per row:
+      ``[N|1, S]`` or ``[N|1, Hq, S]``; ``indices`` ``[N|1, K]`` or ``[N|1, Hkv, K]``.
+      ``kv_offset`` is not taken (kv_lens count the cache's tokens).
+
+  Returns:
+    ``out`` ``[N, Hq, Dv]`` in q's dtype; ``(out, lse)`` with ``return_lse`` (lse float32
+    ``[N, Hq]``). With ``new_k``: ``(out, k, v)`` (or ``(out, lse, k, v)``), the updated
+    caches in their layout.
+
+  Raises:
+    ValueError: shapes that disagree with each other or with ``kv_layout``; concrete
+      ``cu_q_lens`` that do not start at 0 or decrease, a ``q_len_i > kv_lens[i]`` for a
+      live sequence, ``cu_q_lens[num_seqs] > N``, ``num_seqs`` outside ``[0, M]``,
+      kv_lens outside ``[0, S]``, page ids out of the pool for a live token; and every
+      `flash_decode` error (prefixed ``ragged_decode:``). Under ``jit`` values are clipped
+      instead: nothing reads or writes outside the caches.
+    TypeError: an unknown keyword, or an array argument that is not an array.
+  """
+  unknown = sorted(set(options) - set(_OPTIONS))
+  if "kv_offset" in unknown:
+    raise ValueError(f"{CALLER}: kv_offset is not taken: kv_lens count each sequence's cached tokens")
+  if unknown:
+    raise TypeError(f"{CALLER}: unexpected keyword(s) {unknown}; it takes kv_layout, new_k, new_v "
+                    f"and flash_decode's {list(_OPTIONS)}")
+  check_layout(kv_layout, CALLER)
+  arrays = {n: options.pop(n) for n in ("k_scale", "v_scale", "k_offset", "v_offset", "mask", "bias",
+                                        "alibi_slopes", "sinks", "k_rope", "indices") if n in options}
+  (q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, new_k, new_v, *rest) = as_arrays(
+      CALLER, q=q, k=k, v=v, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens,
+      num_seqs=num_seqs, new_k=new_k, new_v=new_v, **arrays)
+  arrays = {n: x for n, x in zip(arrays, rest) if x is not None}
+  paged = block_tables is not None
+  n_rows, m = _check_shapes(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, new_k, new_v,
+                            kv_layout, arrays)
+  cap = (block_tables.shape[1] * k.shape[1 if kv_layout == "NHD" else 2]) if paged else k.shape[
+      1 if kv_layout == "NHD" else 2]
+  _check_values(kv_lens, block_tables, cu_q_lens, num_seqs, n_rows, m, cap,
+                num_pages=k.shape[0 if kv_layout == "NHD" else 1] if paged else None,
+                page_size=k.shape[1 if kv_layout == "NHD" else 2] if paged else None,
+                window=options.get("window"))
+  return_lse = bool(options.pop("return_lse", False))
+  statics = tuple(sorted((n, _hashable(x)) for n, x in options.items()))
+  try:
+    out, lse, k_out, v_out = _ragged(q, k, v, to_int32(kv_lens), None if not paged else to_int32(block_tables),
+                                     to_int32(cu_q_lens), to_int32(jnp.reshape(num_seqs, (-1,))[:1]),
+                                     new_k, new_v, arrays, kv_layout=kv_layout, statics=statics)
+  except (ValueError, TypeError) as e:  # a flash_decode check: say whose call it was
+    msg = str(e)
+    if msg.startswith("flash_decode:"):
+      raise type(e)(CALLER + msg[len("flash_decode"):]) from None
+    raise
+  result = (out, lse) if return_lse else (out,)
+  if new_k is not None:
+    result += (k_out, v_out)
+  return result[0] if len(result) == 1 else result
+
+
+def _hashable(x):
+  return tuple(x) if isinstance(x, list) else x
+
+
+def _check_shapes(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, new_k, new_v, kv_layout, arrays):
+  """Shape / dtype checks at trace time; returns (N, M)."""
+  paged = block_tables is not None
+  if q.ndim != 3:
+    raise ValueError(f"{CALLER}: q must be [N, Hq, Dk] (packed new tokens); got q.shape={tuple(q.shape)}")
+  for name, x in (("k", k), ("v", v)):
+    if x is not None and x.ndim != 4:
+      raise ValueError(f"{CALLER}: with kv_layout={kv_layout!r}, {name} must be "
+                       f"{shape_names(kv_layout, paged)}; got {name}.shape={tuple(x.shape)}")
+  n_rows, hq = q.shape[0], q.shape[1]
+  kv_shape = f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, kv_layout={kv_layout!r}"
+  hkv = kv_heads(k.shape, kv_layout, paged)
+  if hkv == 0 or hq % hkv:
+    raise ValueError(f"{CALLER}: Hq ({hq}) must be a multiple of the cache's Hkv ({hkv}) read from "
+                     f"k as {shape_names(kv_layout, paged)}: does kv_layout match the cache? {kv_shape}")
+  for name, x in (("kv_lens", kv_lens), ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"{CALLER}: {name} must be integer, got {name}.dtype={x.dtype}")
+  if kv_lens.ndim != 1:
+    raise ValueError(f"{CALLER}: kv_lens must be [max_seqs]; got kv_lens.shape={tuple(kv_lens.shape)}")
+  m = kv_lens.shape[0]
+  if cu_q_lens.shape != (m + 1,):
+    raise ValueError(f"{CALLER}: cu_q_lens must be [max_seqs + 1]=({m + 1},) (kv_lens is [{m}]); got "
+                     f"cu_q_lens.shape={tuple(cu_q_lens.shape)}")
+  if num_seqs.shape not in ((), (1,)):
+    raise ValueError(f"{CALLER}: num_seqs must be an int scalar or [1]; got num_seqs.shape={tuple(num_seqs.shape)}")
+  if paged:
+    if block_tables.ndim != 2 or block_tables.shape[0] != m:
+      raise ValueError(f"{CALLER}: block_tables must be [max_seqs={m}, n]; got "
+                       f"block_tables.shape={tuple(block_tables.shape)}")
+  elif k.shape[0] != m:
+    raise ValueError(f"{CALLER}: a contiguous cache has one row per sequence: k must be "
+                     f"{shape_names(kv_layout, False)} with B = max_seqs = {m}; got {kv_shape}")
+  for name in _PER_ROW:
+    x = arrays.get(name)
+    if x is not None and (x.ndim < 2 or x.shape[0] not in (1, n_rows)):
+      raise ValueError(f"{CALLER}: {name} is per row: its first axis must be N={n_rows} or 1; "
+                       f"got {name}.shape={tuple(x.shape)}")
+    if x is not None and x.ndim > 3:
+      raise ValueError(f"{CALLER}: {name} must be [N|1, S] or [N|1, H, S] (indices: [N|1, K] or "
+                       f"[N|1, Hkv, K]); got {name}.shape={tuple(x.shape)}")
+  if v is None and new_v is not None:
+    raise ValueError(f"{CALLER}: new_v given with v=None (MLA: the values are k's first columns; pass new_k only)")
+  if v is not None and (new_k is None) != (new_v is None):
+    raise ValueError(f"{CALLER}: pass new_k and new_v together (or neither); got "
+                     f"new_k {'None' if new_k is None else 'given'}, new_v {'None' if new_v is None else 'given'}")
+  if new_k is not None:
+    if arrays.get("k_rope") is not None:
+      raise ValueError(f"{CALLER}: the fused write does not write k_rope; write it with "
+                       "fdecode.cache.write_paged / write_contiguous, then call without new_k")
+    for name, new, cache in (("new_k", new_k, k), ("new_v", new_v, v)):
+      if new is None:
+        continue
+      want = (n_rows, hkv, cache.shape[-1])
+      if tuple(new.shape) != want:
+        raise ValueError(f"{CALLER}: {name} must be [N, Hkv, D]={want} (one row per packed token); "
+                         f"got {name}.shape={tuple(new.shape)}")
+      if is_quantized(cache.dtype) and new.dtype != cache.dtype:
+        raise TypeError(f"{CALLER}: {name} must be already quantized with the cache's scales, in the "
+                        f"cache's dtype {cache.dtype}; got {name}.dtype={new.dtype}")
+      if not is_quantized(cache.dtype) and not jnp.issubdtype(new.dtype, jnp.floating):
+        raise TypeError(f"{CALLER}: {name} must be floating point for a {cache.dtype} cache; got "
+                        f"{name}.dtype={new.dtype}")
+  return n_rows, m
+
+
+def _check_values(kv_lens, block_tables, cu_q_lens, num_seqs, n_rows, m, cap, *, num_pages,
+                  page_size, window):
+  """Concrete value checks (skipped for traced values, which are clipped instead)."""
+  for name, x in (("kv_lens", kv_lens), ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
+    check_int32(name, x, CALLER)
+  if any(isinstance(x, jax.core.Tracer) for x in (kv_lens, cu_q_lens, num_seqs)):
+    return
+  ns = int(np.asarray(num_seqs).reshape(-1)[0])
+  if not 0 <= ns <= m:
+    raise ValueError(f"{CALLER}: num_seqs must lie in [0, max_seqs={m}]; got {ns}")
+  cu = np.asarray(cu_q_lens).astype(np.int64)
+  lens = np.asarray(kv_lens).astype(np.int64)
+  if cu[0] != 0:
+    raise ValueError(f"{CALLER}: cu_q_lens[0] must be 0; got {int(cu[0])}")
+  steps = np.diff(cu)
+  if (steps[:ns] < 0).any():
+    i = int(np.argmax(steps[:ns] < 0))
+    raise ValueError(f"{CALLER}: cu_q_lens must be non-decreasing; cu_q_lens[{i + 1}] = {int(cu[i + 1])} "
+                     f"< cu_q_lens[{i}] = {int(cu[i])}")
+  if cu[ns] > n_rows:
+    raise ValueError(f"{CALLER}: cu_q_lens[num_seqs={ns}] = {int(cu[ns])} rows, but q has only N={n_rows}")
+  bad = np.nonzero((lens[:ns] < 0) | (lens[:ns] > cap))[0]
+  if bad.size:
+    i = int(bad[0])
+    raise ValueError(f"{CALLER}: kv_lens must lie in [0, S={cap}]; sequence {i} has kv_lens[{i}] = {int(lens[i])}")
+  over = np.nonzero(steps[:ns] > lens[:ns])[0]
+  if over.size:
+    i = int(over[0])
+    raise ValueError(f"{CALLER}: sequence {i} has q_len = {int(steps[i])} new tokens but kv_lens[{i}] = "
+                     f"{int(lens[i])}: its new tokens are the last q_len of its kv_lens tokens")
+  if block_tables is not None and not isinstance(block_tables, jax.core.Tracer):
+    qmax = int(steps[:ns].max()) if ns else 1
+    check_concrete_page_ids(np.asarray(block_tables)[:ns], lens[:ns], num_pages, page_size,
+                            num_tokens=max(qmax, 1), window=window, caller=CALLER)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_layout", "statics"))
+def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_layout, statics):
+  """The jit-compiled step: clip, write, decode part, prefill blocks."""
+  opts = dict(statics)
+  paged = tables is not None
+  n_rows, m = q.shape[0], kv_lens.shape[0]
+  cap = (tables.shape[1] * k.shape[1 if kv_layout == "NHD" else 2]) if paged else k.shape[
+      1 if kv_layout == "NHD" else 2]
+  # Clipped geometry: nothing below reads or writes outside the caches.
+  ns = jnp.clip(num_seqs[0], 0, m)
+  cu = lax.cummax(jnp.clip(cu, 0, n_rows))
+  live = jnp.arange(m) < ns
+  lens = jnp.where(live, jnp.clip(kv_lens, 0, cap), 0)
+  q_len = jnp.where(live, cu[1:] - cu[:-1], 0)
+  rows = jnp.arange(n_rows, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu[1:], rows, side="right"), 0, max(m - 1, 0)).astype(jnp.int32)
+  row_live = rows < cu[ns]
+  pos = jnp.where(row_live, lens[seq] - q_len[seq] + rows - cu[seq], -1)  # [N]; -1: padding
+
+  if new_k is not None:
+    k, v = _write(k, v, new_k, new_v, tables, seq, pos, kv_layout=kv_layout)
+
+  hk = to_head_major(kv_layout, paged, CALLER, k=k, v=v, k_rope=arrays.get("k_rope"),
+                     k_scale=arrays.get("k_scale"), v_scale=arrays.get("v_scale"),
+                     k_offset=arrays.get("k_offset"), v_offset=arrays.get("v_offset"))
+  hk = dict(zip(("k", "v", "k_rope", "k_scale", "v_scale", "k_offset", "v_offset"), hk))
+  hq = q.shape[1]
+  dv = opts.get("v_head_dim") if v is None else hk["v"].shape[-1]
+  out = jnp.zeros((n_rows, hq, dv), q.dtype)
+  lse = jnp.full((n_rows, hq), -jnp.inf, jnp.float32)
+  if n_rows == 0 or m == 0:
+    return out, lse, k, v
+  call = functools.partial(flash_decode, return_lse=True, **opts)
+  shared = {n: arrays[n] for n in ("alibi_slopes", "sinks") if n in arrays}
+  per_row = lambda idx, shape: {n: _rows(arrays[n], idx, shape) for n in _PER_ROW if n in arrays}
+
+  # Decode part: each live sequence's last new token, over the caches in place.
+  has = q_len > 0
+  last = jnp.clip(cu[1:] - 1, 0, n_rows - 1)
+  o, l = call(q[last][:, None], hk["k"], hk["v"], jnp.where(has, lens, 0), block_tables=tables,
+              **_cache_opts(hk), **shared, **per_row(last, (m, 1)))
+  dest = jnp.where(has, last, n_rows)  # n_rows: dropped
+  out = out.at[dest].set(o[:, 0], mode="drop")
+  lse = lse.at[dest].set(l[:, 0], mode="drop")
+
+  # Prefill part: the other new tokens, in blocks of tb rows of one sequence.
+  tb = min(QUERY_BLOCK, n_rows)
+  nb = -(-jnp.maximum(q_len - 1, 0) // tb)  # blocks per sequence
+  ends = jnp.cumsum(nb)
+  offs = jnp.arange(tb, dtype=jnp.int32)
+
+  def block(j, carry):
+    out, lse = carry
+    s = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, m - 1).astype(jnp.int32)
+    jj = j - (ends[s] - nb[s])
+    hi = cu[s + 1] - 1 - jj * tb  # rows [hi - tb, hi); those before cu[s] are not this sequence's
+    blk = hi - tb + offs
+    idx = jnp.clip(blk, 0, n_rows - 1)
+    seq_cache = _sequence_cache(hk, s, paged)
+    o, l = call(q[idx][None], seq_cache["k"], seq_cache["v"], (lens[s] - 1 - jj * tb)[None],
+                block_tables=None if not paged else lax.dynamic_slice_in_dim(tables, s, 1, 0),
+                **_cache_opts(seq_cache), **shared, **per_row(idx, (1, tb)))
+    dest = jnp.where(blk >= cu[s], blk, n_rows)
+    return out.at[dest].set(o[0], mode="drop"), lse.at[dest].set(l[0], mode="drop")
+
+  out, lse = lax.fori_loop(0, ends[-1], block, (out, lse))
+  return out, lse, k, v
+
+
+def _cache_opts(hk):
+  return {n: hk[n] for n in ("k_scale", "v_scale", "k_offset", "v_offset", "k_rope") if hk[n] is not None}
+
+
+def _sequence_cache(hk, s, paged):
+  """Sequence ``s``'s cache arrays: a paged pool is shared (its table row selects), a
+  contiguous cache's row ``s`` is sliced (as are per-sequence scales / k_rope)."""
+  if paged:
+    return hk
+  one = lambda x: x if x is None or np.ndim(x) < 4 or x.shape[0] == 1 else lax.dynamic_slice_in_dim(x, s, 1, 0)
+  return {n: one(x) for n, x in hk.items()}
+
+
+def _rows(x, idx, shape):
+  """A per-row array ``[N|1, ...]`` at rows ``idx`` (shaped ``shape``) -> ``[*shape, ...]``."""
+  if x.shape[0] == 1:
+    return jnp.broadcast_to(x.reshape((1,) * len(shape) + x.shape[1:]), shape + x.shape[1:])
+  return x[idx.reshape(-1)].reshape(shape + x.shape[1:])
+
+
+def _write(k, v, new_k, new_v, tables, seq, pos, *, kv_layout):
+  """Scatters the new rows into the caches at (sequence, position) in their own layout;
+  padding rows (pos -1) and positions without a page go out of range and are dropped."""
+  if tables is not None:
+    ps = k.shape[1 if kv_layout == "NHD" else 2]
+    num_pages = k.shape[0 if kv_layout == "NHD" else 1]
+    j = jnp.clip(pos // ps, 0, tables.shape[1] - 1)
+    page = tables[seq, j]
+    page = jnp.where((pos >= 0) & (page >= 0) & (page < num_pages), page, num_pages)
+    slot = jnp.maximum(pos, 0) % ps
+    if kv_layout == "NHD":  # pool[page, slot]: [N, Hkv, D]
+      index = (page, slot)
+      put = lambda cache, new: _scatter(cache, index, new)
+    else:  # pool[:, page, slot]: [Hkv, N, D]
+      index = (slice(None), page, slot)
+      put = lambda cache, new: _scatter(cache, index, new.swapaxes(0, 1))
+  else:
+    s_cap = k.shape[1 if kv_layout == "NHD" else 2]
+    p = jnp.where(pos >= 0, pos, s_cap)
+    if kv_layout == "NHD":  # cache[seq, pos]: [N, Hkv, D]
+      index = (seq, p)
+    else:  # cache[seq, :, pos]: advanced indices split by a slice -> [N, Hkv, D]
+      index = (seq, slice(None), p)
+    put = lambda cache, new: _scatter(cache, index, new)
+  k = put(k, new_k)
+  if new_v is not None:
+    v = put(v, new_v)
+  return k, v
