@@ -81,6 +81,10 @@ class Block(nnx.Module):
     x = x + self.attn.decode(self.attn_norm(x))
     return x + self.mlp(self.mlp_norm(x))
 
+  def ragged(self, x, *step):
+    x = x + self.attn.ragged(self.attn_norm(x), *step)
+    return x + self.mlp(self.mlp_norm(x))
+
 
 class Transformer(nnx.Module):
   """Decoder-only LM whose attention layers are `DecodeAttention` (head-major cache).
@@ -140,6 +144,23 @@ class Transformer(nnx.Module):
   def cache_bytes(self) -> int:
     """Bytes of all layers' k and v caches."""
     return sum(getattr(b.attn, name)[...].nbytes for b in self.blocks for name in b.attn.cache_arrays)
+
+  def _embed(self, tokens):
+    return self.embed(tokens)
+
+  def _logits(self, x):
+    return self.unembed(self.norm(x)).astype(jnp.float32)
+
+  def ragged(self, tokens, kv_lens, block_tables, cu_q_lens, num_seqs):
+    """A serving step (`fdecode.serving`): tokens int ``[N]`` packed by sequence, the
+    rest as `fdecode.ragged_decode` over every layer's page pool (``init_cache(...,
+    page_size=...)``) -> float32 logits ``[M, V]`` at each sequence's last new token
+    (meaningless for a sequence with none, or past ``num_seqs``)."""
+    x = self._embed(tokens)
+    for block in self.blocks:
+      x = block.ragged(x, kv_lens, block_tables, cu_q_lens, num_seqs)
+    last = jnp.clip(jnp.asarray(cu_q_lens)[1:] - 1, 0, x.shape[0] - 1)
+    return self._logits(x[last])
 
   def prefill(self, tokens, lengths):
     """tokens int ``[B, L]`` right-padded, lengths int ``[B]`` in ``[1, L]`` ->

@@ -244,16 +244,7 @@ def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_
   n_rows, m = q.shape[0], kv_lens.shape[0]
   cap = (tables.shape[1] * k.shape[1 if kv_layout == "NHD" else 2]) if paged else k.shape[
       1 if kv_layout == "NHD" else 2]
-  # Clipped geometry: nothing below reads or writes outside the caches.
-  ns = jnp.clip(num_seqs[0], 0, m)
-  cu = lax.cummax(jnp.clip(cu, 0, n_rows))
-  live = jnp.arange(m) < ns
-  lens = jnp.where(live, jnp.clip(kv_lens, 0, cap), 0)
-  q_len = jnp.where(live, cu[1:] - cu[:-1], 0)
-  rows = jnp.arange(n_rows, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu[1:], rows, side="right"), 0, max(m - 1, 0)).astype(jnp.int32)
-  row_live = rows < cu[ns]
-  pos = jnp.where(row_live, lens[seq] - q_len[seq] + rows - cu[seq], -1)  # [N]; -1: padding
+  ns, cu, lens, q_len, seq, pos = row_positions(kv_lens, cu, num_seqs, n_rows, cap)
 
   if new_k is not None:
     k, v = _write(k, v, new_k, new_v, tables, seq, pos, kv_layout=kv_layout)
@@ -303,6 +294,25 @@ def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_
 
   out, lse = lax.fori_loop(0, ends[-1], block, (out, lse))
   return out, lse, k, v
+
+
+def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):
+  """The step's geometry, clipped so that nothing reads or writes outside the caches
+  (under ``jit`` the values are not checked): returns ``(ns, cu, lens, q_len, seq, pos)``:
+  live sequence count, monotone ``cu_q_lens`` in ``[0, N]``, kv_lens in ``[0, S]`` (0 for
+  dead sequences), new tokens per sequence, and per row its sequence and position
+  (``pos`` -1 for padding rows). A row's position is ``kv_len - q_len + (row - cu)``.
+  ``num_seqs`` int32 ``[1]``."""
+  m = kv_lens.shape[0]
+  ns = jnp.clip(num_seqs[0], 0, m)
+  cu = lax.cummax(jnp.clip(cu_q_lens, 0, n_rows))
+  live = jnp.arange(m) < ns
+  lens = jnp.where(live, jnp.clip(kv_lens, 0, capacity), 0)
+  q_len = jnp.where(live, cu[1:] - cu[:-1], 0)
+  rows = jnp.arange(n_rows, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu[1:], rows, side="right"), 0, max(m - 1, 0)).astype(jnp.int32)
+  pos = jnp.where(rows < cu[ns], lens[seq] - q_len[seq] + rows - cu[seq], -1)
+  return ns, cu, lens, q_len, seq, pos
 
 
 def _cache_opts(hk):

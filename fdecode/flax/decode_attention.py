@@ -15,8 +15,9 @@ from fdecode.api import flash_decode
 from fdecode.cache.write import write_contiguous, write_paged
 from fdecode.meshes import host_values, replicated
 from fdecode.quant import is_quantized
+from fdecode.ragged import ragged_decode, row_positions
 from fdecode.validation import (check_cache_dtype, check_cache_sizes, check_norm_eps, check_rope_theta, static_int,
-                                static_scale, static_soft_cap, static_window)
+                                static_scale, static_soft_cap, static_window, to_int32)
 
 __all__ = ["DecodeAttention", "alibi_slopes", "apply_rope"]
 
@@ -319,6 +320,44 @@ class DecodeAttention(nnx.Module):
     out = jnp.where(fits[:, None, None], out, jnp.nan)
     self._commit(new_state, lengths=lengths, overflowed=self.overflowed[...] | ~fits)
     return out
+
+  def ragged(self, x, kv_lens, block_tables, cu_q_lens, num_seqs):
+    """A serving step over a shared page pool (`fdecode.serving`): packed new tokens of
+    several sequences, any number each, written into the pool and attended with
+    `fdecode.ragged_decode` (the write fused into the call).
+
+    Args:
+      x: ``[N, E]`` float, the step's new tokens packed by sequence (see
+        `fdecode.ragged_decode`: sequence i owns rows ``cu_q_lens[i]:cu_q_lens[i + 1]``,
+        the last of its ``kv_lens[i]`` positions); rows past ``cu_q_lens[num_seqs]`` are
+        padding.
+      kv_lens, block_tables, cu_q_lens, num_seqs: as `fdecode.ragged_decode`; the table's
+        page ids index this layer's pool (every layer of a model shares the ids).
+
+    Returns:
+      ``[N, E]``; padding rows are 0 before ``o_proj``. The pool holds the new tokens.
+      ``lengths`` / ``block_tables`` of the layer are not used: the engine owns them.
+
+    Raises:
+      ValueError: a layer without a paged float cache (``init_cache(page_size=...)``;
+        8-bit caches need their scales written, which the fused write does not do).
+    """
+    self._check_attributes("ragged")
+    if self.cached_key is None or self.block_tables is None or self.key_scale is not None:
+      raise ValueError("DecodeAttention.ragged: needs a paged float cache: init_cache(batch, max_len, "
+                       "dtype=<float>, page_size=...)")
+    if x.ndim != 2 or x.shape[-1] != self.in_features:
+      raise ValueError(f"DecodeAttention.ragged: x must be [N, E=({self.in_features})]; got x.shape={tuple(x.shape)}")
+    n = x.shape[0]
+    capacity = block_tables.shape[1] * self.cached_key.shape[2]
+    *_, pos = row_positions(to_int32(kv_lens), to_int32(cu_q_lens), to_int32(jnp.reshape(num_seqs, (-1,))[:1]),
+                            n, capacity)
+    q, k, v = self._qkv(x[None], jnp.maximum(pos, 0)[None])
+    out, k_pool, v_pool = ragged_decode(q[0], self.cached_key[...], self.cached_value[...], kv_lens, block_tables,
+                                        cu_q_lens, num_seqs, new_k=k[0], new_v=v[0],
+                                        **self._modifiers())
+    self._commit(dict(cached_key=k_pool, cached_value=v_pool))
+    return self.o_proj(out.reshape(n, -1))
 
   def _modifiers(self) -> dict:
     """The layer's score modifiers as `fdecode.flash_decode` keywords (only those set, so

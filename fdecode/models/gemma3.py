@@ -191,6 +191,9 @@ class Gemma3Block(nnx.Module):
   def decode(self, x):
     return self._mlp(x + self.post_attn_norm(self.attn.decode(self.attn_norm(x))))
 
+  def ragged(self, x, *step):
+    return self._mlp(x + self.post_attn_norm(self.attn.ragged(self.attn_norm(x), *step)))
+
 
 class Gemma3(Transformer):
   """Gemma 3 decoder with `DecodeAttention` layers (head-major caches, per-sequence lengths).

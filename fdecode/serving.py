@@ -1,0 +1,295 @@
+"""`fdecode.serving`: a small continuous-batching engine over any model whose attention
+layers are `fdecode.flax.DecodeAttention` (`fdecode.generate.Transformer`, Gemma 3).
+
+Each step packs up to ``token_budget`` new tokens of up to ``max_seqs`` requests (decodes
+first, one token each, then prefill chunks of the prompts still being read) and runs
+one jit-compiled program: the model's ``ragged`` forward (`fdecode.ragged_decode` in
+every layer, with the new keys and values written into one shared page pool) and the
+sampling of each sequence's next token. Its shapes are fixed (N = token_budget,
+M = max_seqs), so it compiles once and serves every mix.
+
+Pages come from a `fdecode.cache.PageAllocator`. A request is admitted (first come,
+first served) only when a sequence slot is free and the pool has pages for its whole
+prompt plus ``max_new_tokens``; otherwise it waits, and the running ones are never
+disturbed. Its pages return to the pool when it stops, at ``eos_id`` or at
+``max_new_tokens``. Sampling is greedy (temperature 0) or temperature / top-k / top-p,
+with a key derived from the request's seed and the token's index, so a request's tokens
+do not depend on what it was batched with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from fdecode.cache.allocator import PageAllocator
+from fdecode.validation import INT32_MAX, describe
+
+
+@dataclasses.dataclass
+class Request:
+  """One generation request.
+
+  Attributes:
+    prompt: token ids, at least one, each in ``[0, V)``.
+    max_new_tokens: tokens to generate at most (>= 1).
+    temperature: 0 = greedy; otherwise a finite float > 0.
+    top_k: keep the k most likely tokens (0 = all).
+    top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (1 = all).
+    seed: the request's sampling seed (int32).
+    arrival: the engine step at which it arrives (staggered arrivals); 0 = at once.
+  """
+
+  prompt: Sequence[int]
+  max_new_tokens: int
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  arrival: int = 0
+
+
+@dataclasses.dataclass
+class Finished:
+  """A stopped request: its generated ``tokens``, ``reason`` ("eos" or "length"), and the
+  steps it was admitted and finished at."""
+
+  tokens: list
+  reason: str
+  admitted: int
+  finished: int
+
+
+@dataclasses.dataclass
+class StepStats:
+  step: int
+  decodes: int
+  prefill_tokens: int
+  running: int
+  waiting: int
+  pages_in_use: int
+  seconds: float
+
+
+@dataclasses.dataclass
+class _Live:
+  rid: int
+  req: Request
+  admitted: int
+  generated: list = dataclasses.field(default_factory=list)
+  cached: int = 0  # tokens already in the cache
+
+  @property
+  def known(self) -> list:
+    return list(self.req.prompt) + self.generated
+
+
+class Engine:
+  """Continuous batching over one model (see the module docstring).
+
+  Args:
+    model: a `fdecode.generate.Transformer` (or subclass, e.g. `fdecode.models.gemma3.Gemma3`);
+      its caches are replaced by one page pool per layer.
+    max_seqs: M, sequences per step.
+    token_budget: N, new tokens per step (>= max_seqs).
+    max_len: longest prompt + max_new_tokens a request may have.
+    page_size: tokens per page.
+    num_pages: pages the allocator hands out (default: ``max_seqs * ceil(max_len /
+      page_size)``, the whole pool); fewer makes requests wait for pages.
+    eos_id: stop token (None: stop at max_new_tokens only).
+
+  Use ``submit(request) -> id``, then ``run() -> {id: Finished}`` (or ``step()`` yourself).
+  """
+
+  def __init__(self, model, *, max_seqs: int = 16, token_budget: int = 128, max_len: int = 256,
+               page_size: int = 16, num_pages: int | None = None, eos_id: int | None = None):
+    for name, value, low in (("max_seqs", max_seqs, 1), ("token_budget", token_budget, max_seqs),
+                             ("max_len", max_len, 1), ("page_size", page_size, 1)):
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not low <= value <= INT32_MAX:
+        raise ValueError(f"Engine: {name} must be an int in [{low}, {INT32_MAX}]; got {describe(value)}")
+    self.model, self.max_seqs, self.budget = model, int(max_seqs), int(token_budget)
+    self.max_len, self.eos_id, self.vocab = int(max_len), eos_id, model.cfg.vocab
+    pages_per_seq = -(-max_len // page_size)
+    model.init_cache(max_seqs, pages_per_seq * page_size, page_size=page_size)
+    pool = max_seqs * pages_per_seq
+    if num_pages is None:
+      num_pages = pool
+    if not isinstance(num_pages, (int, np.integer)) or not 1 <= num_pages <= pool:
+      raise ValueError(f"Engine: num_pages must be an int in [1, {pool}] (the pool); got {describe(num_pages)}")
+    self.alloc = PageAllocator(int(num_pages), page_size, pages_per_seq)
+    self.pages_per_seq = pages_per_seq
+    self.clock = 0
+    self.waiting: list[tuple[int, Request]] = []
+    self.running: list[_Live] = []
+    self.finished: dict[int, Finished] = {}
+    self.history: list[StepStats] = []
+    self._next_id = 0
+
+  def submit(self, request: Request) -> int:
+    """Queues a request; returns its id. A malformed one raises ValueError (naming the
+    field) and changes nothing."""
+    req = _checked(request, self.vocab, self.max_len, self.alloc)
+    rid = self._next_id
+    self._next_id += 1
+    self.waiting.append((rid, req))
+    return rid
+
+  def step(self) -> StepStats | None:
+    """Admits what fits, runs one batch, samples; None when nothing arrived is left."""
+    self._admit()
+    if not self.running:
+      if not self.waiting:
+        return None
+      self.clock += 1  # requests still to arrive
+      return None
+    batch = self._schedule()
+    t0 = time.perf_counter()
+    arrays = self._arrays(batch)
+    next_tokens = np.asarray(_serve_step(self.model, *arrays))
+    seconds = time.perf_counter() - t0
+    decodes = sum(1 for _, n in batch if n == 1)
+    for i, (live, n) in enumerate(batch):
+      live.cached += n
+      if live.cached == len(live.known):  # fed everything it knows: the sample is its next token
+        live.generated.append(int(next_tokens[i]))
+        self._maybe_finish(live)
+    stats = StepStats(self.clock, decodes, sum(n for _, n in batch) - decodes, len(self.running),
+                      len(self.waiting), self.alloc.num_pages - self.alloc.num_free, seconds)
+    self.history.append(stats)
+    self.clock += 1
+    return stats
+
+  def run(self, max_steps: int = 100_000) -> dict[int, Finished]:
+    """Steps until every submitted request finished; returns them by id."""
+    for _ in range(max_steps):
+      if not self.running and not self.waiting:
+        break
+      self.step()
+    return dict(self.finished)
+
+  # -- internals --
+
+  def _admit(self) -> None:
+    while self.waiting and len(self.running) < self.max_seqs:
+      rid, req = self.waiting[0]
+      need = -(-(len(req.prompt) + req.max_new_tokens) // self.alloc.page_size)
+      if req.arrival > self.clock or self.alloc.num_free < need:
+        return  # first come, first served: later requests wait behind it
+      self.alloc.allocate(rid, len(req.prompt) + req.max_new_tokens)
+      self.waiting.pop(0)
+      self.running.append(_Live(rid, req, self.clock))
+
+  def _schedule(self) -> list[tuple[_Live, int]]:
+    """(request, new tokens this step): decodes first, then prefill chunks in the budget."""
+    left, batch = self.budget, []
+    pending = lambda live: len(live.known) - live.cached
+    for live in self.running:
+      if pending(live) == 1:
+        batch.append((live, 1))
+        left -= 1
+    for live in self.running:
+      if pending(live) > 1 and left > 0:
+        n = min(pending(live), left)
+        batch.append((live, n))
+        left -= n
+    return batch
+
+  def _arrays(self, batch):
+    m, n_rows = self.max_seqs, self.budget
+    tokens = np.zeros(n_rows, np.int32)
+    kv_lens = np.zeros(m, np.int32)
+    cu = np.zeros(m + 1, np.int32)
+    tables = np.zeros((m, self.pages_per_seq), np.int32)
+    temperature, top_p = np.zeros(m, np.float32), np.ones(m, np.float32)
+    top_k, seeds, counters = (np.zeros(m, np.int32) for _ in range(3))
+    row = 0
+    for i, (live, n) in enumerate(batch):
+      tokens[row:row + n] = live.known[live.cached:live.cached + n]
+      row += n
+      cu[i + 1] = row
+      kv_lens[i] = live.cached + n
+      pages = self.alloc.pages(live.rid)
+      tables[i, :len(pages)] = pages
+      r = live.req
+      temperature[i], top_k[i], top_p[i], seeds[i], counters[i] = (r.temperature, r.top_k, r.top_p, r.seed,
+                                                                  len(live.generated))
+    cu[len(batch) + 1:] = row
+    return (tokens, kv_lens, tables, cu, np.int32(len(batch)), temperature, top_k, top_p, seeds, counters)
+
+  def _maybe_finish(self, live: _Live) -> None:
+    reason = None
+    if self.eos_id is not None and live.generated[-1] == self.eos_id:
+      reason = "eos"
+    elif len(live.generated) >= live.req.max_new_tokens:
+      reason = "length"
+    if reason:
+      self.running.remove(live)
+      self.alloc.free(live.rid)
+      self.finished[live.rid] = Finished(live.generated, reason, live.admitted, self.clock)
+
+
+def _checked(req: Request, vocab: int, max_len: int, alloc: PageAllocator) -> Request:
+  if not isinstance(req, Request):
+    raise ValueError(f"Engine.submit: want a fdecode.serving.Request; got {type(req).__name__}")
+  prompt = np.asarray(req.prompt)
+  if prompt.ndim != 1 or prompt.size == 0 or prompt.dtype.kind not in "iu":
+    raise ValueError(f"Engine.submit: prompt must be a non-empty 1-D list of token ids; got {describe(req.prompt)}")
+  if prompt.min() < 0 or prompt.max() >= vocab:
+    raise ValueError(f"Engine.submit: prompt ids must lie in [0, V={vocab}); got min {int(prompt.min())}, "
+                     f"max {int(prompt.max())}")
+  n_new = req.max_new_tokens
+  if not isinstance(n_new, (int, np.integer)) or isinstance(n_new, bool) or n_new < 1:
+    raise ValueError(f"Engine.submit: max_new_tokens must be an int >= 1; got {describe(n_new)}")
+  if prompt.size + n_new > max_len:
+    raise ValueError(f"Engine.submit: prompt ({prompt.size} tokens) + max_new_tokens ({n_new}) exceed the "
+                     f"engine's max_len={max_len}")
+  if -(-(prompt.size + n_new) // alloc.page_size) > alloc.num_pages:
+    raise ValueError(f"Engine.submit: the request needs more pages than the pool holds ({alloc.num_pages})")
+  t = req.temperature
+  if not isinstance(t, (int, float, np.floating, np.integer)) or not (math.isfinite(t) and 0 <= t <= 3e38):
+    raise ValueError(f"Engine.submit: temperature must be a finite float >= 0 (0 = greedy); got {describe(t)}")
+  if not isinstance(req.top_k, (int, np.integer)) or not 0 <= req.top_k <= INT32_MAX:
+    raise ValueError(f"Engine.submit: top_k must be an int >= 0 (0 = all); got {describe(req.top_k)}")
+  if not isinstance(req.top_p, (int, float, np.floating)) or not 0 < req.top_p <= 1:
+    raise ValueError(f"Engine.submit: top_p must lie in (0, 1]; got {describe(req.top_p)}")
+  if not isinstance(req.seed, (int, np.integer)) or not 0 <= req.seed <= INT32_MAX:
+    raise ValueError(f"Engine.submit: seed must be an int in [0, {INT32_MAX}]; got {describe(req.seed)}")
+  if not isinstance(req.arrival, (int, np.integer)) or req.arrival < 0:
+    raise ValueError(f"Engine.submit: arrival must be an int >= 0 (a step); got {describe(req.arrival)}")
+  return dataclasses.replace(req, prompt=[int(x) for x in prompt])
+
+
+@nnx.jit
+def _serve_step(model, tokens, kv_lens, tables, cu, num_seqs, temperature, top_k, top_p, seeds, counters):
+  logits = model.ragged(tokens, kv_lens, tables, cu, num_seqs)  # [M, V]
+  return sample(logits, temperature, top_k, top_p, seeds, counters)
+
+
+def sample(logits, temperature, top_k, top_p, seeds, counters):
+  """Next token per row of float32 ``logits [M, V]``: argmax where ``temperature == 0``,
+  else a draw from softmax(logits / temperature) restricted to the ``top_k`` (0: all) most
+  likely tokens and to the smallest set reaching probability ``top_p``, with the key
+  ``fold_in(PRNGKey(seed), counter)``. The sort runs only when some row samples."""
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def draw():
+    def one(row, t, k, p, seed, counter):
+      key = jax.random.fold_in(jax.random.PRNGKey(seed), counter)
+      row = row / jnp.maximum(t, 1e-30)
+      order = jnp.sort(row)[::-1]
+      kth = jnp.where(k > 0, order[jnp.clip(k - 1, 0, row.shape[0] - 1)], -jnp.inf)
+      probs = jax.nn.softmax(order)
+      cut = jnp.argmax(jnp.cumsum(probs) >= p)  # first index reaching p
+      threshold = jnp.maximum(kth, jnp.where(p < 1, order[cut], -jnp.inf))
+      return jax.random.categorical(key, jnp.where(row >= threshold, row, -jnp.inf)).astype(jnp.int32)
+    drawn = jax.vmap(one)(logits, temperature, top_k, top_p, seeds, counters)
+    return jnp.where(temperature > 0, drawn, greedy)
+
+  return jax.lax.cond(jnp.any(temperature > 0), draw, lambda: greedy)
