@@ -207,6 +207,18 @@ def test_demo_main(tiny, capsys, args):
   assert ("mesh heads=2 x seq=4" in out) == ("--mesh" in args) and "FALLBACK" not in out
 
 
+def test_demo_serve(tiny, capsys):
+  """scripts/demo --serve: 5 requests over 2 prompts through fdecode.serving, each checked
+  against generate() without the engine."""
+  from fdecode.cli import demo
+  rc = demo.main(["--gguf", str(tiny[0]), "--prompt", "the cab", "--prompt", "a bad head to the ed",
+                  "--max-new-tokens", "6", "--serve", "5"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  assert "OK: all 5 served requests identical to generating them alone" in out
+  assert out.count("--- request ") == 5 and "tokens/s" in out
+
+
 def test_tokenizer_from_gguf(tiny):
   from fdecode.models.gguf import GGUFFile
   tok = GGUFTokenizer(GGUFFile(tiny[0]).metadata)
