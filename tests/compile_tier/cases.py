@@ -171,6 +171,27 @@ def _cascade(target):
   return fn, args
 
 
+def _ragged(target, layout, write):
+  """ragged_decode over a paged pool: N packed rows of 16 sequences (decodes beside
+  prefill chunks), the fused write of their keys and values."""
+  sd = target.spec
+  m, n_rows, hkv, hq, d, ps = 16, 256, HKV, 8, 128, 16
+  pages = m * (S // ps) + 3
+  pool = (hkv, pages, ps, d) if layout == "HND" else (pages, ps, hkv, d)
+  args = (sd((n_rows, hq, d), jnp.bfloat16), sd(pool, jnp.bfloat16), sd(pool, jnp.bfloat16), sd((m,), jnp.int32),
+          sd((m, S // ps), jnp.int32), sd((m + 1,), jnp.int32), sd((1,), jnp.int32))
+  if not write:
+    return (lambda *a: fdecode.ragged_decode(*a, kv_layout=layout)), args
+  new = sd((n_rows, hkv, d), jnp.bfloat16)
+  fn = lambda q, k, v, lens, t, cu, ns, nk, nv: fdecode.ragged_decode(q, k, v, lens, t, cu, ns, kv_layout=layout,
+                                                                       new_k=nk, new_v=nv)
+  return fn, args + (new, new)
+
+
+CASES["ragged-paged16-write"] = functools.partial(_ragged, layout="HND", write=True)
+CASES["ragged-nhd-paged16"] = functools.partial(_ragged, layout="NHD", write=False)
+
+
 def _sharded(target, n_dev, head, seq, pod=None):
   axes = ("h", "s")
   if pod is not None:  # a named multi-host slice of the target's generation
