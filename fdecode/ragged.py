@@ -34,7 +34,7 @@ from fdecode.api import flash_decode, to_head_major
 from fdecode.cache.layout import check_layout, kv_heads, shape_names
 from fdecode.cache.write import _scatter
 from fdecode.quant import is_quantized
-from fdecode.validation import (as_arrays, check_concrete_page_ids, check_int32, describe, to_int32)
+from fdecode.validation import as_arrays, check_concrete_page_ids, check_int32, to_int32
 
 QUERY_BLOCK = 64  # rows of a prefill query block
 CALLER = "ragged_decode"

@@ -3,7 +3,6 @@ Served greedy tokens equal generating each request alone; pages return to the po
 a request that does not fit waits; malformed requests are rejected without disturbing
 the batch; one compilation serves every mix; sampling is per-request deterministic."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
