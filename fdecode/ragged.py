@@ -33,6 +33,7 @@ from jax import lax
 from fdecode.api import flash_decode, to_head_major
 from fdecode.cache.layout import check_layout, kv_heads, shape_names
 from fdecode.cache.write import _scatter
+from fdecode.dispatch import forced_tpu_interpret
 from fdecode.quant import is_quantized
 from fdecode.validation import as_arrays, check_concrete_page_ids, check_int32, to_int32
 
@@ -114,6 +115,9 @@ def ragged_decode(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *, kv_lay
                 page_size=k.shape[1 if kv_layout == "NHD" else 2] if paged else None,
                 window=options.get("window"))
   return_lse = bool(options.pop("return_lse", False))
+  if options.get("impl") == "pallas" and options.get("interpret") is None:
+    # Resolved here, not at trace time: it keys the compiled step (as in flash_decode).
+    options["interpret"] = forced_tpu_interpret()
   statics = tuple(sorted((n, _hashable(x)) for n, x in options.items()))
   try:
     out, lse, k_out, v_out = _ragged(q, k, v, to_int32(kv_lens), None if not paged else to_int32(block_tables),
