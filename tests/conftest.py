@@ -6,6 +6,7 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import contextlib
+import gc
 
 # tests/compile_tier runs in its own environment with the chip compilers (scripts/compile_tier).
 collect_ignore = [] if os.environ.get("FDECODE_COMPILE_TIER") else ["compile_tier"]
@@ -23,6 +24,18 @@ TOLERANCES = {
     jnp.float32: dict(atol=3e-5, rtol=3e-5, lse=3e-5),
     jnp.bfloat16: dict(atol=2.5e-2, rtol=2.5e-2, lse=2e-3),
 }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+  """Drops JAX's compilation caches after each test module. XLA:CPU maps every compiled
+  program's code into memory (about 3 mappings each, measured); a pytest worker that keeps
+  the programs of hundreds of modules passed Linux's ``vm.max_map_count`` (65530) and
+  segfaulted inside the compiler (CI, test_variants, after test_ragged and test_serving
+  alone had taken one process to 15k mappings). ``jax.clear_caches`` unmaps them."""
+  yield
+  jax.clear_caches()
+  gc.collect()
 
 
 def tol(dtype):
