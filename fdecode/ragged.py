@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 from fdecode.api import flash_decode, to_head_major
-from fdecode.cache.layout import check_layout, kv_heads, shape_names
+from fdecode.cache.layout import capacity, check_layout, kv_heads, shape_names, token_axis
 from fdecode.cache.write import _scatter
 from fdecode.dispatch import forced_tpu_interpret
 from fdecode.quant import is_quantized
@@ -108,11 +108,9 @@ def ragged_decode(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *, kv_lay
   paged = block_tables is not None
   n_rows, m = _check_shapes(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, new_k, new_v,
                             kv_layout, arrays)
-  cap = (block_tables.shape[1] * k.shape[1 if kv_layout == "NHD" else 2]) if paged else k.shape[
-      1 if kv_layout == "NHD" else 2]
-  _check_values(kv_lens, block_tables, cu_q_lens, num_seqs, n_rows, m, cap,
-                num_pages=k.shape[0 if kv_layout == "NHD" else 1] if paged else None,
-                page_size=k.shape[1 if kv_layout == "NHD" else 2] if paged else None,
+  ax = token_axis(kv_layout)
+  _check_values(kv_lens, block_tables, cu_q_lens, num_seqs, n_rows, m, capacity(k.shape, kv_layout, block_tables),
+                num_pages=k.shape[ax - 1] if paged else None, page_size=k.shape[ax] if paged else None,
                 window=options.get("window"))
   return_lse = bool(options.pop("return_lse", False))
   if options.get("impl") == "pallas" and options.get("interpret") is None:
@@ -246,9 +244,7 @@ def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_
   opts = dict(statics)
   paged = tables is not None
   n_rows, m = q.shape[0], kv_lens.shape[0]
-  cap = (tables.shape[1] * k.shape[1 if kv_layout == "NHD" else 2]) if paged else k.shape[
-      1 if kv_layout == "NHD" else 2]
-  ns, cu, lens, q_len, seq, pos = row_positions(kv_lens, cu, num_seqs, n_rows, cap)
+  cu, lens, q_len, seq, pos = row_positions(kv_lens, cu, num_seqs, n_rows, capacity(k.shape, kv_layout, tables))
 
   if new_k is not None:
     k, v = _write(k, v, new_k, new_v, tables, seq, pos, kv_layout=kv_layout)
@@ -302,8 +298,8 @@ def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_
 
 def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):
   """The step's geometry, clipped so that nothing reads or writes outside the caches
-  (under ``jit`` the values are not checked): returns ``(ns, cu, lens, q_len, seq, pos)``:
-  live sequence count, monotone ``cu_q_lens`` in ``[0, N]``, kv_lens in ``[0, S]`` (0 for
+  (under ``jit`` the values are not checked): returns ``(cu, lens, q_len, seq, pos)``:
+  monotone ``cu_q_lens`` in ``[0, N]``, kv_lens in ``[0, S]`` (0 for
   dead sequences), new tokens per sequence, and per row its sequence and position
   (``pos`` -1 for padding rows). A row's position is ``kv_len - q_len + (row - cu)``.
   ``num_seqs`` int32 ``[1]``."""
@@ -316,7 +312,7 @@ def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):
   rows = jnp.arange(n_rows, dtype=jnp.int32)
   seq = jnp.clip(jnp.searchsorted(cu[1:], rows, side="right"), 0, max(m - 1, 0)).astype(jnp.int32)
   pos = jnp.where(rows < cu[ns], lens[seq] - q_len[seq] + rows - cu[seq], -1)
-  return ns, cu, lens, q_len, seq, pos
+  return cu, lens, q_len, seq, pos
 
 
 def _cache_opts(hk):
@@ -343,8 +339,8 @@ def _write(k, v, new_k, new_v, tables, seq, pos, *, kv_layout):
   """Scatters the new rows into the caches at (sequence, position) in their own layout;
   padding rows (pos -1) and positions without a page go out of range and are dropped."""
   if tables is not None:
-    ps = k.shape[1 if kv_layout == "NHD" else 2]
-    num_pages = k.shape[0 if kv_layout == "NHD" else 1]
+    ax = token_axis(kv_layout)
+    ps, num_pages = k.shape[ax], k.shape[ax - 1]
     j = jnp.clip(pos // ps, 0, tables.shape[1] - 1)
     page = tables[seq, j]
     page = jnp.where((pos >= 0) & (page >= 0) & (page < num_pages), page, num_pages)
@@ -356,8 +352,7 @@ def _write(k, v, new_k, new_v, tables, seq, pos, *, kv_layout):
       index = (slice(None), page, slot)
       put = lambda cache, new: _scatter(cache, index, new.swapaxes(0, 1))
   else:
-    s_cap = k.shape[1 if kv_layout == "NHD" else 2]
-    p = jnp.where(pos >= 0, pos, s_cap)
+    p = jnp.where(pos >= 0, pos, k.shape[token_axis(kv_layout)])
     if kv_layout == "NHD":  # cache[seq, pos]: [N, Hkv, D]
       index = (seq, p)
     else:  # cache[seq, :, pos]: advanced indices split by a slice -> [N, Hkv, D]

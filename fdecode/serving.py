@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from fdecode.cache.allocator import PageAllocator
+from fdecode.generate import check_prompt_ids
 from fdecode.validation import INT32_MAX, describe
 
 
@@ -239,11 +240,9 @@ def _checked(req: Request, vocab: int, max_len: int, alloc: PageAllocator) -> Re
   if not isinstance(req, Request):
     raise ValueError(f"Engine.submit: want a fdecode.serving.Request; got {type(req).__name__}")
   prompt = np.asarray(req.prompt)
-  if prompt.ndim != 1 or prompt.size == 0 or prompt.dtype.kind not in "iu":
+  if prompt.ndim != 1 or prompt.size == 0:
     raise ValueError(f"Engine.submit: prompt must be a non-empty 1-D list of token ids; got {describe(req.prompt)}")
-  if prompt.min() < 0 or prompt.max() >= vocab:
-    raise ValueError(f"Engine.submit: prompt ids must lie in [0, V={vocab}); got min {int(prompt.min())}, "
-                     f"max {int(prompt.max())}")
+  prompt = check_prompt_ids("Engine.submit", "prompt", prompt, prompt.size, vocab)
   n_new = req.max_new_tokens
   if not isinstance(n_new, (int, np.integer)) or isinstance(n_new, bool) or n_new < 1:
     raise ValueError(f"Engine.submit: max_new_tokens must be an int >= 1; got {describe(n_new)}")

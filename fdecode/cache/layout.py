@@ -43,6 +43,19 @@ def head_major(x, kv_layout: str, paged: bool):
   return x.transpose(2, 0, 1, 3) if paged else x.swapaxes(1, 2)
 
 
+def token_axis(kv_layout: str) -> int:
+  """The axis of a rank-4 cache that holds its tokens: S (contiguous) or page_size (a
+  pool, whose page axis is the one before it)."""
+  return 1 if kv_layout == "NHD" else 2
+
+
+def capacity(k_shape, kv_layout: str, block_tables=None) -> int:
+  """S: tokens per sequence of a cache of shape ``k_shape`` (with ``block_tables``
+  ``[B, n]``: ``n * page_size``)."""
+  tokens = k_shape[token_axis(kv_layout)]
+  return tokens if block_tables is None else block_tables.shape[1] * tokens
+
+
 def kv_heads(k_shape, kv_layout: str, paged: bool) -> int:
   """Hkv of a cache of shape ``k_shape`` (rank 4) in ``kv_layout``."""
   if kv_layout == "NHD":
