@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
@@ -185,6 +186,12 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
        q=q, k=k, v=v, lengths=lengths, block_tables=block_tables, k_scale=k_scale, v_scale=v_scale,
        k_offset=k_offset, v_offset=v_offset, kv_offset=kv_offset, mask=mask, bias=bias,
        alibi_slopes=alibi_slopes, sinks=sinks, k_rope=k_rope, indices=indices)
+  # The caches go to `decode` as stored (the Triton kernel reads token-major ones in place);
+  # the checks below see head-major shape-only views of them.
+  stored = (k, v, k_rope)
+  if kv_layout == "NHD":
+    k, v, k_rope = (None if x is None or np.ndim(x) != 4 else jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+                    for x in stored)
   k, v, k_rope, k_scale, v_scale, k_offset, v_offset = to_head_major(
       kv_layout, block_tables is not None, k=k, v=v, k_rope=k_rope, k_scale=k_scale, v_scale=v_scale,
       k_offset=k_offset, v_offset=v_offset)
@@ -225,7 +232,7 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
                                   has_bias=bias is not None)
   cache = dict(block_tables=None if block_tables is None else to_int32(block_tables),
                k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset,
-               k_rope=None if k_rope is None else jnp.asarray(k_rope))
+               k_rope=None if stored[2] is None else jnp.asarray(stored[2]))
   # The kernels take each sequence's end relative to the cache's first token.
   ends = to_int32(lengths)
   if kv_offset is not None:
@@ -239,9 +246,9 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     sparse = None
     if indices is not None:
       q4, ends, sparse = _sparse_setup(q4, ends, indices, cache, kv_offset, seq_capacity(k, block_tables), mods)
-    out, lse = decode(q4, k, v, ends, cache, mod_arrays, sinks, impl=impl, softmax_scale=scale,
+    out, lse = decode(q4, *stored[:2], ends, cache, mod_arrays, sinks, impl=impl, softmax_scale=scale,
                       cfg=cfg, interpret=interpret, mods=mods, v_head_dim=None if v is not None else dv,
-                      sparse=sparse)
+                      sparse=sparse, kv_layout=kv_layout)
     out, lse = out.reshape(b, t, *out.shape[2:]), lse.reshape(b, t, -1)  # undo a sparse fold
   if single_token:
     out, lse = out[:, 0], lse[:, 0]

@@ -157,11 +157,29 @@ def compile_one(target: Target, build) -> dict:
     else:
       text = lowered.as_text()
       report["kernels"] = [dict(name=n) for n in sorted(set(re.findall(r'(fdecode_\w+)', text)))]
+    report["largest_copy_bytes"] = largest_copy_bytes(compiled.as_text())
     cost = compiled.cost_analysis()
     if isinstance(cost, list):
       cost = cost[0] if cost else None
     report["bytes_accessed"] = None if not cost else cost.get("bytes accessed")
   return report
+
+
+_COPY = re.compile(r"= (\w+)\[([\d,]*)\]\S* (?:transpose|copy)\(")
+_HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2,
+              "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def largest_copy_bytes(hlo_text: str) -> int:
+  """Bytes of the largest ``transpose`` or ``copy`` result in an optimized HLO module
+  (fused computations included): a layout change of a whole cache shows up here."""
+  best = 0
+  for dtype, dims in _COPY.findall(hlo_text):
+    size = _HLO_BYTES.get(dtype, 4)
+    for d in filter(None, dims.split(",")):
+      size *= int(d)
+    best = max(best, size)
+  return best
 
 
 def _load_cases(path: str) -> dict:

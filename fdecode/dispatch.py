@@ -15,6 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 from fdecode import config as config_lib
 from fdecode import modifiers
 from fdecode import sparse as sparse_lib
+from fdecode.cache.layout import head_major
 from fdecode.cache.paged import gather_pages, gather_scale
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels import mosaic_tpu_sparse as mosaic_sparse
@@ -45,12 +46,15 @@ def compute_dtype(q_dtype, *cache_dtypes):
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "softmax_scale", "cfg", "interpret", "mods",
-                                             "v_head_dim", "sparse"))
+                                             "v_head_dim", "sparse", "kv_layout"))
 def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg, interpret, mods,
-            v_head_dim, sparse):
+            v_head_dim, sparse, kv_layout="HND"):
   """q ``[B, T, Hq, Dk]`` -> (out ``[B, T, Hq, Dv]`` in q.dtype, lse f32 ``[B, T, Hq]``).
 
-  ``cache``: dict of block_tables, canonical scales / offsets and k_rope (None when absent).
+  ``k``, ``v`` and ``cache["k_rope"]`` are in ``kv_layout`` (`fdecode.cache.layout`): the
+  Triton kernel reads token-major ones in place, every other path reads head-major views
+  (a transpose in this program, dropped when the Triton branch is the one lowered).
+  ``cache``: dict of block_tables, canonical (head-major) scales / offsets and k_rope (None when absent).
   ``v`` None: the values are ``k[..., :v_head_dim]`` (MLA). ``sparse`` (`fdecode.sparse.Sparse`):
   ``cache`` holds canonical ``indices`` / ``index_bounds`` and q row b' reads cache row
   ``b' // sparse.fold``.
@@ -60,6 +64,12 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   so exporting for TPU or CUDA from a CPU host embeds that platform's kernel.
   """
   b, t, hq, dk = q.shape
+  token_major = None
+  if kv_layout == "NHD":
+    paged = cache["block_tables"] is not None
+    token_major = (k, v, cache["k_rope"])
+    k, v, rope = (head_major(x, kv_layout, paged) for x in token_major)
+    cache = dict(cache, k_rope=rope)
   hkv = k.shape[0] if cache["block_tables"] is not None else k.shape[1]
   g = hq // hkv
   if impl == "reference":
@@ -97,7 +107,7 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   merged = lambda states: merge_states(*states, axis=2)  # [B, Hkv, R, Dv], [B, Hkv, R]
   xla = lambda platform: merged(_xla(q_rows, k, v, ends, platform=platform, **kw))
   triton = lambda platform, interp: merged(
-      _triton(q_rows, k, v, ends, platform=platform, interpret=interp, **kw))
+      _triton(q_rows, k, v, ends, platform=platform, interpret=interp, token_major=token_major, **kw))
   mosaic = lambda interp: merged(_mosaic(q_rows, k, v, ends, interpret=interp, **kw))
   if impl == "xla":  # explicitly asked for, on whatever host traces it
     o, lse = xla(jax.default_backend())
@@ -144,11 +154,16 @@ def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
                       num_splits=splits, mods=mods, **cache)
 
 
-def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, interpret, **cache):
+def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, interpret, token_major,
+            **cache):
   # The kernel sizes its block and splits to the GPU lowered for (`triton.launch_plan`).
+  # Token-major caches are read in place (`token_major`: k, v, k_rope as stored).
+  layout = "HND"
+  if token_major is not None:
+    (k, v, cache["k_rope"]), layout = token_major, "NHD"
   return triton_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
                          num_splits=cfg.num_splits, block_k=cfg.block_k or config_lib.DEFAULT_BLOCK_K,
-                         interpret=interpret, **cache)
+                         interpret=interpret, kv_layout=layout, **cache)
 
 
 def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, **cache):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fdecode.api import flash_decode, to_head_major
+from fdecode.api import flash_decode
 from fdecode.cache.layout import capacity, check_layout, kv_heads, shape_names, token_axis
 from fdecode.cache.write import _scatter
 from fdecode.dispatch import forced_tpu_interpret
@@ -249,25 +249,23 @@ def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_
   if new_k is not None:
     k, v = _write(k, v, new_k, new_v, tables, seq, pos, kv_layout=kv_layout)
 
-  hk = to_head_major(kv_layout, paged, CALLER, k=k, v=v, k_rope=arrays.get("k_rope"),
-                     k_scale=arrays.get("k_scale"), v_scale=arrays.get("v_scale"),
-                     k_offset=arrays.get("k_offset"), v_offset=arrays.get("v_offset"))
-  hk = dict(zip(("k", "v", "k_rope", "k_scale", "v_scale", "k_offset", "v_offset"), hk))
+  # The caches in the caller's layout: flash_decode reads token-major ones in place on GPU.
+  caches = dict(k=k, v=v, **{n: arrays.get(n) for n in ("k_rope", "k_scale", "v_scale", "k_offset", "v_offset")})
   hq = q.shape[1]
-  dv = opts.get("v_head_dim") if v is None else hk["v"].shape[-1]
+  dv = opts.get("v_head_dim") if v is None else caches["v"].shape[-1]
   out = jnp.zeros((n_rows, hq, dv), q.dtype)
   lse = jnp.full((n_rows, hq), -jnp.inf, jnp.float32)
   if n_rows == 0 or m == 0:
     return out, lse, k, v
-  call = functools.partial(flash_decode, return_lse=True, **opts)
+  call = functools.partial(flash_decode, return_lse=True, kv_layout=kv_layout, **opts)
   shared = {n: arrays[n] for n in ("alibi_slopes", "sinks") if n in arrays}
   per_row = lambda idx, shape: {n: _rows(arrays[n], idx, shape) for n in _PER_ROW if n in arrays}
 
   # Decode part: each live sequence's last new token, over the caches in place.
   has = q_len > 0
   last = jnp.clip(cu[1:] - 1, 0, n_rows - 1)
-  o, l = call(q[last][:, None], hk["k"], hk["v"], jnp.where(has, lens, 0), block_tables=tables,
-              **_cache_opts(hk), **shared, **per_row(last, (m, 1)))
+  o, l = call(q[last][:, None], caches["k"], caches["v"], jnp.where(has, lens, 0), block_tables=tables,
+              **_cache_opts(caches), **shared, **per_row(last, (m, 1)))
   dest = jnp.where(has, last, n_rows)  # n_rows: dropped
   out = out.at[dest].set(o[:, 0], mode="drop")
   lse = lse.at[dest].set(l[:, 0], mode="drop")
@@ -285,7 +283,7 @@ def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_
     hi = cu[s + 1] - 1 - jj * tb  # rows [hi - tb, hi); those before cu[s] are not this sequence's
     blk = hi - tb + offs
     idx = jnp.clip(blk, 0, n_rows - 1)
-    seq_cache = _sequence_cache(hk, s, paged)
+    seq_cache = _sequence_cache(caches, s, paged)
     o, l = call(q[idx][None], seq_cache["k"], seq_cache["v"], (lens[s] - 1 - jj * tb)[None],
                 block_tables=None if not paged else lax.dynamic_slice_in_dim(tables, s, 1, 0),
                 **_cache_opts(seq_cache), **shared, **per_row(idx, (1, tb)))
@@ -315,17 +313,17 @@ def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):
   return cu, lens, q_len, seq, pos
 
 
-def _cache_opts(hk):
-  return {n: hk[n] for n in ("k_scale", "v_scale", "k_offset", "v_offset", "k_rope") if hk[n] is not None}
+def _cache_opts(caches):
+  return {n: caches[n] for n in ("k_scale", "v_scale", "k_offset", "v_offset", "k_rope") if caches[n] is not None}
 
 
-def _sequence_cache(hk, s, paged):
+def _sequence_cache(caches, s, paged):
   """Sequence ``s``'s cache arrays: a paged pool is shared (its table row selects), a
   contiguous cache's row ``s`` is sliced (as are per-sequence scales / k_rope)."""
   if paged:
-    return hk
+    return caches
   one = lambda x: x if x is None or np.ndim(x) < 4 or x.shape[0] == 1 else lax.dynamic_slice_in_dim(x, s, 1, 0)
-  return {n: one(x) for n, x in hk.items()}
+  return {n: one(x) for n, x in caches.items()}
 
 
 def _rows(x, idx, shape):

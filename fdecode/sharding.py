@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from fdecode.api import flash_decode
+from fdecode.cache.layout import capacity, kv_head_axis, kv_heads, token_axis
 from fdecode.combine import apply_sinks, combine_across
 from fdecode.meshes import host_values
 from fdecode.quant import canonical_scale
@@ -50,8 +51,9 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
   Args:
     q: ``[B, Hq, Dk]`` or ``[B, T, Hq, Dk]`` float queries (T new tokens per sequence,
       causal among themselves, as in `flash_decode`).
-    k: ``[B, Hkv, S, Dk]`` head-major key cache.
-    v: ``[B, Hkv, S, Dv]`` value cache.
+    k: ``[B, Hkv, S, Dk]`` head-major key cache (with ``kv_layout="NHD"``: token-major
+      ``[B, S, Hkv, Dk]``, as `flash_decode` takes it).
+    v: ``[B, Hkv, S, Dv]`` value cache (``[B, S, Hkv, Dv]``).
     lengths: int ``[B]`` valid tokens per sequence (new ones included), in ``[0, S]``.
     mesh: a `jax.sharding.Mesh` (e.g. `jax.make_mesh`) with Explicit or Auto axes, or a
       `jax.sharding.AbstractMesh` of the target devices to `jax.export` for another
@@ -105,6 +107,11 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
   columns ``[d*n/n_s, (d+1)*n/n_s)`` (tokens of sequence shard d) must name pages of pool
   shard d, ``[d*P/n_s, (d+1)*P/n_s)`` (checked when the table is concrete). The pool is
   replicated over ``batch_axis`` (sequences of every batch shard may use any page).
+
+  Token-major caches (``kv_layout="NHD"``: ``[B, S, Hkv, D]``, pools ``[P, page_size, Hkv, D]``)
+  are split on the same logical axes (kv heads, tokens or pages, sequences); their
+  scales, offsets and ``k_rope`` follow them, and each device calls `flash_decode` with
+  the same ``kv_layout`` on its share.
   """
   _check_roles(mesh, head_axis=head_axis, seq_axis=seq_axis, batch_axis=batch_axis,
                kv_offset=flash_decode_kwargs.get("kv_offset"))
@@ -114,15 +121,14 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
                          for n, x in flash_decode_kwargs.items()}
   _flash_decode_checks(q, k, v, lengths, flash_decode_kwargs)
   tables = flash_decode_kwargs.get("block_tables")
-  if tables is None:
-    b, hkv, s, _ = k.shape
-    pool_pages = None
-  else:
-    b, (hkv, pool_pages, page_size, _) = q.shape[0], k.shape
-    s = np.shape(tables)[1] * page_size
-  plan = _plan(q.shape, (b, hkv, s), mesh=mesh, head_axis=head_axis, seq_axis=seq_axis,
+  kv_layout = flash_decode_kwargs.get("kv_layout", "HND")  # checked by flash_decode above
+  paged = tables is not None
+  hkv, s = kv_heads(k.shape, kv_layout, paged), capacity(k.shape, kv_layout, tables)
+  pool_pages = k.shape[token_axis(kv_layout) - 1] if paged else None
+  plan = _plan(q.shape, (q.shape[0], hkv, s), mesh=mesh, head_axis=head_axis, seq_axis=seq_axis,
                batch_axis=batch_axis, pool_pages=pool_pages,
-               table_cols=0 if tables is None else np.shape(tables)[1], shapes_of=(q, k))
+               table_cols=0 if tables is None else np.shape(tables)[1], shapes_of=(q, k),
+               kv_layout=kv_layout)
   if tables is not None:
     _check_page_ownership(tables, lengths, pool_pages, plan)
 
@@ -185,7 +191,7 @@ def _check_roles(mesh, *, head_axis, seq_axis, batch_axis, kv_offset) -> None:
 def _build(mesh, plan, single_token, static_kwargs, array_specs):
   """The jitted step: reshard the inputs, then shard_map `_local_decode` over the mesh."""
   q_spec = plan.q_spec(single_token)
-  k_spec = P(plan.kv_head, plan.seq, None, None) if plan.paged else P(plan.batch, plan.kv_head, plan.seq, None)
+  k_spec = P(*plan.cache_axes())
   array_specs = dict(array_specs)
   in_specs = (q_spec, k_spec, k_spec, P(plan.batch), array_specs)
   out_specs = (q_spec, P(*q_spec[:-1]))
@@ -223,13 +229,27 @@ class _Plan:
   kv_replicas: int  # devices sharing one kv head (1: the kv heads are split)
   paged: bool = False
   pages_per_shard: int = 0  # paged: P / n_s pool pages per sequence shard
+  kv_layout: str = "HND"    # the caches' layout (`fdecode.cache.layout`)
 
   def q_spec(self, single_token):
     return P(self.batch, self.head, None) if single_token else P(self.batch, None, self.head, None)
 
+  def cache_axes(self) -> tuple:
+    """PartitionSpec entries of a cache-shaped array in ``kv_layout``: kv heads over the
+    head axis, tokens (paged: pool pages) over the seq axis, contiguous rows over the batch
+    axis (a pool is replicated over it)."""
+    if self.kv_layout == "NHD":
+      return (self.seq, None, self.kv_head, None) if self.paged else (self.batch, self.seq, self.kv_head, None)
+    return (self.kv_head, self.seq, None, None) if self.paged else (self.batch, self.kv_head, self.seq, None)
+
+  @property
+  def head_dim_axis(self) -> int:
+    """The kv-head axis of a cache-shaped array."""
+    return kv_head_axis(self.kv_layout, self.paged)
+
 
 def _plan(q_shape, bhs, *, mesh, head_axis, seq_axis, batch_axis, pool_pages=None,
-          table_cols=0, shapes_of=()) -> _Plan:
+          table_cols=0, shapes_of=(), kv_layout="HND") -> _Plan:
   """bhs: (B, Hkv, S); pool_pages, table_cols: P and n for a paged cache (else None, 0)."""
   b, hkv, s = bhs
   hq = q_shape[-2]
@@ -274,7 +294,8 @@ def _plan(q_shape, bhs, *, mesh, head_axis, seq_axis, batch_axis, pool_pages=Non
                seq=entry(roles["seq_axis"]), seq_size=size["seq_axis"],
                chunk=s // size["seq_axis"], kv_replicas=kv_replicas,
                paged=pool_pages is not None,
-               pages_per_shard=0 if pool_pages is None else pool_pages // size["seq_axis"])
+               pages_per_shard=0 if pool_pages is None else pool_pages // size["seq_axis"],
+               kv_layout=kv_layout)
 
 
 def _local_decode(q, k, v, lengths, arrays, *, plan, single_token, kwargs):
@@ -293,7 +314,7 @@ def _merged_decode(q, k, v, lengths, *, plan, single_token, kwargs):
   if plan.kv_replicas > 1:
     # k/v hold every kv head; this device's query heads belong to one of them.
     kv_head = jax.lax.axis_index(plan.head) // plan.kv_replicas
-    head_dim_axis = 0 if plan.paged else 1
+    head_dim_axis = plan.head_dim_axis
     one_head = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, kv_head, 1, axis=axis)
     k = one_head(k, head_dim_axis)
     v = None if v is None else one_head(v, head_dim_axis)
@@ -366,8 +387,7 @@ def _array_spec(name, x, plan, single_token):
     return P(*spec)
   if name not in _CACHE_LIKE:
     return P()
-  axes = (plan.kv_head, plan.seq, None) if plan.paged else (plan.batch, plan.kv_head, plan.seq)
-  return P(*(axis if size > 1 else None for axis, size in zip(axes, x.shape[:3])), None)
+  return P(*(axis if size > 1 else None for axis, size in zip(plan.cache_axes()[:3], x.shape[:3])), None)
 
 
 def _names(axis, role: str = "mesh axis") -> tuple:

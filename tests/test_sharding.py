@@ -248,3 +248,56 @@ def test_paged_seq_axis_page_ownership_error():
   with pytest.raises(ValueError, match=r"block_tables\[0, 2\] = 2 must be a page of pool shard 1"):
     fdecode.sharded_flash_decode(q, kp, kp, jnp.array([16, 16]), mesh=_mesh((2,), ("s",)), seq_axis="s",
                                  block_tables=table)
+
+
+def _token_major(x, paged):
+  """A head-major cache-shaped array -> the token-major layout (kv_layout="NHD")."""
+  return x.transpose(1, 2, 0, 3) if paged else x.swapaxes(1, 2)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("roles,shape,names", [
+    (dict(batch_axis="b", head_axis="h", seq_axis="s"), (2, 2, 2), ("b", "h", "s")),
+    (dict(head_axis="h"), (8,), ("h",)),  # kv heads replicated: each device slices its kv head
+], ids=["b-h-s", "h8-replicated"])
+def test_token_major_caches_split_on_the_same_logical_axes(paged, roles, shape, names):
+  """kv_layout="NHD": the cache, its per-token int8 scales and the table split on kv heads,
+  tokens / pages and sequences; the result is bit-identical to the head-major call and
+  matches single-device flash_decode."""
+  from fdecode.quant import quantize
+  page_size, b, hkv, s, d = 4, 2, 2, 32, 16
+  q, k, v = make_problem(12, b=b, t=3, hq=8, hkv=hkv, s=s, dk=d)
+  kq, ks = quantize(k, jnp.int8)
+  lengths = jnp.array([32, 13], jnp.int32)
+  v_contiguous = v
+  mesh = _mesh(shape, names)
+  kw = dict(mesh=mesh, impl="xla", return_lse=True, **roles)
+  if paged:
+    n_s = dict(zip(names, shape)).get(roles.get("seq_axis"), 1)
+    table = _paged_shards(k, n_s, page_size, seed=1)
+    inv = np.argsort(table.reshape(-1))
+    to_pool = lambda x: x.reshape(b, hkv, s // page_size, page_size, x.shape[-1]).transpose(
+        1, 0, 2, 3, 4).reshape(hkv, -1, page_size, x.shape[-1])[:, inv]
+    kq, ks, v = to_pool(kq), to_pool(ks), to_pool(v)
+    kw["block_tables"] = table
+  head_major = fdecode.sharded_flash_decode(q, kq, v, lengths, k_scale=ks, **kw)
+  token_major = fdecode.sharded_flash_decode(
+      q, _token_major(kq, paged), _token_major(v, paged), lengths, k_scale=_token_major(ks, paged),
+      kv_layout="NHD", **kw)
+  for got, want in zip(token_major, head_major):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  k8, k8_scale = quantize(k, jnp.int8)
+  single = fdecode.flash_decode(q, k8, v_contiguous, lengths, k_scale=k8_scale, impl="xla", return_lse=True)
+  assert_close(token_major[0], single[0], atol=3e-5, rtol=3e-5)
+  assert_close(token_major[1], single[1], atol=3e-5, rtol=3e-5)
+
+
+def test_token_major_layout_errors():
+  q, k, v = make_problem(13, b=2, t=None, hq=4, hkv=2, s=16, dk=16)
+  mesh = _mesh((2,), ("h",))
+  with pytest.raises(ValueError, match="kv_layout must be one of"):
+    fdecode.sharded_flash_decode(q, k, v, jnp.array([16, 3]), mesh=mesh, head_axis="h", kv_layout="BSHD")
+  q, k, v = make_problem(13, b=2, t=None, hq=2, hkv=2, s=16, dk=16)
+  with pytest.raises(ValueError, match=r"head_axis of size 4 must divide Hkv=2"):  # Hkv from axis 2, not S
+    fdecode.sharded_flash_decode(q, k.swapaxes(1, 2), v.swapaxes(1, 2), jnp.array([16, 3]),
+                                 mesh=_mesh((4,), ("h",)), head_axis="h", kv_layout="NHD")

@@ -11,15 +11,17 @@ layout            contiguous              paged pool
 Scales, offsets and ``k_rope`` follow their cache's layout (scales with the last axis
 replaced by ``n_tiles``; leading axes of size 1 broadcast).
 
-The attention paths take head-major arrays: `head_major` is the one conversion. It is a
-transpose, which XLA folds into the consumer where it can (the einsums of the XLA path);
-the Pallas kernels read the converted copy (in-place token-major kernels are open work,
-see benchmarks/RESULTS.md). Cache *writes* (`fdecode.ragged`) go to the caller's layout in
-place.
+The Triton kernel reads a token-major cache in place (its block specs take a kv head's
+rows at the cache's own strides). The other paths take head-major arrays: `head_major`
+is the one conversion, a transpose inside the same jit-compiled program, which XLA folds
+into the consumer where it can (the einsums of the XLA path); the Mosaic kernel reads
+the converted copy (an in-place Mosaic kernel is open work, see benchmarks/RESULTS.md).
+Cache *writes* (`fdecode.ragged`) go to the caller's layout in place.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -39,8 +41,10 @@ def head_major(x, kv_layout: str, paged: bool):
   head-major layout; scalars and None pass through."""
   if x is None or kv_layout == "HND" or np.ndim(x) != 4:
     return x
-  x = jnp.asarray(x)
-  return x.transpose(2, 0, 1, 3) if paged else x.swapaxes(1, 2)
+  perm = (2, 0, 1, 3) if paged else (0, 2, 1, 3)
+  if isinstance(x, jax.ShapeDtypeStruct):  # a shape-only view (for checks)
+    return jax.ShapeDtypeStruct(tuple(x.shape[i] for i in perm), x.dtype)
+  return jnp.asarray(x).transpose(perm)
 
 
 def token_axis(kv_layout: str) -> int:
@@ -56,11 +60,16 @@ def capacity(k_shape, kv_layout: str, block_tables=None) -> int:
   return tokens if block_tables is None else block_tables.shape[1] * tokens
 
 
+def kv_head_axis(kv_layout: str, paged: bool) -> int:
+  """The kv-head axis of a rank-4 cache-shaped array in ``kv_layout``."""
+  if kv_layout == "NHD":
+    return 2
+  return 0 if paged else 1
+
+
 def kv_heads(k_shape, kv_layout: str, paged: bool) -> int:
   """Hkv of a cache of shape ``k_shape`` (rank 4) in ``kv_layout``."""
-  if kv_layout == "NHD":
-    return k_shape[2]
-  return k_shape[0] if paged else k_shape[1]
+  return k_shape[kv_head_axis(kv_layout, paged)]
 
 
 def shape_names(kv_layout: str, paged: bool, d: str = "D") -> str:

@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 
 from fdecode import chips
 from fdecode import config as config_lib
+from fdecode.cache.layout import kv_heads, token_axis
 from fdecode.kernels import block as blk
 from fdecode.kernels.xla import window_tokens
 from fdecode.modifiers import Modifiers, window_start
@@ -360,7 +361,7 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
                     block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
                     mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None,
                     v_head_dim=None, k_rope=None, indices=None, index_bounds=None,
-                    sparse: Sparse | None = None):
+                    sparse: Sparse | None = None, kv_layout: str = "HND"):
   """Per-split partial states from the Triton kernel (``interpret``: Pallas' interpreter).
 
   Args:
@@ -371,6 +372,10 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
       ``v`` None (MLA): the values are ``k[..., :v_head_dim]``, taken from the loaded key
       pieces (each cache byte is read once for both).
     k_rope: optional key-only columns laid out like k (float), after k's own.
+    kv_layout: the layout of k, v and k_rope: ``"HND"`` (above) or ``"NHD"`` (token-major
+      ``[B, S, Hkv, D]`` / ``[P, page_size, Hkv, D]``), read in place: a program's block
+      spec takes its kv head's rows at the cache's own strides, so the kernel body is the
+      same for both. Scales and offsets are head-major in either case (they are small).
     indices, index_bounds, sparse: a sparse call's canonical index lists ``[B', Hi, K]``,
       their live slots ``[B', Hi, 2]`` and `fdecode.sparse.Sparse` (row b' reads
       contiguous cache row ``b' // sparse.fold``); blocks are then ``block_k`` slots of
@@ -431,7 +436,7 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     # more 32-bit words (its integer fields and the float built from them: at 4 bytes,
     # ptxas spilled 8 B of the A100 e4m3 tile-scale kernel).
     convert_bytes = (raw_bytes + 4 if quantized or raw_bytes != compute_bytes else 0) + (8 if any(fp8_bits) else 0)
-    if paged and k.shape[2] < _MIN_DOT:
+    if paged and k.shape[token_axis(kv_layout)] < _MIN_DOT:
       # Pages smaller than a dot tile: the rows' addresses come through the table, not an
       # affine range, so a 64-bit pointer is held per loaded element (f32 page size 1
       # spilled 308 B at 255 registers without this).
@@ -439,21 +444,25 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     launch = launch_plan(gpu, block_r=block_r, dq=dq, dv=dv, cols=cols, raw_bytes=raw_bytes,
                          compute_bytes=compute_bytes, block_k=block_k, convert_bytes=convert_bytes)
   bk = launch.block
+  ax = token_axis(kv_layout)
   if paged:
-    hkv_pool, num_pages, page_size, _ = k.shape
+    num_pages, page_size = k.shape[ax - 1], k.shape[ax]
+    hkv_pool = kv_heads(k.shape, kv_layout, True)
     table_len = block_tables.shape[1]
     seq_len = table_len * page_size
     rows = num_pages * page_size
-    flat = lambda x: None if x is None else x.reshape(hkv_pool, rows, x.shape[-1])  # free: merges axes
+    # Free reshapes merging (page, slot) into one row axis: [Hkv, rows, D] or [rows, Hkv, D].
+    lead = (rows, hkv_pool) if kv_layout == "NHD" else (hkv_pool, rows)
+    flat = lambda x: None if x is None else x.reshape(lead + (x.shape[-1],))
     k, v, k_rope = flat(k), flat(v), flat(k_rope)
   else:
     num_pages = page_size = table_len = 0
-    seq_len = k.shape[2]
+    seq_len = k.shape[ax]
     if seq_len < bk:  # a cache shorter than one block: pad it (cheap: < bk tokens)
-      pad = [(0, 0), (0, 0), (0, bk - seq_len), (0, 0)]
-      k, v, k_rope = (None if x is None else jnp.pad(x, pad) for x in (k, v, k_rope))
-      quant_arrays = tuple(a if a is None or a.shape[2] == 1 else jnp.pad(a, pad) for a in quant_arrays)
-    rows = k.shape[2]
+      pad = lambda axis: [(0, bk - seq_len) if i == axis else (0, 0) for i in range(4)]
+      k, v, k_rope = (None if x is None else jnp.pad(x, pad(ax)) for x in (k, v, k_rope))
+      quant_arrays = tuple(a if a is None or a.shape[2] == 1 else jnp.pad(a, pad(2)) for a in quant_arrays)
+    rows = k.shape[ax]
   if rows_p != r:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, rows_p - r), (0, 0)])
   num_blocks = pl.cdiv(max(seq_len, 1), bk)
@@ -474,7 +483,12 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   if paged:
     operands.append(block_tables.astype(jnp.int32))
     in_specs.append(pl.BlockSpec((None, table_len), lambda i, h, j: (i, 0)))
-    cache_spec = lambda d: pl.BlockSpec((None, rows, d), lambda i, h, j: (h, 0, 0))
+    if kv_layout == "NHD":
+      cache_spec = lambda d: pl.BlockSpec((rows, None, d), lambda i, h, j: (0, h, 0))
+    else:
+      cache_spec = lambda d: pl.BlockSpec((None, rows, d), lambda i, h, j: (h, 0, 0))
+  elif kv_layout == "NHD":
+    cache_spec = lambda d: pl.BlockSpec((None, rows, None, d), lambda i, h, j: (i // fold, 0, h, 0))
   else:
     cache_spec = lambda d: pl.BlockSpec((None, None, rows, d), lambda i, h, j: (i // fold, h, 0, 0))
   if sparse is not None:

@@ -28,7 +28,7 @@ def case(name):
 
 
 def _contiguous(target, *, dk, dv=None, dtype=jnp.bfloat16, g=4, t=1, s=S, b=B, hkv=HKV,
-                quant=None, paged=None, **static):
+                quant=None, paged=None, kv_layout="HND", **static):
   """flash_decode over a contiguous or paged (``paged`` = page size) cache.
 
   ``quant``: None, or (scale granularity, with offsets): "tensor" | "token" | "tiles"."""
@@ -41,10 +41,12 @@ def _contiguous(target, *, dk, dv=None, dtype=jnp.bfloat16, g=4, t=1, s=S, b=B, 
   if paged:
     n = -(-s // paged)
     pages = b * n + 3
-    lead = (hkv, pages, paged)
+    lead = (hkv, pages, paged) if kv_layout == "HND" else (pages, paged, hkv)
     opts["block_tables"] = sd((b, n), jnp.int32)
   else:
-    lead = (b, hkv, s)
+    lead = (b, hkv, s) if kv_layout == "HND" else (b, s, hkv)
+  if kv_layout != "HND":
+    static = dict(static, kv_layout=kv_layout)
   k, v = sd(lead + (dk,), dtype), sd(lead + (dv,), dtype)
   if is8:
     gran, offsets = quant or ("token", False)
@@ -85,6 +87,12 @@ CASES["paged64-float8_e4m3fn-tiles"] = functools.partial(_contiguous, dk=128, dt
 CASES["t4-f32-d128"] = functools.partial(_contiguous, dk=128, dtype=jnp.float32, t=4)
 CASES["t8-bf16-d128-g8"] = functools.partial(_contiguous, dk=128, t=8, g=8)
 CASES["t8-bf16-d256-g8-paged16"] = functools.partial(_contiguous, dk=256, t=8, g=8, paged=16)
+# Token-major caches: the Triton kernel reads them in place (no cache-sized copy).
+CASES["nhd-bf16-d128"] = functools.partial(_contiguous, dk=128, kv_layout="NHD")
+CASES["nhd-paged16-int8-token"] = functools.partial(_contiguous, dk=128, dtype=jnp.int8, paged=16,
+                                                    kv_layout="NHD")
+CASES["nhd-paged1-f32-d128-t4"] = functools.partial(_contiguous, dk=128, dtype=jnp.float32, paged=1, t=4,
+                                                    kv_layout="NHD")
 
 
 def _modifier(target, which, paged=None, s=S):

@@ -6,7 +6,8 @@ Run by ``scripts/compile_tier`` (and so by ``scripts/test`` and CI) in ``.venv-c
 the CPU tier skips this folder. Asserts, per case and chip: it compiles; on GPU every
 fdecode kernel has no register spills (``ptxas -v``) and fits the chip's shared memory;
 the benchmark shapes launch at least one full wave (programs >= SMs x programs resident
-per SM, from the compiled kernel's registers, threads and shared memory); and on TPU the
+per SM, from the compiled kernel's registers, threads and shared memory); token-major
+caches are read in place on GPU (no cache-sized transpose or copy); and on TPU the
 compiled decode's ``cost_analysis()`` counts the KV bytes within 10%.
 """
 
@@ -78,6 +79,29 @@ def test_benchmark_shapes_fill_a_wave(reports, target, name):
   assert report["ok"], report.get("error")
   for k in report["kernels"]:
     assert waves(chips.GPUS[target], k) >= 1, f"{name} on {target}: {k['grid']} fills {waves(chips.GPUS[target], k):.2f} waves"
+
+
+# One K cache of the token-major cases (cases.py: B=2, Hkv=2, S=4096, D=128; pools hold
+# B * S / page_size + 3 pages; ragged: 16 sequences).
+TOKEN_MAJOR_K_BYTES = {
+    "nhd-bf16-d128": 2 * 4096 * 2 * 128 * 2,
+    "nhd-paged16-int8-token": (2 * 256 + 3) * 16 * 2 * 128 * 1,
+    "nhd-paged1-f32-d128-t4": (2 * 4096 + 3) * 1 * 2 * 128 * 4,
+    "ragged-nhd-paged16": (16 * 256 + 3) * 16 * 2 * 128 * 2,
+}
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])
+@pytest.mark.parametrize("name", list(TOKEN_MAJOR_K_BYTES))
+def test_gpu_reads_token_major_caches_in_place(reports, target, name):
+  """The Triton kernel reads a token-major cache at its own strides: the compiled program
+  transposes or copies nothing near a cache's size (only queries, scales, partial states;
+  a head-major copy of the pool measured 33.6 MB in ragged-nhd-paged16 before)."""
+  report = reports[target][name]
+  assert report["ok"], report.get("error")
+  assert report["largest_copy_bytes"] < TOKEN_MAJOR_K_BYTES[name] / 8, (
+      f"{name} on {target}: a {report['largest_copy_bytes']} B copy next to a "
+      f"{TOKEN_MAJOR_K_BYTES[name]} B cache")
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.TPUS])
