@@ -312,3 +312,34 @@ def test_decode_attention_paged_cache_matches_contiguous(page_size, dtype):
       layer.block_tables.set_value(jnp.asarray(perm))
     outs.append(_decode_steps(layer, prompts, lens, steps=3))
   assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared-mask", "per-head-mask"])
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_attention_fn_kernel_branch_matches_cpu_branch(impl, per_head):
+  """attention_fn's GPU / TPU branch (flash_decode on the token-major cache, run here by
+  the XLA path and the interpreted Triton kernel, which reads it in place) == its CPU
+  branch (token_major_decode), with inf / NaN in the hidden slots of both."""
+  from fdecode.flax.token_major import kernel_decode
+  b, hq, hkv, length, d = 3, 8, 2, 40, 16
+  rng = np.random.default_rng(6)
+  q = rng.standard_normal((b, hq, d), np.float32)
+  k = rng.standard_normal((b, length, hkv, d), np.float32)
+  v = rng.standard_normal((b, length, hkv, d), np.float32)
+  mask = rng.random((b, hq if per_head else 1, length)) < 0.5
+  mask[0] = False  # a row that sees nothing: 0 on both
+  hidden = ~mask.any(axis=1)  # [B, L] slots no head sees
+  k[hidden], v[hidden] = np.nan, np.inf
+  cpu = jax.jit(fflax.token_major_decode)(q, k, v, mask)
+  chip = kernel_decode(q, k, v, mask, impl=impl, interpret=True if impl == "pallas" else None, block_k=16)
+  assert_close(chip, cpu, atol=F32["atol"], rtol=F32["rtol"])
+  np.testing.assert_array_equal(np.asarray(cpu[0]), 0.0)
+  # A visible NaN reaches exactly the rows that see it.
+  rows_seeing = mask[1, :, 3] if per_head else np.ones(hq, bool)
+  mask[1, :, 3] |= not per_head
+  k[1, 3, :, 0] = np.nan
+  cpu = jax.jit(fflax.token_major_decode)(q, k, v, mask)
+  chip = kernel_decode(q, k, v, mask, impl=impl, interpret=True if impl == "pallas" else None, block_k=16)
+  for got in (cpu, chip):
+    np.testing.assert_array_equal(np.isnan(np.asarray(got[1])).any(-1), rows_seeing)
+    assert np.isfinite(np.asarray(got[2])).all()

@@ -10,9 +10,10 @@ Two entry points, for two cache layouts:
   ``flax.linen.MultiHeadDotProductAttention(attention_fn=...)``. Flax owns the cache
   there, token-major ``[B, L, Hkv, D]``, with one shared ``cache_index`` for the whole
   batch and a boolean ``[B, 1, 1, L]`` mask. Decode steps run a split-KV FlashDecode
-  pass that reads that token-major cache in place (no per-step transpose of the cache)
-  and honours the mask exactly, so masks with holes (left padding, packed prompts) are
-  correct too. Everything else (prefill, training, dropout, bias, sown weights) goes to
+  pass that honours the mask exactly, so masks with holes (left padding, packed prompts)
+  are correct too: on GPU and TPU `fdecode.flash_decode` with ``kv_layout="NHD"`` (the
+  Pallas kernels; Triton reads the token-major cache in place, Mosaic a head-major
+  copy), on CPU `token_major_decode` (in place, XLA). Everything else (prefill, training, dropout, bias, sown weights) goes to
   Flax's own ``dot_product_attention`` unchanged.
 * `DecodeAttention` owns its cache, head-major ``[B, Hkv, S, D]`` with per-sequence
   lengths (continuous batching), and attends with `fdecode.flash_decode` directly, so it

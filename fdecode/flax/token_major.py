@@ -6,14 +6,16 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+from jax import lax
 from flax import linen
 from flax import nnx
 
 from fdecode import config as config_lib
+from fdecode.api import flash_decode
 from fdecode.combine import MASK_VALUE, finalize_state, merge_states
 from fdecode.validation import static_int, static_scale
 
-__all__ = ["attention_fn", "token_major_decode"]
+__all__ = ["attention_fn", "decode_token_major", "token_major_decode"]
 
 
 def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
@@ -22,7 +24,8 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
   """Drop-in ``attention_fn`` for Flax attention modules, FlashDecode on decode steps.
 
   Same signature and result as ``flax.nnx.dot_product_attention``. A call is a decode
-  step, and runs `token_major_decode`, when all of these hold (each is static, so the
+  step, and runs `decode_token_major` (`token_major_decode` on CPU, the Pallas kernels
+  on GPU and TPU), when all of these hold (each is static, so the
   choice is made at trace time): the query length is 1, a ``mask`` is given whose query
   axis is 1 and whose head axis is 1 or Hq, there is no ``bias``, no active dropout
   (``dropout_rate == 0`` or ``deterministic``), no ``module`` to sow weights into and no
@@ -71,8 +74,29 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
   v = value.reshape(b, length, hkv, value.shape[-1])
   hm = mask.shape[-3]
   m = jnp.broadcast_to(mask, (*batch, hm, 1, length)).reshape(b, hm, length).astype(jnp.bool_)
-  out = token_major_decode(q, k, v, m, num_splits=num_splits)
+  out = decode_token_major(q, k, v, m, num_splits=num_splits)
   return out.reshape(*batch, 1, hq, out.shape[-1]).astype(out_dtype)
+
+
+def decode_token_major(q, k, v, mask, *, num_splits=None):
+  """One new token per sequence over a token-major cache ``[B, L, Hkv, D]`` with a mask
+  ``[B, 1|Hq, L]`` (True = visible), by the platform lowered for: on CPU
+  `token_major_decode` (in place, the fastest XLA:CPU form measured); on GPU and TPU
+  `fdecode.flash_decode` with ``kv_layout="NHD"``, i.e. the Pallas kernels (Triton reads
+  the cache in place; Mosaic a head-major view). Returns ``[B, Hq, Dv]`` in q's dtype."""
+  on_cpu = lambda: token_major_decode(q, k, v, mask, num_splits=num_splits)
+  on_chip = lambda: kernel_decode(q, k, v, mask, num_splits=num_splits)
+  return lax.platform_dependent(cpu=on_cpu, default=on_chip)
+
+
+def kernel_decode(q, k, v, mask, **flash_decode_kwargs):
+  """`decode_token_major`'s GPU / TPU branch: `fdecode.flash_decode` on the token-major
+  cache with the mask as its ``mask`` (``[B, S]`` or ``[B, T=1, Hq, S]``) and every
+  cache slot counted (the mask alone decides visibility, as in Flax)."""
+  b, length = k.shape[0], k.shape[1]
+  kernel_mask = mask[:, 0] if mask.shape[1] == 1 else mask[:, None]
+  return flash_decode(q, k, v, jnp.full((b,), length, jnp.int32), mask=kernel_mask, kv_layout="NHD",
+                      **flash_decode_kwargs)
 
 
 def _is_decode_step(query, key, value, bias, mask, dropout_rate, deterministic, module,
@@ -167,7 +191,20 @@ def token_major_decode(q, k, v, mask, *, softmax_scale=None, num_splits=None,
   mx = jnp.max(scores, axis=2)  # [B, n, Hkv, G]
   p = jnp.where(valid, jnp.exp(scores - mx[:, :, None]), 0.0)
   l = jnp.sum(p, axis=2)
-  acc = jnp.sum(p[..., None] * vc, axis=2)  # [B, n, Hkv, G, Dv] float32
-  o, lse = merge_states(*finalize_state(acc, mx, l), axis=1)  # [B, Hkv, G, Dv], [B, Hkv, G]
+
+  def states(select):  # -> [B, Hkv, G, Dv], [B, Hkv, G]
+    contrib = p[..., None] * vc
+    if select:  # hidden slots selected away, never multiplied by 0: they may hold inf / NaN
+      contrib = jnp.where(valid[..., None], contrib, 0.0)
+    acc = jnp.sum(contrib, axis=2)  # [B, n, Hkv, G, Dv] float32
+    return merge_states(*finalize_state(acc, mx, l), axis=1)
+
+  # A hidden finite value meets p = 0 exactly (an exact 0 in the sum); a hidden inf / NaN
+  # makes its row non-finite. So the select-free result stands when every non-empty row
+  # is finite, and is recomputed with the select otherwise (as `fdecode.kernels.xla`
+  # does: always selecting measured 9x slower here, 74 vs 8 ms in bench_flax.py).
+  o, lse = states(False)
+  clean = jnp.all(jnp.isfinite(o) | jnp.isneginf(lse)[..., None])
+  o, lse = lax.cond(clean, lambda: (o, lse), lambda: states(True))
   out = o.reshape(b, hq, dv).astype(q.dtype)
   return (out, lse.reshape(b, hq)) if return_lse else out

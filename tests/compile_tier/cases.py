@@ -312,3 +312,20 @@ def _bench(target, b, hkv, hq, s, paged=None):
 
 for _n, (_b, _hkv, _hq, _s) in BENCH.items():
   CASES[_n] = functools.partial(_bench, b=_b, hkv=_hkv, hq=_hq, s=_s)
+
+
+@case("flax-mha-attention-fn")
+def _flax_mha(target):
+  """A Flax nnx.MultiHeadAttention decode step with fdecode.flax.attention_fn on its
+  token-major cache [B, S, H, D]: the Pallas kernel on GPU and TPU (Triton in place)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from fdecode.flax import attention_fn  # pylint: disable=g-import-not-at-top
+  features = 1024
+
+  def step(x):
+    mha = nnx.MultiHeadAttention(num_heads=8, in_features=features, qkv_features=features, decode=True,
+                                 attention_fn=attention_fn, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                                 rngs=nnx.Rngs(0))
+    mha.init_cache((B, S, features), dtype=jnp.bfloat16)
+    return mha(x)
+  return step, (target.spec((B, 1, features), jnp.bfloat16),)

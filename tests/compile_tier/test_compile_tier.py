@@ -88,6 +88,7 @@ TOKEN_MAJOR_K_BYTES = {
     "nhd-paged16-int8-token": (2 * 256 + 3) * 16 * 2 * 128 * 1,
     "nhd-paged1-f32-d128-t4": (2 * 4096 + 3) * 1 * 2 * 128 * 4,
     "ragged-nhd-paged16": (16 * 256 + 3) * 16 * 2 * 128 * 2,
+    "flax-mha-attention-fn": 2 * 4096 * 8 * 128 * 2,  # Flax's own cache, 8 heads
 }
 
 
