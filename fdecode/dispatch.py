@@ -105,7 +105,7 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
 
   # Each path yields per-split states, merged in-branch (the branches' split counts differ).
   merged = lambda states: merge_states(*states, axis=2)  # [B, Hkv, R, Dv], [B, Hkv, R]
-  xla = lambda platform: merged(_xla(q_rows, k, v, ends, platform=platform, **kw))
+  xla = lambda platform: merged(_xla(q_rows, k, v, ends, platform=platform, token_major=token_major, **kw))
   triton = lambda platform, interp: merged(
       _triton(q_rows, k, v, ends, platform=platform, interpret=interp, token_major=token_major, **kw))
   mosaic = lambda interp: merged(_mosaic(q_rows, k, v, ends, interpret=interp, **kw))
@@ -140,7 +140,9 @@ def seq_capacity(k, block_tables):
   return k.shape[2] if block_tables is None else block_tables.shape[1] * k.shape[2]
 
 
-def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, **cache):
+def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, token_major=None, **cache):
+  """The XLA path; token-major caches (``token_major``: k, v, k_rope as stored) go to
+  `fdecode.kernels.xla.xla_partials` as they are (a pool is read in place, chunk by chunk)."""
   b, hkv = q_rows.shape[:2]
   tables = cache["block_tables"]
   if "sparse" in cache:  # the K selected tokens, in chunks of about XLA_CHUNK_TOKENS
@@ -150,8 +152,11 @@ def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
                            num_splits=splits, mods=mods, **cache)
   s = window_tokens(seq_capacity(k, tables), num_tokens, mods, None if tables is None else k.shape[2])
   splits = cfg.num_splits or _xla_default_splits(b, hkv, s, cache, platform)
+  layout = "HND"
+  if token_major is not None:
+    (k, v, cache["k_rope"]), layout = token_major, "NHD"
   return xla_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                      num_splits=splits, mods=mods, **cache)
+                      num_splits=splits, mods=mods, kv_layout=layout, **cache)
 
 
 def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, interpret, token_major,

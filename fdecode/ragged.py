@@ -249,7 +249,7 @@ def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_
   if new_k is not None:
     k, v = _write(k, v, new_k, new_v, tables, seq, pos, kv_layout=kv_layout)
 
-  # The caches in the caller's layout: flash_decode reads token-major ones in place on GPU.
+  # The caches in the caller's layout: flash_decode reads token-major ones in place (`fdecode.cache.layout`).
   caches = dict(k=k, v=v, **{n: arrays.get(n) for n in ("k_rope", "k_scale", "v_scale", "k_offset", "v_offset")})
   hq = q.shape[1]
   dv = opts.get("v_head_dim") if v is None else caches["v"].shape[-1]

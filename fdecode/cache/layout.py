@@ -12,11 +12,13 @@ Scales, offsets and ``k_rope`` follow their cache's layout (scales with the last
 replaced by ``n_tiles``; leading axes of size 1 broadcast).
 
 The Triton kernel reads a token-major cache in place (its block specs take a kv head's
-rows at the cache's own strides). The other paths take head-major arrays: `head_major`
-is the one conversion, a transpose inside the same jit-compiled program, which XLA folds
-into the consumer where it can (the einsums of the XLA path); the Mosaic kernel reads
-the converted copy (an in-place Mosaic kernel is open work, see benchmarks/RESULTS.md).
-Cache *writes* (`fdecode.ragged`) go to the caller's layout in place.
+rows at the cache's own strides), and so does the XLA path for a paged pool (each
+chunk's pages are gathered, then only those rows transposed). The other paths take
+head-major arrays: `head_major` is the one conversion, a transpose inside the same
+jit-compiled program; the Mosaic kernel, the XLA path on a contiguous cache and the
+reference read the converted copy (an in-place Mosaic kernel is open work, see
+benchmarks/RESULTS.md). Cache *writes* (`fdecode.ragged`) go to the caller's layout in
+place.
 """
 
 from __future__ import annotations

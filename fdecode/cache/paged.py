@@ -21,6 +21,15 @@ def gather_pages_head_major(pages, block_tables):
   return jnp.take(pages, ids, axis=1).reshape(hkv, b, n * ps, d)
 
 
+def gather_token_major_pages(pages, block_tables):
+  """Token-major ``[P, ps, Hkv, D]`` pages + ``[B, n]`` table -> ``[Hkv, B, n*ps, D]``, as
+  `gather_pages_head_major` gives: only the gathered rows are transposed, never the pool."""
+  num_pages, ps, hkv, d = pages.shape
+  b, n = block_tables.shape
+  ids = jnp.clip(block_tables, 0, num_pages - 1)
+  return jnp.take(pages, ids, axis=0).reshape(b, n * ps, hkv, d).transpose(2, 0, 1, 3)
+
+
 def gather_pages(pages, block_tables):
   """``[Hkv, P, ps, D]`` pages + ``[B, n]`` table -> contiguous ``[B, Hkv, n*ps, D]`` (a copy)."""
   return gather_pages_head_major(pages, block_tables).transpose(1, 0, 2, 3)

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fdecode.cache.paged import gather_pages_head_major, gather_scale_head_major
+from fdecode.cache.layout import capacity, head_major, token_axis
+from fdecode.cache.paged import gather_pages_head_major, gather_scale_head_major, gather_token_major_pages
 from fdecode.combine import MASK_VALUE, finalize_state
 from fdecode.modifiers import Modifiers, row_bounds, window_start
 from fdecode.quant import dequantize
@@ -193,7 +194,7 @@ def _pad_tokens(x, total, axis=2, broadcast_ok=False):
 def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, num_splits: int,
                  block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
                  mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None, v_head_dim=None,
-                 k_rope=None):
+                 k_rope=None, kv_layout="HND"):
   """Per-split partial states.
 
   Args:
@@ -204,6 +205,10 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
       (`fdecode.quant.canonical_scale`) and optional offsets. ``v`` None: the values are
       the loaded (dequantized) ``k[..., :v_head_dim]`` (MLA).
     k_rope: optional key-only columns laid out like k (float), after k's own.
+    kv_layout: the layout of k, v and k_rope. ``"NHD"`` pools ``[P, page_size, Hkv, D]``
+      are read in place (each chunk's pages are gathered, then only those rows
+      transposed); a contiguous ``"NHD"`` cache is transposed whole first (XLA:CPU's dots
+      want the batch dims leading). Scales and offsets are head-major either way.
     ends: int32 ``[B]``: each sequence's end relative to the cache's first token.
     num_tokens: T.
     softmax_scale: multiplies the scores (in float32).
@@ -218,12 +223,16 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
   """
   b, hkv, r, _ = q_rows.shape
   paged = block_tables is not None
-  s = block_tables.shape[1] * k.shape[2] if paged else k.shape[2]
+  if kv_layout == "NHD" and not paged:
+    k, v, k_rope = (head_major(x, kv_layout, paged) for x in (k, v, k_rope))
+    kv_layout = "HND"
+  s = capacity(k.shape, kv_layout, block_tables)
   ends = ends.astype(jnp.int32)
   compute = lambda: _partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
                               num_splits=num_splits, block_tables=block_tables, k_scale=k_scale,
                               v_scale=v_scale, k_offset=k_offset, v_offset=v_offset, mods=mods,
-                              mask=mask, bias=bias, alibi=alibi, v_head_dim=v_head_dim, k_rope=k_rope)
+                              mask=mask, bias=bias, alibi=alibi, v_head_dim=v_head_dim, k_rope=k_rope,
+                              kv_layout=kv_layout)
   if mods.window is None:  # the skip costs ~7% of a plain decode on CPU (benchmarks/RESULTS.md)
     return compute()
   seen = jnp.any(window_start(ends, num_tokens, s, mods) < jnp.clip(ends, 0, s))
@@ -242,14 +251,15 @@ def _varying_like(xs, *inputs):
 
 
 def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, block_tables, k_scale,
-              v_scale, k_offset, v_offset, mods, mask, bias, alibi, v_head_dim, k_rope):
-  """`xla_partials`, computed."""
+              v_scale, k_offset, v_offset, mods, mask, bias, alibi, v_head_dim, k_rope, kv_layout):
+  """`xla_partials`, computed (a contiguous cache is head-major here)."""
   maybe = lambda f, x: None if x is None else f(x)
   n = num_splits
   b, hkv, r, _ = q_rows.shape
   paged = block_tables is not None
-  page_size = k.shape[2] if paged else None
-  s = block_tables.shape[1] * page_size if paged else k.shape[2]
+  page_size = k.shape[token_axis(kv_layout)] if paged else None
+  s = capacity(k.shape, kv_layout, block_tables)
+  gather = gather_token_major_pages if kv_layout == "NHD" else gather_pages_head_major
   geo = _Geometry(ends, num_tokens, r // num_tokens, s, mods, mask, bias, alibi)
   base = jnp.zeros((b,), jnp.int32)
   w = window_tokens(s, num_tokens, mods, page_size)
@@ -292,7 +302,7 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
 
     def load(i, x, scale, offset):  # -> [Hkv, B, C, D]: the pool's order, no transpose
       ids = lax.dynamic_slice_in_dim(tables, i * pages_per_chunk, pages_per_chunk, axis=1)
-      x = gather_pages_head_major(x, ids)
+      x = gather(x, ids)
       if scale is not None:
         sc = gather_scale_head_major(scale, ids, page_size)
         off = None if offset is None else gather_scale_head_major(offset, ids, page_size)
