@@ -11,10 +11,13 @@ How the work is split (all inside one jit-compiled program):
 * **Prefill part.** The other new tokens, in query blocks of up to ``QUERY_BLOCK`` rows
   of one sequence (aligned to the sequence's last token), each a ``T = QUERY_BLOCK``
   `flash_decode` call over that sequence's cache (its block-table row when paged, its
-  cache row when contiguous). A ``lax.while_loop`` runs only the real blocks,
-  ``sum_i ceil((q_len_i - 1) / QUERY_BLOCK)``: padding rows and dead sequences cost
-  nothing, a step with no prefill runs no block, and no work scales with
-  ``max_seqs * max(q_len)``.
+  cache row when contiguous). On the XLA path (and for contiguous caches) a
+  ``lax.while_loop`` runs only the real blocks, ``sum_i ceil((q_len_i - 1) / QUERY_BLOCK)``:
+  padding rows and dead sequences cost nothing, a step with no prefill runs no block,
+  and no work scales with ``max_seqs * max(q_len)``. With the Pallas kernels (GPU, TPU,
+  ``impl="pallas"``) a paged step's blocks go to *one* `flash_decode` call, a static
+  ``ceil(N / QUERY_BLOCK) + min(max_seqs, N // 2)`` of them (one kernel launch): blocks
+  past the real ones have kv length 0, and the kernels read nothing for them.
 
 The fused cache write (``new_k`` / ``new_v``) is one scatter per cache in the caller's
 layout, before the attention, in the same program: under ``jit(...,
@@ -276,21 +279,48 @@ def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_
   ends = jnp.cumsum(nb)
   offs = jnp.arange(tb, dtype=jnp.int32)
 
-  def block(j, carry):
-    out, lse = carry
+  def geometry(j):
+    """Block(s) ``j`` (int32 scalar or ``[J]``): sequence, rows ``[..., tb]`` (clipped for
+    the gather), kv length, and each row's destination (``n_rows``: dropped, for rows
+    before the sequence's own and for blocks past the real ones)."""
     s = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, m - 1).astype(jnp.int32)
     jj = j - (ends[s] - nb[s])
+    live = j < ends[-1]
     hi = cu[s + 1] - 1 - jj * tb  # rows [hi - tb, hi); those before cu[s] are not this sequence's
-    blk = hi - tb + offs
-    idx = jnp.clip(blk, 0, n_rows - 1)
-    seq_cache = _sequence_cache(caches, s, paged)
-    o, l = call(q[idx][None], seq_cache["k"], seq_cache["v"], (lens[s] - 1 - jj * tb)[None],
-                block_tables=None if not paged else lax.dynamic_slice_in_dim(tables, s, 1, 0),
-                **_cache_opts(seq_cache), **shared, **per_row(idx, (1, tb)))
-    dest = jnp.where(blk >= cu[s], blk, n_rows)
-    return out.at[dest].set(o[0], mode="drop"), lse.at[dest].set(l[0], mode="drop")
+    blk = hi[..., None] - tb + offs
+    dest = jnp.where(live[..., None] & (blk >= cu[s][..., None]), blk, n_rows)
+    return s, jnp.clip(blk, 0, n_rows - 1), jnp.where(live, lens[s] - 1 - jj * tb, 0), dest
 
-  out, lse = lax.fori_loop(0, ends[-1], block, (out, lse))
+  def put(out, lse, dest, o, l):
+    dest = dest.reshape(-1)
+    return (out.at[dest].set(o.reshape(dest.shape[0], *o.shape[-2:]), mode="drop"),
+            lse.at[dest].set(l.reshape(dest.shape[0], -1), mode="drop"))
+
+  def looped():  # one flash_decode per real block: nothing runs for padding or decodes
+    def block(j, carry):
+      s, idx, length, dest = geometry(j)
+      seq_cache = _sequence_cache(caches, s, paged)
+      o, l = call(q[idx][None], seq_cache["k"], seq_cache["v"], length[None],
+                  block_tables=None if not paged else lax.dynamic_slice_in_dim(tables, s, 1, 0),
+                  **_cache_opts(seq_cache), **shared, **per_row(idx, (1, tb)))
+      return put(*carry, dest, o, l)
+    return lax.fori_loop(0, ends[-1], block, (out, lse))
+
+  def batched():  # every block in one flash_decode call (one kernel launch), paged caches
+    # At most ceil(N / tb) + min(M, N // 2) blocks: a block per tb rows, plus one partial
+    # block per sequence with 2 or more new tokens. Blocks past the real ones have kv
+    # length 0, which the Pallas kernels skip (no KV block is read).
+    s, idx, length, dest = geometry(jnp.arange(-(-n_rows // tb) + min(m, n_rows // 2), dtype=jnp.int32))
+    o, l = call(q[idx], caches["k"], caches["v"], length, block_tables=tables[s],
+                **_cache_opts(caches), **shared, **per_row(idx, idx.shape))
+    return put(out, lse, dest, o, l)
+
+  if not paged or opts.get("impl") in ("xla", "reference"):
+    out, lse = looped()
+  elif opts.get("impl") == "pallas":
+    out, lse = batched()
+  else:  # impl=None: the XLA path on CPU reads every block's whole table, so it loops
+    out, lse = lax.platform_dependent(cpu=looped, default=batched)
   return out, lse, k, v
 
 

@@ -293,3 +293,30 @@ def test_unknown_keyword_is_a_type_error():
   p = batch(14, [1], [3], max_seqs=1)
   with pytest.raises(TypeError, match="unexpected keyword"):
     fdecode.ragged_decode(**p, lengths=[3])
+
+
+def test_prefill_blocks_in_one_call_on_the_kernels(impl, request, monkeypatch):
+  """With the Pallas kernels a paged step's prefill blocks go to one flash_decode call
+  (ceil(N / 64) + min(max_seqs, N // 2) blocks, the unused ones of kv length 0); the XLA
+  path loops over the real blocks. A sequence of 300 new tokens spans 5 blocks, the
+  first partial; one of 2 new tokens has a 1-row block; dead slots hold NaN."""
+  import fdecode.ragged as ragged_module
+  batches = []
+  real = ragged_module.flash_decode
+
+  def spy(q, *args, **kwargs):
+    batches.append(q.shape[:2])
+    return real(q, *args, **kwargs)
+
+  monkeypatch.setattr(ragged_module, "flash_decode", spy)
+  p = batch(8, [300, 1, 2, 70], [333, 17, 2, 90], max_seqs=6, pad_rows=5)
+  k = np.asarray(p["k"]).copy()  # which pages no table names: NaN there (never read)
+  k[:, np.setdiff1d(np.arange(k.shape[1]), p["block_tables"])] = np.nan
+  p = dict(p, k=jnp.asarray(k))
+  out, lse = fdecode.ragged_decode(**p, impl=impl, return_lse=True)
+  check(p, out, lse, per_sequence(p))
+  n = p["q"].shape[0]
+  prefill = [shape for shape in batches if shape[1] == 64]
+  assert prefill, batches
+  want = -(-n // 64) + min(6, n // 2) if impl_param(request) != "xla" else 1
+  assert {shape[0] for shape in prefill} == {want}, batches

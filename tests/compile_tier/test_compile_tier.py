@@ -105,6 +105,17 @@ def test_gpu_reads_token_major_caches_in_place(reports, target, name):
       f"{TOKEN_MAJOR_K_BYTES[name]} B cache")
 
 
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])
+@pytest.mark.parametrize("name", ["ragged-paged16-write", "ragged-nhd-paged16"])
+def test_gpu_ragged_step_is_two_launches(reports, target, name):
+  """ragged_decode on a paged pool with the Triton kernel: the decode part (grid axis 0:
+  the 16 sequences) and every prefill block in one launch (axis 0: ceil(256 / 64) + 16
+  blocks), not a loop of one-block launches (axis 0 of 1)."""
+  report = reports[target][name]
+  assert report["ok"], report.get("error")
+  assert sorted(k["grid"][0] for k in report["kernels"]) == [16, 20], report["kernels"]
+
+
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.TPUS])
 @pytest.mark.parametrize("name", list(CASE_KV_BYTES))
 def test_tpu_cost_estimate_counts_the_kv_bytes(reports, target, name):
