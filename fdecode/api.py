@@ -192,17 +192,25 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   # the checks below see head-major shape-only views of them.
   stored = (k, v, k_rope)
   if kv_layout == "NHD":
-    k, v, k_rope = (None if x is None or np.ndim(x) != 4 else jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+    k, v, k_rope = (x if x is None or np.ndim(x) != 4 else jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
                     for x in stored)
   k, v, k_rope, k_scale, v_scale, k_offset, v_offset = to_head_major(
       kv_layout, block_tables is not None, k=k, v=v, k_rope=k_rope, k_scale=k_scale, v_scale=v_scale,
       k_offset=k_offset, v_offset=v_offset)
-  single_token, dv = validate_args(q, k, v, lengths, block_tables, v_head_dim=v_head_dim, k_rope=k_rope)
-  k_scale, k_offset = validate_quant("k", k, k_scale, k_offset)
-  if v is None and (v_scale is not None or v_offset is not None):
-    raise ValueError("flash_decode: v_scale / v_offset given with v=None: the values are k's first "
-                     "v_head_dim columns and use k_scale / k_offset")
-  v_scale, v_offset = (None, None) if v is None else validate_quant("v", v, v_scale, v_offset)
+  try:
+    single_token, dv = validate_args(q, k, v, lengths, block_tables, v_head_dim=v_head_dim, k_rope=k_rope)
+    k_scale, k_offset = validate_quant("k", k, k_scale, k_offset)
+    if v is None and (v_scale is not None or v_offset is not None):
+      raise ValueError("flash_decode: v_scale / v_offset given with v=None: the values are k's first "
+                       "v_head_dim columns and use k_scale / k_offset")
+    v_scale, v_offset = (None, None) if v is None else validate_quant("v", v, v_scale, v_offset)
+  except ValueError as e:
+    if kv_layout == "HND":
+      raise
+    given = ", ".join(f"{n}.shape={tuple(np.shape(x))}" for n, x in zip(("k", "v", "k_rope"), stored)
+                      if x is not None)
+    raise ValueError(f"{e} (cache shapes shown head-major; with kv_layout={kv_layout!r} the caches "
+                     f"given are {given})") from None
   if impl is not None and impl not in IMPLS:
     raise ValueError(f"flash_decode: impl must be one of {IMPLS} or None, got {describe(impl)}")
   if not (interpret is None or isinstance(interpret, (bool, np.bool_, pltpu.InterpretParams))):

@@ -95,3 +95,14 @@ def test_modifiers_and_nan_in_dead_slots(impl):
   assert_same(hm, tm)
   clean = fdecode.flash_decode(q, nhd(k, False), nhd(v, False), lengths, kv_layout="NHD", return_lse=True, **kw)
   assert_same(clean, tm)
+
+
+def test_errors_name_the_token_major_shapes():
+  q, k, v = make_problem(5, b=2, t=None, hq=4, hkv=2, s=40, dk=32)
+  with pytest.raises(ValueError, match=r"head dim Dk of q \(16\).*kv_layout='NHD' the caches given are "
+                                       r"k.shape=\(2, 40, 2, 32\), v.shape=\(2, 40, 2, 32\)"):
+    fdecode.flash_decode(q[..., :16], nhd(k, False), nhd(v, False), jnp.array([40, 3]), kv_layout="NHD")
+  with pytest.raises(ValueError, match=r"kv_layout=.NHD., k must be \[B, S, Hkv, D\]"):
+    fdecode.flash_decode(q, k[0], v[0], jnp.array([40, 3]), kv_layout="NHD")
+  with pytest.raises(ValueError, match="kv_layout must be one of"):
+    fdecode.flash_decode(q, k, v, jnp.array([40, 3]), kv_layout="nhd")
