@@ -52,8 +52,9 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   """q ``[B, T, Hq, Dk]`` -> (out ``[B, T, Hq, Dv]`` in q.dtype, lse f32 ``[B, T, Hq]``).
 
   ``k``, ``v`` and ``cache["k_rope"]`` are in ``kv_layout`` (`fdecode.cache.layout`): the
-  Triton kernel reads token-major ones in place, every other path reads head-major views
-  (a transpose in this program, dropped when the Triton branch is the one lowered).
+  Triton kernel and the XLA path take token-major ones as they are (`_triton`, `_xla`);
+  the Mosaic kernel and the reference read head-major views (a transpose in this
+  program, dropped when no lowered branch uses it).
   ``cache``: dict of block_tables, canonical (head-major) scales / offsets and k_rope (None when absent).
   ``v`` None: the values are ``k[..., :v_head_dim]`` (MLA). ``sparse`` (`fdecode.sparse.Sparse`):
   ``cache`` holds canonical ``indices`` / ``index_bounds`` and q row b' reads cache row
