@@ -21,8 +21,10 @@ command and date, axes with units, and one colour per contender (COLOURS) in eve
   gpu_cache_formats.png      bench_gpu.json: cache formats relative to contiguous, per (B, S)
   mla_sparse.png, cascade.png  bench_mla_sparse.json, bench_cascade.json: fraction of each
                              contender's own floor
-Not drawn yet: serving tokens/s and pages in use over time (the issue's figure 5) wait for
-the serving loop (issue 19), which writes no JSON yet; none is looked for.
+  ragged.png                 bench_ragged.json: median time per contender (log scale), per
+                             section, and its ratio to the one ragged_decode call
+Not drawn: serving tokens/s and pages in use over time; `scripts/demo --serve` prints them
+and writes no JSON.
 """
 
 from __future__ import annotations
@@ -38,14 +40,15 @@ HERE = pathlib.Path(__file__).resolve().parent
 DPI = 100
 SIZES = {"decode_floor_fraction.png": (800, 500), "cache_formats.png": (800, 500), "modifiers.png": (800, 500),
          "compile_report.png": (1000, 600), "gpu_floor_fraction.png": (1000, 500),
-         "gpu_cache_formats.png": (800, 500), "mla_sparse.png": (1000, 500), "cascade.png": (800, 500)}
+         "gpu_cache_formats.png": (800, 500), "mla_sparse.png": (1000, 500), "cascade.png": (800, 500),
+         "ragged.png": (1100, 500)}
 # One colour per contender (and cache format, chip), matched in order: the first pattern the
 # name contains wins. Floors grey; fdecode blue; peers warm; 8-bit and paged formats apart.
 COLOURS = (("floor", "#7f7f7f"), ("reference", "#8c564b"), ("page 64", "#c5b0d5"), ("paged64", "#c5b0d5"),
            ("page", "#9467bd"), ("int8", "#e377c2"), ("fp8", "#bcbd22"), ("cudnn", "#d62728"),
            ("dot_product_attention", "#ff7f0e"), ("public api", "#98df8a"), ("gqa", "#2ca02c"),
            ("value copy", "#aec7e8"), ("full copies", "#aec7e8"), ("dense decode", "#aec7e8"),
-           ("fdecode pallas", "#17becf"),
+           ("fdecode pallas", "#17becf"), ("padded", "#ffbb78"), ("two calls", "#aec7e8"), ("nhd", "#c49c94"),
            ("h100", "#76b900"), ("a100", "#3a5f0b"), ("fdecode", "#1f77b4"), ("contiguous", "#1f77b4"),
            ("cascade", "#1f77b4"), ("flash_decode", "#1f77b4"), ("decode", "#1f77b4"))
 
@@ -233,6 +236,31 @@ def floor_bars(path, doc):
   return True
 
 
+def ragged_times(path, doc):
+  """bench_ragged: each contender's median time (log scale) per section, labelled with its
+  ratio to the one ragged_decode call, floor included."""
+  recs = [r for r in doc["records"] if r.get("median_ms") is not None]
+  sections = list(dict.fromkeys(r.get("section", "") for r in recs))
+  if not recs:
+    return False
+  fig, axes = _figure("ragged.png", len(sections))
+  for ax, section in zip(axes, sections):
+    rows = [r for r in recs if r.get("section", "") == section][::-1]
+    ragged = next((r["median_ms"] for r in rows if r["contender"].startswith("ragged_decode (")), None)
+    bars = ax.barh([textwrap.fill(r["contender"], 30) for r in rows], [r["median_ms"] for r in rows],
+                   color=[colour(r["contender"]) for r in rows])
+    ax.bar_label(bars, [f"{r['median_ms']:.1f} ms" + (f" ({r['median_ms'] / ragged:.2f}x)" if ragged else "")
+                        for r in rows], fontsize=7, padding=2)
+    ax.set_xscale("log")
+    ax.set_xlim(right=max(r["median_ms"] for r in rows) * 30)  # room for the labels
+    ax.set_xlabel("median ms per step (log scale); (x) = time / ragged_decode's", fontsize=9)
+    ax.set_title(f"{section}: {_shape(rows[0]['shape'])}, {rows[0]['dtype']}", fontsize=7)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.grid(axis="x", alpha=0.3)
+  _finish(fig, path, "bench_ragged: one serving step's attention, packed ragged vs one-T flash_decode", doc)
+  return True
+
+
 FIGURES = (("decode_floor_fraction.png", "bench_decode.json", decode_sweep),
            ("cache_formats.png", "bench_decode.json", cache_formats),
            ("modifiers.png", "bench_variants.json", modifiers),
@@ -240,7 +268,8 @@ FIGURES = (("decode_floor_fraction.png", "bench_decode.json", decode_sweep),
            ("gpu_floor_fraction.png", "bench_gpu.json", gpu_sweep),
            ("gpu_cache_formats.png", "bench_gpu.json", cache_formats),
            ("mla_sparse.png", "bench_mla_sparse.json", floor_bars),
-           ("cascade.png", "bench_cascade.json", floor_bars))
+           ("cascade.png", "bench_cascade.json", floor_bars),
+           ("ragged.png", "bench_ragged.json", ragged_times))
 
 
 def main(argv=None):

@@ -10,7 +10,8 @@ MACHINE = "test machine, 2 cores, backend cpu (cpu), jax 0"
 # The PNGs and their (width, height) in pixels: plot.py fixes figsize and dpi.
 EXPECTED = {"decode_floor_fraction.png": (800, 500), "cache_formats.png": (800, 500), "modifiers.png": (800, 500),
             "compile_report.png": (1000, 600), "gpu_floor_fraction.png": (1000, 500),
-            "gpu_cache_formats.png": (800, 500), "mla_sparse.png": (1000, 500), "cascade.png": (800, 500)}
+            "gpu_cache_formats.png": (800, 500), "mla_sparse.png": (1000, 500), "cascade.png": (800, 500),
+            "ragged.png": (1100, 500)}
 GPU_ONLY = ("gpu_floor_fraction.png", "gpu_cache_formats.png")
 
 
@@ -96,6 +97,11 @@ def test_plot_writes_every_figure_at_its_size(tmp_path):
   write(src, "bench_cascade", [rec("bench_cascade", name, ms, frac, B=4, Sp=512, Ss=32)
                                for name, ms, frac in (("floor: read prefix once + suffixes", 0.1, 1.0),
                                                       ("cascade_decode (default impl)", 0.3, 0.33))])
+  write(src, "bench_ragged", [rec("bench_ragged", name, ms, 6.0 / ms, section=section, B=64, L=4096, C=512)
+                              for section, name, ms in (("mixed", "floor: read live K+V once", 6.0),
+                                                        ("mixed", "ragged_decode (one call)", 280.0),
+                                                        ("mixed", "flash_decode padded to T=512", 9900.0),
+                                                        ("decodes", "ragged_decode (B decodes)", 230.0))])
   log = run_plot(src, out).stderr
   assert {p.name for p in out.iterdir()} == set(EXPECTED), log
   for name, size in EXPECTED.items():
