@@ -74,12 +74,15 @@ def test_causal_windows_straddling_chunk_ends():
     _check(q, k, v, lengths, out, lse)
 
 
-def test_pallas_seq_and_heads():
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_pallas_seq_and_heads(layout):
+  """The interpreted Triton kernel on each device's share (NHD: read in place)."""
   q, k, v = make_problem(3, b=2, t=2, hq=4, hkv=2, s=64, dk=32)
   lengths = jnp.array([33, 17], jnp.int32)
   mesh = _mesh((2, 2), ("h", "s"))
-  out, lse = fdecode.sharded_flash_decode(q, k, v, lengths, mesh=mesh, head_axis="h", seq_axis="s",
-                                          impl="pallas", block_k=16, return_lse=True)
+  kc, vc = (k, v) if layout == "HND" else (k.swapaxes(1, 2), v.swapaxes(1, 2))
+  out, lse = fdecode.sharded_flash_decode(q, kc, vc, lengths, mesh=mesh, head_axis="h", seq_axis="s",
+                                          impl="pallas", block_k=16, return_lse=True, kv_layout=layout)
   _check(q, k, v, lengths, out, lse)
 
 
