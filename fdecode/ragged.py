@@ -17,7 +17,9 @@ How the work is split (all inside one jit-compiled program):
   and no work scales with ``max_seqs * max(q_len)``. With the Pallas kernels (GPU, TPU,
   ``impl="pallas"``) a paged step's blocks go to *one* `flash_decode` call, a static
   ``ceil(N / QUERY_BLOCK) + min(max_seqs, N // 2)`` of them (one kernel launch): blocks
-  past the real ones have kv length 0, and the kernels read nothing for them.
+  past the real ones have kv length 0, and the kernels read nothing for them. (Where
+  `flash_decode` itself falls back to XLA on GPU or TPU, a head dim Triton cannot tile or
+  a page size Mosaic cannot DMA, that XLA path reads every block of the bound.)
 
 The fused cache write (``new_k`` / ``new_v``) is one scatter per cache in the caller's
 layout, before the attention, in the same program: under ``jit(...,
