@@ -142,8 +142,8 @@ def seq_capacity(k, block_tables):
 
 
 def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, token_major=None, **cache):
-  """The XLA path; token-major caches (``token_major``: k, v, k_rope as stored) go to
-  `fdecode.kernels.xla.xla_partials` as they are (a pool is read in place, chunk by chunk)."""
+  """The XLA path; a token-major pool is read in place, chunk by chunk (a contiguous
+  token-major cache through the head-major view: XLA:CPU's dots want the batch dims leading)."""
   b, hkv = q_rows.shape[:2]
   tables = cache["block_tables"]
   if "sparse" in cache:  # the K selected tokens, in chunks of about XLA_CHUNK_TOKENS
@@ -153,9 +153,7 @@ def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
                            num_splits=splits, mods=mods, **cache)
   s = window_tokens(seq_capacity(k, tables), num_tokens, mods, None if tables is None else k.shape[2])
   splits = cfg.num_splits or _xla_default_splits(b, hkv, s, cache, platform)
-  layout = "HND"
-  if token_major is not None:
-    (k, v, cache["k_rope"]), layout = token_major, "NHD"
+  k, v, cache, layout = _as_read(k, v, cache, token_major, pools_only=True)
   return xla_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
                       num_splits=splits, mods=mods, kv_layout=layout, **cache)
 
@@ -163,13 +161,21 @@ def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
 def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, interpret, token_major,
             **cache):
   # The kernel sizes its block and splits to the GPU lowered for (`triton.launch_plan`).
-  # Token-major caches are read in place (`token_major`: k, v, k_rope as stored).
-  layout = "HND"
-  if token_major is not None:
-    (k, v, cache["k_rope"]), layout = token_major, "NHD"
+  # Token-major caches are read in place.
+  k, v, cache, layout = _as_read(k, v, cache, token_major)
   return triton_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
                          num_splits=cfg.num_splits, block_k=cfg.block_k or config_lib.DEFAULT_BLOCK_K,
                          interpret=interpret, kv_layout=layout, **cache)
+
+
+def _as_read(k, v, cache, token_major, pools_only=False):
+  """The caches as a path reads them -> (k, v, cache, kv_layout): token-major ones as
+  stored (``token_major``: k, v, k_rope; with ``pools_only``, only a paged pool), else the
+  head-major views."""
+  if token_major is None or (pools_only and cache["block_tables"] is None):
+    return k, v, cache, "HND"
+  k, v, rope = token_major
+  return k, v, dict(cache, k_rope=rope), "NHD"
 
 
 def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, **cache):

@@ -13,8 +13,9 @@ Two entry points, for two cache layouts:
   pass that honours the mask exactly, so masks with holes (left padding, packed prompts)
   are correct too: on GPU and TPU `fdecode.flash_decode` with ``kv_layout="NHD"`` (the
   Pallas kernels; Triton reads the token-major cache in place, Mosaic a head-major
-  copy), on CPU `token_major_decode` (in place, XLA). Everything else (prefill, training, dropout, bias, sown weights) goes to
-  Flax's own ``dot_product_attention`` unchanged.
+  copy), on CPU `token_major_decode` (in place, XLA). Everything else (prefill,
+  training, dropout, bias, sown weights) goes to Flax's own ``dot_product_attention``
+  unchanged.
 * `DecodeAttention` owns its cache, head-major ``[B, Hkv, S, D]`` with per-sequence
   lengths (continuous batching), and attends with `fdecode.flash_decode` directly, so it
   gets the Pallas kernel on GPU/TPU. Per layer it takes the score modifiers (sliding

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fdecode.cache.layout import capacity, head_major, token_axis
+from fdecode.cache.layout import capacity, token_axis
 from fdecode.cache.paged import gather_pages_head_major, gather_scale_head_major, gather_token_major_pages
 from fdecode.combine import MASK_VALUE, finalize_state
 from fdecode.modifiers import Modifiers, row_bounds, window_start
@@ -205,10 +205,10 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
       (`fdecode.quant.canonical_scale`) and optional offsets. ``v`` None: the values are
       the loaded (dequantized) ``k[..., :v_head_dim]`` (MLA).
     k_rope: optional key-only columns laid out like k (float), after k's own.
-    kv_layout: the layout of k, v and k_rope. ``"NHD"`` pools ``[P, page_size, Hkv, D]``
-      are read in place (each chunk's pages are gathered, then only those rows
-      transposed); a contiguous ``"NHD"`` cache is transposed whole first (XLA:CPU's dots
-      want the batch dims leading). Scales and offsets are head-major either way.
+    kv_layout: the layout of k, v and k_rope with ``block_tables``: ``"NHD"`` pools
+      ``[P, page_size, Hkv, D]`` are read in place (each chunk's pages are gathered, then
+      only those rows transposed). A contiguous cache is head-major (the caller passes a
+      token-major one's head-major view). Scales and offsets are head-major either way.
     ends: int32 ``[B]``: each sequence's end relative to the cache's first token.
     num_tokens: T.
     softmax_scale: multiplies the scores (in float32).
@@ -223,9 +223,6 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
   """
   b, hkv, r, _ = q_rows.shape
   paged = block_tables is not None
-  if kv_layout == "NHD" and not paged:
-    k, v, k_rope = (head_major(x, kv_layout, paged) for x in (k, v, k_rope))
-    kv_layout = "HND"
   s = capacity(k.shape, kv_layout, block_tables)
   ends = ends.astype(jnp.int32)
   compute = lambda: _partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
@@ -252,7 +249,7 @@ def _varying_like(xs, *inputs):
 
 def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, block_tables, k_scale,
               v_scale, k_offset, v_offset, mods, mask, bias, alibi, v_head_dim, k_rope, kv_layout):
-  """`xla_partials`, computed (a contiguous cache is head-major here)."""
+  """`xla_partials`, computed."""
   maybe = lambda f, x: None if x is None else f(x)
   n = num_splits
   b, hkv, r, _ = q_rows.shape
