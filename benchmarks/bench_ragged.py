@@ -43,11 +43,11 @@ def make_step(b, ctx, chunk, hkv, hq, d, page_size, dtype):
   return jax.block_until_ready((q, k, v, tables, cu, lens))
 
 
-def mixed_rows(b, ctx, chunk, hkv, hq, d, page_size, dtype, iters, slow_iters):
+def mixed_rows(b, ctx, chunk, hkv, hq, d, page_size, dtype, iters, slow_iters, inner=1):
   q, k, v, tables, cu, lens = make_step(b, ctx, chunk, hkv, hq, d, page_size, dtype)
   live_bytes = 2 * b * ctx * hkv * d * jnp.dtype(dtype).itemsize
   rows = []
-  add = lambda name, fn, args, n=iters: rows.append((name, *timeit(jax.jit(fn), *args, iters=n), live_bytes))
+  add = lambda name, fn, args, n=iters: rows.append((name, *timeit(jax.jit(fn), *args, iters=n, inner=inner), live_bytes))
   pages = -(-ctx // page_size)
   add("floor: read live K+V once", floor_fn, (as_float32_words(k[:, :b * pages]), as_float32_words(v[:, :b * pages])))
   ragged = lambda q, k, v, lens, tables, cu: fdecode.ragged_decode(q, k, v, lens, tables, cu, b)
@@ -75,12 +75,12 @@ def mixed_rows(b, ctx, chunk, hkv, hq, d, page_size, dtype, iters, slow_iters):
   return rows, diff
 
 
-def decode_rows(b, ctx, hkv, hq, d, page_size, dtype, iters):
+def decode_rows(b, ctx, hkv, hq, d, page_size, dtype, iters, inner=1):
   q, k, v, tables, _, lens = make_step(b, ctx, 1, hkv, hq, d, page_size, dtype)
   cu = jnp.arange(b + 1, dtype=jnp.int32)
   live_bytes = 2 * b * ctx * hkv * d * jnp.dtype(dtype).itemsize
   rows = []
-  add = lambda name, fn, args: rows.append((name, *timeit(jax.jit(fn), *args, iters=iters), live_bytes))
+  add = lambda name, fn, args: rows.append((name, *timeit(jax.jit(fn), *args, iters=iters, inner=inner), live_bytes))
   add("floor: read live K+V once", floor_fn, (as_float32_words(k), as_float32_words(v)))
   add("ragged_decode (B decodes)", lambda q, k, v, l, t, c: fdecode.ragged_decode(q, k, v, l, t, c, b),
       (q, k, v, lens, tables, cu))
@@ -95,6 +95,9 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--quick", action="store_true", help="tiny shapes, few iterations")
   p.add_argument("--iters", type=int, default=7)
+  p.add_argument("--inner", type=int, default=None,
+                 help="back-to-back calls per sample (default: 1 on CPU, 10 on an accelerator, where one "
+                      "call's host round trip would otherwise be timed; benchmarks/_timing.py)")
   add_json_arg(p, "bench_ragged")
   a = p.parse_args(argv)
   if a.quick:
@@ -102,9 +105,10 @@ def main(argv=None):
   else:
     b, ctx, chunk, hkv, d, ps, iters = 64, 4096, 512, 2, 128, 64, a.iters
   hq, dtype = 4 * hkv, jnp.bfloat16
+  inner = a.inner or (1 if jax.default_backend() == "cpu" else 10)
   machine = machine_line()
   print(f"# fdecode ragged serving-step benchmark\n\nmachine: {machine}")
-  rows, diff = mixed_rows(b, ctx, chunk, hkv, hq, d, ps, dtype, iters, slow_iters=max(1, iters // 3))
+  rows, diff = mixed_rows(b, ctx, chunk, hkv, hq, d, ps, dtype, iters, slow_iters=max(1, iters // 3), inner=inner)
   title = (f"one {chunk}-token chunk + {b - 1} decodes at context {ctx}, Hkv={hkv} Hq={hq} D={d} "
            f"{jnp.dtype(dtype).name}, pages of {ps}")
   print_rows(title, rows)
@@ -115,7 +119,7 @@ def main(argv=None):
   shape = dict(B=b, L=ctx, C=chunk, Hkv=hkv, Hq=hq, D=d, page_size=ps)
   recs = table_records("bench_ragged", rows, shape=shape, dtype=jnp.dtype(dtype).name, machine=machine,
                        section="mixed", max_abs_diff=diff)
-  drows = decode_rows(b, ctx, hkv, hq, d, ps, dtype, iters)
+  drows = decode_rows(b, ctx, hkv, hq, d, ps, dtype, iters, inner)
   print_rows(f"{b} decodes at context {ctx} (same shapes)", drows)
   t = {r[0]: r[1] for r in drows}
   print(f"\nragged_decode / flash_decode time on pure decodes: {t['ragged_decode (B decodes)'] / t['flash_decode (T=1)']:.2f}")

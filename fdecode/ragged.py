@@ -17,7 +17,8 @@ How the work is split (all inside one jit-compiled program):
   and no work scales with ``max_seqs * max(q_len)``. With the Pallas kernels (GPU, TPU,
   ``impl="pallas"``) a paged step's blocks go to *one* `flash_decode` call, a static
   ``ceil(N / QUERY_BLOCK) + min(max_seqs, N // 2)`` of them (one kernel launch): blocks
-  past the real ones have kv length 0, and the kernels read nothing for them. (Where
+  past the real ones have kv length 0, and the kernels read nothing for them; a step
+  with no prefill block skips that call (``lax.cond``). (Where
   `flash_decode` itself falls back to XLA on GPU or TPU, a head dim Triton cannot tile or
   a page size Mosaic cannot DMA, that XLA path reads every block of the bound.)
 
@@ -285,7 +286,7 @@ def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_
     """Block(s) ``j`` (int32 scalar or ``[J]``): sequence, rows ``[..., tb]`` (clipped for
     the gather), kv length, and each row's destination (``n_rows``: dropped, for rows
     before the sequence's own and for blocks past the real ones)."""
-    s = jnp.clip(jnp.searchsorted(ends, j, side="right"), 0, m - 1).astype(jnp.int32)
+    s = jnp.clip(_searchsorted(ends, j), 0, m - 1).astype(jnp.int32)
     jj = j - (ends[s] - nb[s])
     live = j < ends[-1]
     hi = cu[s + 1] - 1 - jj * tb  # rows [hi - tb, hi); those before cu[s] are not this sequence's
@@ -312,10 +313,14 @@ def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_
     # At most ceil(N / tb) + min(M, N // 2) blocks: a block per tb rows, plus one partial
     # block per sequence with 2 or more new tokens. Blocks past the real ones have kv
     # length 0, which the Pallas kernels skip (no KV block is read).
-    s, idx, length, dest = geometry(jnp.arange(-(-n_rows // tb) + min(m, n_rows // 2), dtype=jnp.int32))
-    o, l = call(q[idx], caches["k"], caches["v"], length, block_tables=tables[s],
-                **_cache_opts(caches), **shared, **per_row(idx, idx.shape))
-    return put(out, lse, dest, o, l)
+    # A step of decodes only has no block: the call (its q gather, partials and merge,
+    # for every padding block) is skipped.
+    def run(out, lse):
+      s, idx, length, dest = geometry(jnp.arange(-(-n_rows // tb) + min(m, n_rows // 2), dtype=jnp.int32))
+      o, l = call(q[idx], caches["k"], caches["v"], length, block_tables=tables[s],
+                  **_cache_opts(caches), **shared, **per_row(idx, idx.shape))
+      return put(out, lse, dest, o, l)
+    return lax.cond(ends[-1] > 0, run, lambda out, lse: (out, lse), out, lse)
 
   if not paged or opts.get("impl") in ("xla", "reference"):
     out, lse = looped()
@@ -340,9 +345,18 @@ def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):
   lens = jnp.where(live, jnp.clip(kv_lens, 0, capacity), 0)
   q_len = jnp.where(live, cu[1:] - cu[:-1], 0)
   rows = jnp.arange(n_rows, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu[1:], rows, side="right"), 0, max(m - 1, 0)).astype(jnp.int32)
+  seq = jnp.clip(_searchsorted(cu[1:], rows), 0, max(m - 1, 0)).astype(jnp.int32)
   pos = jnp.where(rows < cu[ns], lens[seq] - q_len[seq] + rows - cu[seq], -1)
   return cu, lens, q_len, seq, pos
+
+
+def _searchsorted(edges, x):
+  """``jnp.searchsorted(edges, x, side="right")`` without a loop: its default method is a
+  while loop of log2(len(edges)) dependent steps, a few tiny kernels and a predicate check
+  each on GPU (the H100 compile of a bench_ragged step had one); comparing all pairs is
+  one fusion, sorting past ~1M pairs."""
+  method = "compare_all" if edges.size * x.size <= 1 << 20 else "sort"
+  return jnp.searchsorted(edges, x, side="right", method=method)
 
 
 def _cache_opts(caches):

@@ -251,3 +251,47 @@ def test_score_modifiers(case, dtype):
   tl = gpu_tol(dtype)
   assert_close(out, ref, atol=tl["atol"], rtol=tl["rtol"])
   assert_close(lse, ref_lse, atol=tl["lse"], rtol=tl["lse"], what="lse")
+
+
+RAGGED_MIXES = {"mixed": ([1, 7, 64, 1, 0, 30], [5, 40, 100, 128, 3, 30]),
+                "long": ([300, 1, 2], [333, 17, 2]),
+                "decodes": ([1, 1, 1, 1, 1], [1, 17, 64, 65, 333])}
+
+
+@pytest.mark.parametrize("mix", list(RAGGED_MIXES))
+@pytest.mark.parametrize("cache", ["paged16", "contiguous"])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_ragged_decode(mix, cache, layout, dtype):
+  """Issue 19: ragged_decode on the compiled kernels (the decode call, the one prefill-block
+  call of a paged step, skipped on a step of decodes) against each sequence alone through
+  the float32 reference; padding rows give 0 and lse -inf."""
+  from test_ragged import batch, per_sequence  # pylint: disable=g-import-not-at-top
+  q_lens, kv_lens = RAGGED_MIXES[mix]
+  p = batch(1, q_lens, kv_lens, max_seqs=8, d=128, paged=cache != "contiguous", layout=layout, dtype=dtype)
+  out, lse = fdecode.ragged_decode(**p, kv_layout=layout, impl="pallas", return_lse=True)
+  live = int(p["cu_q_lens"][p["num_seqs"]])
+  ref, ref_lse = per_sequence(dict(p, q=p["q"].astype(jnp.float32), k=p["k"].astype(jnp.float32),
+                                   v=p["v"].astype(jnp.float32)), layout)
+  tl = gpu_tol(dtype)
+  assert_close(out[:live], ref, atol=tl["atol"], rtol=tl["rtol"])
+  assert_close(lse[:live], ref_lse, atol=tl["lse"], rtol=tl["lse"], what="lse")
+  np.testing.assert_array_equal(np.asarray(out[live:], np.float32), 0)
+  assert np.isneginf(np.asarray(lse[live:])).all()
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_ragged_fused_write(layout):
+  """The fused write on the GPU: equals writing the rows first (the same ragged call on
+  caches that already hold them), and the returned caches hold exactly those rows."""
+  from test_ragged import batch  # pylint: disable=g-import-not-at-top
+  p = batch(2, [1, 9, 70, 1], [5, 9, 90, 40], max_seqs=6, d=128, layout=layout, dtype=jnp.bfloat16)
+  n, hkv = p["q"].shape[0], 2
+  rng = np.random.default_rng(7)
+  new_k, new_v = (jnp.asarray(rng.standard_normal((n, hkv, 128)), jnp.bfloat16) for _ in range(2))
+  step = jax.jit(lambda p, nk, nv: fdecode.ragged_decode(**p, kv_layout=layout, impl="pallas", new_k=nk, new_v=nv))
+  out, k2, v2 = step(p, new_k, new_v)
+  again = fdecode.ragged_decode(**dict(p, k=k2, v=v2), kv_layout=layout, impl="pallas")
+  assert_close(out, again, atol=1e-3, rtol=1e-3)
+  for new, old in ((k2, p["k"]), (v2, p["v"])):  # one row per live new token and kv head, no other
+    assert int(np.asarray((new != old).any(axis=-1)).sum()) == int(p["cu_q_lens"][p["num_seqs"]]) * hkv
