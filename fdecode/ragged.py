@@ -352,9 +352,9 @@ def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):
 
 def _searchsorted(edges, x):
   """``jnp.searchsorted(edges, x, side="right")`` without a loop: its default method is a
-  while loop of log2(len(edges)) dependent steps, a few tiny kernels and a predicate check
-  each on GPU (the H100 compile of a bench_ragged step had one); comparing all pairs is
-  one fusion, sorting past ~1M pairs."""
+  scan, compiled to a while loop of log2(len(edges)) dependent steps, a few tiny kernels
+  and a predicate check each on GPU (the H100 compile of a bench_ragged step had one);
+  comparing all pairs is one fusion, sorting past ~1M pairs."""
   method = "compare_all" if edges.size * x.size <= 1 << 20 else "sort"
   return jnp.searchsorted(edges, x, side="right", method=method)
 

@@ -320,3 +320,19 @@ def test_prefill_blocks_in_one_call_on_the_kernels(impl, request, monkeypatch):
   assert prefill, batches
   want = -(-n // 64) + min(6, n // 2) if impl_param(request) != "xla" else 1
   assert {shape[0] for shape in prefill} == {want}, batches
+
+
+@pytest.mark.parametrize("n_edges,n_x", [(9, 40), (65, 575), (1025, 2048)], ids=["small", "bench", "sorted"])
+def test_row_search_has_no_loop(n_edges, n_x):
+  """The row -> sequence search equals numpy's ``searchsorted(side="right")`` (repeated
+  edges, values outside, both methods: all pairs below ~1M pairs, sort above), and its
+  program holds no loop (jnp's default method is a scan, which XLA compiles to a while
+  loop: a chain of dependent steps on GPU)."""
+  from fdecode.ragged import _searchsorted  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(n_edges)
+  edges = np.sort(rng.integers(0, n_x, n_edges)).astype(np.int32)  # cu_q_lens-like: repeats
+  x = np.arange(-2, n_x + 2, dtype=np.int32)
+  got = jax.jit(_searchsorted)(jnp.asarray(edges), jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(got), np.searchsorted(edges, x, side="right"))
+  jaxpr = str(jax.make_jaxpr(_searchsorted)(jnp.asarray(edges), jnp.asarray(x)))
+  assert "while" not in jaxpr and "scan" not in jaxpr  # jnp's default: a scan, an XLA while loop
