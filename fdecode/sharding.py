@@ -242,11 +242,6 @@ class _Plan:
       return (self.seq, None, self.kv_head, None) if self.paged else (self.batch, self.seq, self.kv_head, None)
     return (self.kv_head, self.seq, None, None) if self.paged else (self.batch, self.kv_head, self.seq, None)
 
-  @property
-  def head_dim_axis(self) -> int:
-    """The kv-head axis of a cache-shaped array."""
-    return kv_head_axis(self.kv_layout, self.paged)
-
 
 def _plan(q_shape, bhs, *, mesh, head_axis, seq_axis, batch_axis, pool_pages=None,
           table_cols=0, shapes_of=(), kv_layout="HND") -> _Plan:
@@ -314,13 +309,13 @@ def _merged_decode(q, k, v, lengths, *, plan, single_token, kwargs):
   if plan.kv_replicas > 1:
     # k/v hold every kv head; this device's query heads belong to one of them.
     kv_head = jax.lax.axis_index(plan.head) // plan.kv_replicas
-    head_dim_axis = plan.head_dim_axis
+    kv_axis = kv_head_axis(plan.kv_layout, plan.paged)  # of k, v and cache-like arrays
     one_head = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, kv_head, 1, axis=axis)
-    k = one_head(k, head_dim_axis)
-    v = None if v is None else one_head(v, head_dim_axis)
+    k = one_head(k, kv_axis)
+    v = None if v is None else one_head(v, kv_axis)
     for name in _CACHE_LIKE:
-      if name in kwargs and kwargs[name].shape[head_dim_axis] > 1:
-        kwargs[name] = one_head(kwargs[name], head_dim_axis)
+      if name in kwargs and kwargs[name].shape[kv_axis] > 1:
+        kwargs[name] = one_head(kwargs[name], kv_axis)
     axis = _index_head_axis(kwargs.get("indices"), single_token)
     if axis is not None:
       kwargs["indices"] = one_head(kwargs["indices"], axis)
