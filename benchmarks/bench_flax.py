@@ -2,7 +2,8 @@
 
 Peers, same data, same run (the token-major cache and its head-major copy):
   flash_decode (head-major)      fdecode.flash_decode on [B, Hkv, S, D] (what DecodeAttention does)
-  token_major_decode             fdecode.flax.token_major_decode on [B, S, Hkv, D] (attention_fn)
+  flash_decode (NHD, mask)       fdecode.flash_decode(kv_layout="NHD") on [B, S, Hkv, D] with the
+                                 cache-index mask: attention_fn's decode step (decode_token_major)
   transpose + flash_decode       what "just call flash_decode" from attention_fn would cost
   einsum on token-major          the naive split-free einsum 'bhgd,bshd->bhgs'
   flax dot_product_attention     Flax's default attention_fn (jax.nn.dot_product_attention)
@@ -20,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 import fdecode
-import fdecode.flax as fflax
+from fdecode.flax.token_major import decode_token_major
 from _timing import timeit  # benchmarks/ is on sys.path when a script here runs
 
 
@@ -58,7 +59,7 @@ def main():
   kv_gb = 2 * b * s * hkv * d * dtype.itemsize / 1e9
   peers = {
       "flash_decode (head-major)": (fdecode.flash_decode, (q, k_hm, v_hm, lengths)),
-      "token_major_decode": (fflax.token_major_decode, (q, k_tm, v_tm, mask)),
+      "flash_decode (NHD, mask)": (decode_token_major, (q, k_tm, v_tm, mask)),
       "transpose + flash_decode": (
           lambda q, k, v, n: fdecode.flash_decode(q, k.transpose(0, 2, 1, 3),
                                                   v.transpose(0, 2, 1, 3), n),

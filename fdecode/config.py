@@ -27,6 +27,10 @@ MAX_SPLITS_PER_HEAD = 16
 DEFAULT_BLOCK_K = 128
 # XLA path: about this many tokens per split (per loop step over paged / 8-bit caches).
 XLA_CHUNK_TOKENS = 2048
+# ... and at most this many over a contiguous token-major cache, whose chunks are
+# transposed as they load: B=4 S=4096 Hkv=8 D=128 on a 2-core CPU, 2048-token chunks
+# 25.3 ms f32 / 9.6-11.1 ms bf16 against 14.7 / 6.8 at 512 (benchmarks/RESULTS.md).
+XLA_TOKEN_MAJOR_CHUNK_TOKENS = 512
 # Parallel units assumed when lowering for a platform with no device here: an H100's
 # 132 SMs; one TensorCore per TPU chip (v5e / v6e).
 _DEFAULT_UNITS = {"gpu": 132, "tpu": 1}

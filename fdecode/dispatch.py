@@ -52,7 +52,7 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   """q ``[B, T, Hq, Dk]`` -> (out ``[B, T, Hq, Dv]`` in q.dtype, lse f32 ``[B, T, Hq]``).
 
   ``k``, ``v`` and ``cache["k_rope"]`` are in ``kv_layout`` (`fdecode.cache.layout`): the
-  Triton kernel and the XLA path take token-major ones as they are (`_triton`, `_xla`);
+  Triton kernel and the XLA path read token-major ones in place (`_triton`, `_xla`);
   the Mosaic kernel and the reference read head-major views (a transpose in this
   program, dropped when no lowered branch uses it).
   ``cache``: dict of block_tables, canonical (head-major) scales / offsets and k_rope (None when absent).
@@ -142,8 +142,7 @@ def seq_capacity(k, block_tables):
 
 
 def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, token_major=None, **cache):
-  """The XLA path; a token-major pool is read in place, chunk by chunk (a contiguous
-  token-major cache through the head-major view: XLA:CPU's dots want the batch dims leading)."""
+  """The XLA path; token-major caches are read in place, chunk by chunk (`xla_partials`)."""
   b, hkv = q_rows.shape[:2]
   tables = cache["block_tables"]
   if "sparse" in cache:  # the K selected tokens, in chunks of about XLA_CHUNK_TOKENS
@@ -152,8 +151,8 @@ def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
     return sparse_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
                            num_splits=splits, mods=mods, **cache)
   s = window_tokens(seq_capacity(k, tables), num_tokens, mods, None if tables is None else k.shape[2])
-  splits = cfg.num_splits or _xla_default_splits(b, hkv, s, cache, platform)
-  k, v, cache, layout = _as_read(k, v, cache, token_major, pools_only=True)
+  k, v, cache, layout = _as_read(k, v, cache, token_major)
+  splits = cfg.num_splits or _xla_default_splits(b, hkv, s, cache, platform, layout)
   return xla_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
                       num_splits=splits, mods=mods, kv_layout=layout, **cache)
 
@@ -168,11 +167,10 @@ def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, int
                          interpret=interpret, kv_layout=layout, **cache)
 
 
-def _as_read(k, v, cache, token_major, pools_only=False):
+def _as_read(k, v, cache, token_major):
   """The caches as a path reads them -> (k, v, cache, kv_layout): token-major ones as
-  stored (``token_major``: k, v, k_rope; with ``pools_only``, only a paged pool), else the
-  head-major views."""
-  if token_major is None or (pools_only and cache["block_tables"] is None):
+  stored (``token_major``: k, v, k_rope), else the head-major views."""
+  if token_major is None:
     return k, v, cache, "HND"
   k, v, rope = token_major
   return k, v, dict(cache, k_rope=rope), "NHD"
@@ -224,14 +222,18 @@ def _materialize(x, tables, scale=None, offset=None):
   return dequantize(x, scale, offset)
 
 
-def _xla_default_splits(b, hkv, s, cache, backend):
+def _xla_default_splits(b, hkv, s, cache, backend, kv_layout="HND"):
   """The XLA path's split count: the parallelism heuristic, raised to chunks of about
   `config.XLA_CHUNK_TOKENS` tokens (one chunk's scores, or its gathered / dequantized
   pages, stay cache-sized: 0.50 of the floor at S=16384 on a 2-core CPU vs 0.38 unsplit,
   benchmarks/RESULTS.md). Contiguous float caches round down to a divisor of S so that
-  the split stays a free reshape."""
+  the split stays a free reshape; a contiguous token-major cache's chunks are smaller
+  (`config.XLA_TOKEN_MAJOR_CHUNK_TOKENS`: each is transposed as it loads)."""
   n = config_lib.default_num_splits(b, hkv, max(s, 1), config_lib.num_parallel_units(backend))
+  contiguous = cache["block_tables"] is None
+  if contiguous and kv_layout == "NHD":
+    return max(n, s // config_lib.XLA_TOKEN_MAJOR_CHUNK_TOKENS, 1)
   n = max(n, s // config_lib.XLA_CHUNK_TOKENS)
-  if cache["block_tables"] is None and cache["k_scale"] is None and cache["v_scale"] is None:
+  if contiguous and cache["k_scale"] is None and cache["v_scale"] is None:
     return config_lib.largest_divisor_at_most(s, n)
   return max(n, 1)

@@ -130,32 +130,23 @@ def test_attention_fn_takes_decode_path():
                atol=1e-6, rtol=1e-6)
 
 
-def test_token_major_decode_matches_flash_decode():
-  """The token-major path == fdecode.flash_decode on the head-major copy (lse too)."""
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_token_major_matches_flash_decode(dtype):
+  """attention_fn's decode step on the token-major cache == fdecode.flash_decode on the
+  head-major copy with lengths (lse too), for a prefix mask."""
+  from fdecode.flax.token_major import decode_token_major
   b, hq, hkv, s, d = 2, 8, 2, 40, 16
   lengths = jnp.array([40, 7], jnp.int32)
   rng = np.random.default_rng(6)
-  q = rng.standard_normal((b, hq, d), np.float32)
-  k = rng.standard_normal((b, s, hkv, d), np.float32)
-  v = rng.standard_normal((b, s, hkv, d), np.float32)
+  q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+             for shape in ((b, hq, d), (b, s, hkv, d), (b, s, hkv, d)))
   mask = (np.arange(s)[None, :] < np.asarray(lengths)[:, None])[:, None, :]
-  got, got_lse = jax.jit(functools.partial(fflax.token_major_decode, num_splits=4,
-                                           return_lse=True))(q, k, v, mask)
+  got, got_lse = jax.jit(functools.partial(decode_token_major, num_splits=4, return_lse=True))(q, k, v, mask)
   want, want_lse = fdecode.flash_decode(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
-                                        lengths, return_lse=True)
-  assert_close(got, want, atol=F32["atol"], rtol=F32["rtol"])
-  assert_close(got_lse, want_lse, atol=F32["lse"], rtol=F32["lse"], what="lse")
-
-
-def test_token_major_decode_errors():
-  q, k = jnp.zeros((2, 4, 8)), jnp.zeros((2, 10, 3, 8))
-  with pytest.raises(ValueError, match=r"Hq \(4\) must be a multiple of Hkv \(3\)"):
-    fflax.token_major_decode(q, k, k, jnp.ones((2, 1, 10), bool))
-  k = jnp.zeros((2, 10, 2, 8))
-  with pytest.raises(ValueError, match=r"mask.shape=\(2, 1, 9\)"):
-    fflax.token_major_decode(q, k, k, jnp.ones((2, 1, 9), bool))
-  with pytest.raises(ValueError, match="num_splits=3 must divide L=10"):
-    fflax.token_major_decode(q, k, k, jnp.ones((2, 1, 10), bool), num_splits=3)
+                                        lengths, return_lse=True, impl="reference")
+  t = tol(dtype)
+  assert_close(got, want, atol=t["atol"], rtol=t["rtol"])
+  assert_close(got_lse, want_lse, atol=t["lse"], rtol=t["lse"], what="lse")
 
 
 # --------------------------------------------------------------------------------------
@@ -316,11 +307,11 @@ def test_decode_attention_paged_cache_matches_contiguous(page_size, dtype):
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["shared-mask", "per-head-mask"])
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_attention_fn_kernel_branch_matches_cpu_branch(impl, per_head):
-  """attention_fn's GPU / TPU branch (flash_decode on the token-major cache, run here by
-  the XLA path and the interpreted Triton kernel, which reads it in place) == its CPU
-  branch (token_major_decode), with inf / NaN in the hidden slots of both."""
-  from fdecode.flax.token_major import kernel_decode
+def test_decode_token_major_any_mask(impl, per_head):
+  """attention_fn's decode step (flash_decode on the token-major cache, by the XLA path
+  and the interpreted Triton kernel, both reading it in place) == the float32 reference
+  on a head-major copy, for any mask, with inf / NaN in the hidden slots."""
+  from fdecode.flax.token_major import decode_token_major
   b, hq, hkv, length, d = 3, 8, 2, 40, 16
   rng = np.random.default_rng(6)
   q = rng.standard_normal((b, hq, d), np.float32)
@@ -330,16 +321,19 @@ def test_attention_fn_kernel_branch_matches_cpu_branch(impl, per_head):
   mask[0] = False  # a row that sees nothing: 0 on both
   hidden = ~mask.any(axis=1)  # [B, L] slots no head sees
   k[hidden], v[hidden] = np.nan, np.inf
-  cpu = jax.jit(fflax.token_major_decode)(q, k, v, mask)
-  chip = kernel_decode(q, k, v, mask, impl=impl, interpret=True if impl == "pallas" else None, block_k=16)
-  assert_close(chip, cpu, atol=F32["atol"], rtol=F32["rtol"])
-  np.testing.assert_array_equal(np.asarray(cpu[0]), 0.0)
+  ref_mask = jnp.asarray(mask)[:, None] if per_head else jnp.asarray(mask)[:, 0]
+  clean = lambda x: np.nan_to_num(x, nan=0.0, posinf=0.0).transpose(0, 2, 1, 3)  # hidden slots only
+  ref = fdecode.flash_decode(q, clean(k), clean(v), jnp.full((b,), length, jnp.int32), mask=ref_mask,
+                             impl="reference")
+  run = lambda: decode_token_major(q, k, v, mask, impl=impl, interpret=True if impl == "pallas" else None,
+                                   block_k=16)
+  got = run()
+  assert_close(got, ref, atol=F32["atol"], rtol=F32["rtol"])
+  np.testing.assert_array_equal(np.asarray(got[0]), 0.0)
   # A visible NaN reaches exactly the rows that see it.
   rows_seeing = mask[1, :, 3] if per_head else np.ones(hq, bool)
   mask[1, :, 3] |= not per_head
   k[1, 3, :, 0] = np.nan
-  cpu = jax.jit(fflax.token_major_decode)(q, k, v, mask)
-  chip = kernel_decode(q, k, v, mask, impl=impl, interpret=True if impl == "pallas" else None, block_k=16)
-  for got in (cpu, chip):
-    np.testing.assert_array_equal(np.isnan(np.asarray(got[1])).any(-1), rows_seeing)
-    assert np.isfinite(np.asarray(got[2])).all()
+  got = run()
+  np.testing.assert_array_equal(np.isnan(np.asarray(got[1])).any(-1), rows_seeing)
+  assert np.isfinite(np.asarray(got[2])).all()

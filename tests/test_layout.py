@@ -2,12 +2,18 @@
 head-major call, bit for bit (the Triton kernel reads the token-major cache in place; the
 other paths read a head-major view), and the float32 reference's within tolerance."""
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import fdecode
+from fdecode.cache.layout import head_major
+from fdecode.compile_check import _HLO_BYTES
+from fdecode.config import XLA_CHUNK_TOKENS
 from fdecode.quant import quantize
 from fdecode.reference import reference_decode
 from conftest import assert_close, make_problem, tol
@@ -106,3 +112,69 @@ def test_errors_name_the_token_major_shapes():
     fdecode.flash_decode(q, k[0], v[0], jnp.array([40, 3]), kv_layout="NHD")
   with pytest.raises(ValueError, match="kv_layout must be one of"):
     fdecode.flash_decode(q, k, v, jnp.array([40, 3]), kv_layout="nhd")
+
+
+# An optimized-HLO instruction and its result: `%name = dtype[dims]{layout} opcode(`.
+_RESULT = re.compile(r"%\S+ = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
+# Results that name an existing buffer rather than compute a new one.
+_NO_NEW_BUFFER = {"parameter", "get-tuple-element", "tuple", "while", "bitcast", "conditional", "call"}
+
+
+def largest_new_array_bytes(hlo_text):
+  """Bytes of the largest array an optimized HLO module writes to memory: results of the
+  instructions outside fusion bodies (a fusion's body is computed in registers; its
+  result is the fusion's). A copy, transpose or float32 widening of a whole cache shows
+  up here."""
+  fused = set(re.findall(r"kind=k\w+, calls=(%[\w.-]+)", hlo_text))
+  best, inside = 0, False
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace():  # a computation's header (or the module's)
+      name = line.split(" ")[1] if line.startswith("ENTRY") else line.split(" ")[0]
+      inside = name in fused
+      continue
+    m = _RESULT.search(line)
+    if m and not inside and m.group(3) not in _NO_NEW_BUFFER:
+      dtype, dims, _ = m.groups()
+      best = max(best, _HLO_BYTES.get(dtype, 4) * math.prod(int(d) for d in filter(None, dims.split(","))))
+  return best
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("layout,paged", [("NHD", False), ("NHD", True), ("HND", True)],
+                         ids=["nhd-contiguous", "nhd-pool", "hnd-pool"])
+def test_xla_path_reads_caches_in_place(layout, paged, dtype):
+  """The CPU path (XLA) reads a token-major cache, and any pool, chunk by chunk: the
+  compiled step makes no array larger than a chunk (a quarter of the tokens, in float32):
+  no transpose, copy or float32 widening of the whole cache. XLA:CPU widens a 16-bit float array it slices in a loop to
+  float32 first; `fdecode.kernels.xla` reads such caches as integer words. 8-bit: fp8
+  values with a per-token scale."""
+  b, s, hkv, g, d, ps = 2, 4 * XLA_CHUNK_TOKENS, 2, 2, 64, 16  # 4 chunks (at least)
+  if paged:
+    shape = (b * s // ps, ps, hkv, d) if layout == "NHD" else (hkv, b * s // ps, ps, d)
+    tables = jnp.arange(b * s // ps, dtype=jnp.int32).reshape(b, s // ps)[:, ::-1]
+  else:
+    shape, tables = (b, s, hkv, d), None
+  kw = dict(block_tables=tables, kv_layout=layout, impl="xla")
+  quantized = dtype == jnp.float8_e4m3fn
+  kf = jax.random.normal(jax.random.key(1), shape, jnp.float32)
+  vf = jax.random.normal(jax.random.key(2), shape, jnp.float32)
+  q = jax.random.normal(jax.random.key(0), (b, hkv * g, d), jnp.bfloat16 if quantized else dtype)
+  lengths = jnp.array([s, s // 2 + 3], jnp.int32)
+  if quantized:
+    k, kw["k_scale"] = quantize(kf, jnp.float8_e4m3fn)
+    v, kw["v_scale"] = quantize(vf, jnp.float8_e4m3fn)
+  else:
+    k, v = kf.astype(dtype), vf.astype(dtype)
+  call = jax.jit(lambda q, k, v: fdecode.flash_decode(q, k, v, lengths, **kw))
+  hlo = call.lower(q, k, v).compile().as_text()
+  chunk_bytes = k.size // 4 * 4  # a quarter of the cache's tokens, widened to float32
+  cache_bytes = k.size * k.dtype.itemsize
+  assert largest_new_array_bytes(hlo) <= chunk_bytes, (
+      f"{layout} {'pool' if paged else 'contiguous'} {jnp.dtype(dtype).name}: an array of "
+      f"{largest_new_array_bytes(hlo)} B next to a {cache_bytes} B cache")
+  # ... and the result is the head-major call's, within the reference's tolerance.
+  hm = lambda x: head_major(x, layout, paged)
+  want = fdecode.flash_decode(q, hm(k), hm(v), lengths, block_tables=tables, impl="reference",
+                              **{n: hm(kw[n]) for n in ("k_scale", "v_scale") if n in kw})
+  t = tol(jnp.bfloat16 if dtype != jnp.float32 else dtype)
+  assert_close(call(q, k, v), want, atol=t["atol"], rtol=t["rtol"])

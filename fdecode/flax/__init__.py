@@ -11,9 +11,9 @@ Two entry points, for two cache layouts:
   there, token-major ``[B, L, Hkv, D]``, with one shared ``cache_index`` for the whole
   batch and a boolean ``[B, 1, 1, L]`` mask. Decode steps run a split-KV FlashDecode
   pass that honours the mask exactly, so masks with holes (left padding, packed prompts)
-  are correct too: on GPU and TPU `fdecode.flash_decode` with ``kv_layout="NHD"`` (the
-  Pallas kernels; Triton reads the token-major cache in place, Mosaic a head-major
-  copy), on CPU `token_major_decode` (in place, XLA). Everything else (prefill,
+  are correct too: `fdecode.flash_decode` with ``kv_layout="NHD"``, which reads the
+  token-major cache in place on CPU (the XLA path) and GPU (Triton); the Mosaic kernel
+  on TPU reads a head-major copy. Everything else (prefill,
   training, dropout, bias, sown weights) goes to Flax's own ``dot_product_attention``
   unchanged.
 * `DecodeAttention` owns its cache, head-major ``[B, Hkv, S, D]`` with per-sequence
@@ -26,8 +26,8 @@ Import as ``import fdecode.flax`` (this package is not re-exported by ``fdecode`
 They live in `fdecode.flax.token_major` and `fdecode.flax.decode_attention`.
 """
 
-from fdecode.flax.token_major import attention_fn, token_major_decode
+from fdecode.flax.token_major import attention_fn
 from fdecode.flax.decode_attention import DecodeAttention, alibi_slopes, apply_rope
 from fdecode.flax.mla import MLADecodeAttention
 
-__all__ = ["DecodeAttention", "MLADecodeAttention", "alibi_slopes", "apply_rope", "attention_fn", "token_major_decode"]
+__all__ = ["DecodeAttention", "MLADecodeAttention", "alibi_slopes", "apply_rope", "attention_fn"]

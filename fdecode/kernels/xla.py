@@ -4,12 +4,15 @@ Contiguous float caches: the token axis is split into ``n`` equal chunks (a free
 reshape of the head-major cache); one batched matmul gives every chunk's scores, another
 its values, and the per-chunk states are merged with `merge_states`. Measured on a
 2-core AVX2 CPU (benchmarks/RESULTS.md): keeping the batch dims (B, Hkv) leading and the
-split axis on K lets XLA use its native mixed bf16 x bf16 -> f32 dot; token-major
-layouts or a flattened batch axis are 2-5x slower.
+split axis on K lets XLA use its native mixed bf16 x bf16 -> f32 dot; a token-major
+view or a flattened batch axis is 2-5x slower there.
 
-Paged or 8-bit caches: a loop over the ``n`` chunks loads one chunk at a time (gathering
-its pages through the block table, dequantizing after the load), so neither the
-contiguous cache nor its dequantized copy is ever materialized whole.
+Paged, 8-bit or token-major caches: a loop over the ``n`` chunks loads one chunk at a
+time (gathering its pages through the block table, or slicing its rows; transposing a
+token-major chunk's rows; dequantizing after the load), so neither the cache's
+head-major copy nor its dequantized one is ever materialized whole. 16-bit and 8-bit
+float caches are read as integer words (`_as_words`): XLA:CPU would otherwise widen the
+whole cache to float32 before the loop.
 
 Sliding windows: only the window is read. Each sequence's cache (or its block table) is
 first sliced to the ``window + T - 1`` tokens its rows may see (`window_tokens`), and the
@@ -181,6 +184,27 @@ def _contiguous_states(q_rows, kc, vc, geo, base, softmax_scale, pos=None, v_col
                   lambda: _chunk_states(q_rows, kc, vc, geo, base, 0, softmax_scale, **kw))
 
 
+def _as_words(x, i):
+  """A cache as a chunk loop's step ``i`` reads it: a float cache narrower than 32 bits
+  (bfloat16, float16, fp8) as unsigned words of its width (a bitcast), behind a barrier
+  that ties it to ``i``; other caches unchanged. XLA:CPU widens any 16-bit float array a
+  loop slices or gathers to float32 first, and hoists that conversion out of the loop: a
+  float32 copy of the whole cache (or pool) on every call. Integer words are moved as
+  they are, and the barrier keeps the bitcast in the step (fused into its gather), so
+  only the chunk's rows are read. Measured on a 2-core CPU: a bfloat16 pool's chunk
+  gathers 22.5 -> 2.0 ms (benchmarks/RESULTS.md)."""
+  dtype = jnp.dtype(x.dtype)
+  if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize not in (1, 2):
+    return x
+  x, _ = lax.optimization_barrier((x, i))
+  return lax.bitcast_convert_type(x, jnp.uint8 if dtype.itemsize == 1 else jnp.uint16)
+
+
+def _from_words(x, dtype):
+  """Rows read through `_as_words` back in the cache's ``dtype``."""
+  return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
+
+
 def _pad_tokens(x, total, axis=2, broadcast_ok=False):
   """Zero-pads ``axis`` to ``total``; with ``broadcast_ok`` a size-1 axis (a scale that
   broadcasts over tokens) is left alone."""
@@ -205,10 +229,10 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
       (`fdecode.quant.canonical_scale`) and optional offsets. ``v`` None: the values are
       the loaded (dequantized) ``k[..., :v_head_dim]`` (MLA).
     k_rope: optional key-only columns laid out like k (float), after k's own.
-    kv_layout: the layout of k, v and k_rope with ``block_tables``: ``"NHD"`` pools
-      ``[P, page_size, Hkv, D]`` are read in place (each chunk's pages are gathered, then
-      only those rows transposed). A contiguous cache is head-major (the caller passes a
-      token-major one's head-major view). Scales and offsets are head-major either way.
+    kv_layout: the layout of k, v and k_rope: ``"NHD"`` caches ``[B, S, Hkv, D]`` and
+      pools ``[P, page_size, Hkv, D]`` are read in place (each chunk's rows are sliced or
+      its pages gathered, then only those rows transposed). Scales and offsets are
+      head-major either way.
     ends: int32 ``[B]``: each sequence's end relative to the cache's first token.
     num_tokens: T.
     softmax_scale: multiplies the scores (in float32).
@@ -254,7 +278,8 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
   n = num_splits
   b, hkv, r, _ = q_rows.shape
   paged = block_tables is not None
-  page_size = k.shape[token_axis(kv_layout)] if paged else None
+  tok = token_axis(kv_layout)
+  page_size = k.shape[tok] if paged else None
   s = capacity(k.shape, kv_layout, block_tables)
   gather = gather_token_major_pages if kv_layout == "NHD" else gather_pages_head_major
   geo = _Geometry(ends, num_tokens, r // num_tokens, s, mods, mask, bias, alibi)
@@ -272,7 +297,7 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
       # chunk by chunk inside the loop below measured 20x slower: the loop copies the
       # whole cache it closes over).
       base = jnp.clip(first, 0, s - w)
-      k, v, k_rope = (maybe(lambda x: _slice_seq(x, base, w, axis=2), x) for x in (k, v, k_rope))
+      k, v, k_rope = (maybe(lambda x: _slice_seq(x, base, w, axis=tok), x) for x in (k, v, k_rope))
       k_scale, v_scale, k_offset, v_offset = (
           a if a is None or a.shape[2] == 1 else _slice_seq(a, base, w, axis=2)
           for a in (k_scale, v_scale, k_offset, v_offset))
@@ -280,7 +305,7 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
     s = w
 
   quantized = k_scale is not None or v_scale is not None
-  if not paged and not quantized:
+  if not paged and not quantized and kv_layout == "HND":
     chunk = max(-(-s // n), 1)
     k, v, k_rope = (maybe(lambda x: _pad_tokens(x, chunk * n), x) for x in (k, v, k_rope))
     geo.pad(chunk * n)
@@ -299,7 +324,7 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
 
     def load(i, x, scale, offset):  # -> [Hkv, B, C, D]: the pool's order, no transpose
       ids = lax.dynamic_slice_in_dim(tables, i * pages_per_chunk, pages_per_chunk, axis=1)
-      x = gather(x, ids)
+      x = _from_words(gather(_as_words(x, i), ids), x.dtype)
       if scale is not None:
         sc = gather_scale_head_major(scale, ids, page_size)
         off = None if offset is None else gather_scale_head_major(offset, ids, page_size)
@@ -307,13 +332,14 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
       return x
   else:
     chunk = max(-(-s // n), 1)
-    k, v, k_rope = (maybe(lambda x: _pad_tokens(x, chunk * n), x) for x in (k, v, k_rope))
+    k, v, k_rope = (maybe(lambda x: _pad_tokens(x, chunk * n, axis=tok), x) for x in (k, v, k_rope))
     k_scale, v_scale, k_offset, v_offset = (
         None if a is None else _pad_tokens(a, chunk * n, broadcast_ok=True)
         for a in (k_scale, v_scale, k_offset, v_offset))
 
-    def load(i, x, scale, offset):
-      x = lax.dynamic_slice_in_dim(x, i * chunk, chunk, axis=2)
+    def load(i, x, scale, offset):  # -> [B, Hkv, C, D]: a token-major chunk's rows transposed
+      rows = lax.dynamic_slice_in_dim(_as_words(x, i), i * chunk, chunk, axis=tok)
+      x = _from_words(rows if tok == 2 else rows.transpose(0, 2, 1, 3), x.dtype)
       if scale is not None:
         sl = lambda a: a if a.shape[2] == 1 else lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=2)
         x = dequantize(x, sl(scale), None if offset is None else sl(offset), compute_dtype)
