@@ -164,9 +164,9 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     kv_layout: ``"HND"`` (default, head-major, the shapes above) or ``"NHD"``
       (token-major, as Flax / vLLM / JAX's ragged paged attention hold it): contiguous
       ``[B, S, Hkv, D]``, paged ``[P, page_size, Hkv, D]``; scales, offsets and k_rope
-      follow the same layout. The Triton kernel (and the XLA path, for pools) reads a
-      token-major cache in place; the Mosaic kernel reads a head-major copy made in the
-      same program (`fdecode.cache.layout`).
+      follow the same layout. Every kernel reads a token-major cache in place; the Mosaic
+      kernel float32 and bfloat16 (even Hkv) caches without scales or ``k_rope``, the
+      rest through a head-major copy made in the same program (`fdecode.cache.layout`).
 
   Returns:
     ``out`` shaped like ``q`` with last dim Dv, dtype ``q.dtype``; with ``return_lse``

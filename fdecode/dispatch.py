@@ -19,7 +19,9 @@ from fdecode.cache.layout import head_major
 from fdecode.cache.paged import gather_pages, gather_scale
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels import mosaic_tpu_sparse as mosaic_sparse
+from fdecode.kernels.mosaic_tpu import contiguous_page_size as mosaic_contiguous_page_size
 from fdecode.kernels.mosaic_tpu import mosaic_partials, plan as mosaic_plan
+from fdecode.kernels.mosaic_tpu import token_major_heads as mosaic_token_major_heads
 from fdecode.kernels.mosaic_tpu_plan import dma_unit as mosaic_dma_unit
 from fdecode.kernels.triton import triton_partials, triton_unsupported
 from fdecode.kernels.xla import window_tokens, xla_partials
@@ -52,9 +54,9 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   """q ``[B, T, Hq, Dk]`` -> (out ``[B, T, Hq, Dv]`` in q.dtype, lse f32 ``[B, T, Hq]``).
 
   ``k``, ``v`` and ``cache["k_rope"]`` are in ``kv_layout`` (`fdecode.cache.layout`): the
-  Triton kernel and the XLA path read token-major ones in place (`_triton`, `_xla`);
-  the Mosaic kernel and the reference read head-major views (a transpose in this
-  program, dropped when no lowered branch uses it).
+  every kernel reads token-major ones in place (`_triton`, `_xla`, `_mosaic`: its
+  supported cases); the other Mosaic cases and the reference read head-major views (a
+  transpose in this program, dropped when no lowered branch uses it).
   ``cache``: dict of block_tables, canonical (head-major) scales / offsets and k_rope (None when absent).
   ``v`` None: the values are ``k[..., :v_head_dim]`` (MLA). ``sparse`` (`fdecode.sparse.Sparse`):
   ``cache`` holds canonical ``indices`` / ``index_bounds`` and q row b' reads cache row
@@ -109,7 +111,7 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   xla = lambda platform: merged(_xla(q_rows, k, v, ends, platform=platform, token_major=token_major, **kw))
   triton = lambda platform, interp: merged(
       _triton(q_rows, k, v, ends, platform=platform, interpret=interp, token_major=token_major, **kw))
-  mosaic = lambda interp: merged(_mosaic(q_rows, k, v, ends, interpret=interp, **kw))
+  mosaic = lambda interp: merged(_mosaic(q_rows, k, v, ends, interpret=interp, token_major=token_major, **kw))
   if impl == "xla":  # explicitly asked for, on whatever host traces it
     o, lse = xla(jax.default_backend())
   elif isinstance(interpret, pltpu.InterpretParams):
@@ -176,8 +178,26 @@ def _as_read(k, v, cache, token_major):
   return k, v, dict(cache, k_rope=rope), "NHD"
 
 
-def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, **cache):
+def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, token_major=None, **cache):
   b, hkv = q_rows.shape[:2]
+  heads = _mosaic_token_major_heads(token_major, cache)
+  if heads is not None:  # read in place by the paged kernel (`mosaic_partials`)
+    k_tm, v_tm, _ = token_major
+    tables = cache["block_tables"]
+    if tables is None:  # planned as the pool of whole pages it is read as
+      seq_len, ps = k_tm.shape[1], mosaic_contiguous_page_size(k_tm.shape[1])
+      tables = jax.ShapeDtypeStruct((b, seq_len // ps), jnp.int32)
+      pool = lambda x: jax.ShapeDtypeStruct((hkv, b * seq_len // ps, ps, x.shape[-1]), x.dtype)
+      k_plan, v_plan = pool(k_tm), pool(v_tm)
+    else:
+      k_plan, v_plan = k, v
+    p = mosaic_plan(q_rows, k_plan, v_plan, block_k=cfg.block_k, kv_heads_per_program=heads,
+                    **dict(cache, block_tables=tables))
+    seen = window_tokens(seq_capacity(k, cache["block_tables"]), num_tokens, cache["mods"])
+    splits = cfg.num_splits or config_lib.default_num_splits(
+        b, hkv // heads, max(-(-seen // p.block), 1), config_lib.num_parallel_units("tpu"))
+    return mosaic_partials(q_rows, ends, k_tm, v_tm, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                           num_splits=splits, plan=p, interpret=interpret, kv_layout="NHD", **cache)
   unit = mosaic_dma_unit(k, v, cache["k_rope"])
   if ("sparse" in cache or cache["block_tables"] is not None) and k.shape[2] % unit:
     # Pages (or sparse rows) that split a 32-bit sublane: no DMA can address them.
@@ -199,6 +219,18 @@ def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, **
       b, hkv, num_blocks, config_lib.num_parallel_units("tpu"))
   return mosaic_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
                          num_splits=splits, plan=p, interpret=interpret, **cache)
+
+
+def _mosaic_token_major_heads(token_major, cache):
+  """Kv heads per program when the Mosaic kernel reads these token-major caches in place
+  (`mosaic_tpu.token_major_heads`; a contiguous one also needs a page size), else None:
+  the kernel then reads the head-major copy."""
+  if token_major is None:
+    return None
+  k, v, rope = token_major
+  if cache["block_tables"] is None and mosaic_contiguous_page_size(k.shape[1]) is None:
+    return None
+  return mosaic_token_major_heads(k, v, rope, cache["k_scale"], cache["v_scale"], sparse="sparse" in cache)
 
 
 def triton_supports(k, v, cache, v_head_dim=None) -> bool:

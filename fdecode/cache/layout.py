@@ -11,14 +11,23 @@ layout            contiguous              paged pool
 Scales, offsets and ``k_rope`` follow their cache's layout (scales with the last axis
 replaced by ``n_tiles``; leading axes of size 1 broadcast).
 
-The Triton kernel reads a token-major cache in place (its block specs take a kv head's
-rows at the cache's own strides), and so does the XLA path for a paged pool (each
-chunk's pages are gathered, then only those rows transposed). The other paths take
-head-major arrays: `head_major` is the one conversion, a transpose inside the same
-jit-compiled program; the Mosaic kernel, the XLA path on a contiguous cache and the
-reference read the converted copy (an in-place Mosaic kernel is open work, see
-benchmarks/RESULTS.md). Cache *writes* (`fdecode.ragged`) go to the caller's layout in
-place.
+How each path reads a token-major cache:
+
+* Triton: in place, its block specs take a kv head's rows at the cache's own strides.
+* XLA: in place, chunk by chunk: each chunk's rows are sliced (or its pages gathered),
+  then only those rows transposed (`fdecode.kernels.xla`).
+* Mosaic: in place through its paged kernel (a contiguous cache viewed as a pool of
+  whole pages), one kv head's ``[page_size, D]`` rows per DMA for float32; bfloat16 as
+  32-bit words that each hold two heads (a one-head window would split the packed
+  sublane pair, which libtpu rejects), one program per head pair, so Hkv must be even
+  (`fdecode.kernels.mosaic_tpu.token_major_heads`). 8-bit and float16 caches, MLA,
+  ``k_rope`` and sparse index lists, an odd Hkv in bfloat16, and a contiguous S with no
+  power-of-two factor of 8 or more read a head-major copy.
+* The float32 reference reads the head-major copy.
+
+`head_major` is the one conversion, a transpose inside the same jit-compiled program
+(dropped when no lowered branch uses it). Cache *writes* (`fdecode.ragged`) go to the
+caller's layout in place.
 """
 
 from __future__ import annotations

@@ -12,8 +12,7 @@ Two entry points, for two cache layouts:
   batch and a boolean ``[B, 1, 1, L]`` mask. Decode steps run a split-KV FlashDecode
   pass that honours the mask exactly, so masks with holes (left padding, packed prompts)
   are correct too: `fdecode.flash_decode` with ``kv_layout="NHD"``, which reads the
-  token-major cache in place on CPU (the XLA path) and GPU (Triton); the Mosaic kernel
-  on TPU reads a head-major copy. Everything else (prefill,
+  token-major cache in place (`fdecode.cache.layout`). Everything else (prefill,
   training, dropout, bias, sown weights) goes to Flax's own ``dot_product_attention``
   unchanged.
 * `DecodeAttention` owns its cache, head-major ``[B, Hkv, S, D]`` with per-sequence

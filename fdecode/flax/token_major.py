@@ -78,9 +78,8 @@ def decode_token_major(q, k, v, mask, **flash_decode_kwargs):
   """One new token per sequence over a token-major cache ``[B, L, Hkv, D]`` with a mask
   ``[B, 1|Hq, L]`` (True = visible): `fdecode.flash_decode` with ``kv_layout="NHD"``, the
   mask as its ``mask`` (``[B, S]`` or ``[B, T=1, Hq, S]``) and every cache slot counted
-  (the mask alone decides visibility, as in Flax). Every path reads the cache in place:
-  the XLA path on CPU (chunk by chunk), the Triton kernel on GPU; the Mosaic kernel on
-  TPU reads a head-major copy. Returns ``[B, Hq, Dv]`` in q's dtype."""
+  (the mask alone decides visibility, as in Flax), read in place by every platform's
+  path (`fdecode.cache.layout`). Returns ``[B, Hq, Dv]`` in q's dtype."""
   b, length = k.shape[0], k.shape[1]
   kernel_mask = mask[:, 0] if mask.shape[1] == 1 else mask[:, None]
   return flash_decode(q, k, v, jnp.full((b,), length, jnp.int32), mask=kernel_mask, kv_layout="NHD",

@@ -253,9 +253,11 @@ def _mod_operands(mod_arrays, num_tokens, rows_p, positions):
   return ops, specs
 
 
-def _out_specs(rows_p, dv, index_map):
-  return [pl.BlockSpec((None, None, None, rows_p, dv), index_map),
-          pl.BlockSpec((None, None, None, rows_p, 1), index_map)]
+def _out_specs(rows_p, dv, index_map, heads=None):
+  """o and lse blocks of one (sequence, kv head, split); with ``heads``, of that many
+  kv heads (a leading block axis)."""
+  return [pl.BlockSpec((None, heads, None, rows_p, dv), index_map),
+          pl.BlockSpec((None, heads, None, rows_p, 1), index_map)]
 
 
 def _out_shape(b, hkv, n, rows_p, dv, *inputs):
@@ -267,21 +269,25 @@ def _out_shape(b, hkv, n, rows_p, dv, *inputs):
 # Paged cache: pools in HBM, pages DMA'd into a two-slot VMEM buffer.
 
 
-def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_splits,
-                  pages_per_step, page_size, num_pages, table_len, num_rows, group, num_tokens,
-                  k_pieces, v_pieces, mods):
+def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_splits, heads,
+                  token_major, pages_per_step, page_size, num_pages, table_len, num_rows, group,
+                  num_tokens, k_pieces, v_pieces, mods):
   # kinds: for (k, v, k_rope, k_scale, k_offset, v_scale, v_offset, mask, bias, alibi): "stream"
   #   (an HBM ref, DMA'd page by page), "step" (an HBM ref [Bm, Hm, M, positions], DMA'd
-  #   one block of positions per step), "resident" (a VMEM block) or None (absent).
-  # refs: the present operands in that order; o [R_p, Dv], lse [R_p, 1]; a VMEM buffer
-  #   [2, block, D|nt] (stream) or [2, M, block] (step) per DMA'd operand; DMA
-  #   semaphores [n_dma, 2].
+  #   one block of positions per step and kv head), "resident" (a VMEM block) or None (absent).
+  # heads: kv heads per program (program j has heads j*heads ... ; q [heads, R_p, Dq]).
+  #   Head-major pools: 1. Token-major pools (`token_major`): 1 for 32-bit caches, each
+  #   page window `pool[page, :, h]`; 2 for bfloat16, whose pool is read as 32-bit words
+  #   (`_words`) so a window `words[page, :, j]` holds heads 2j (low half) and 2j+1.
+  # refs: the present operands in that order; o [heads, R_p, Dv], lse [heads, R_p, 1]; a
+  #   VMEM buffer [2, block, D|nt] (stream) or [2, heads, M, block] (step) per DMA'd
+  #   operand; DMA semaphores [n_dma, 2].
   n_present = sum(kind is not None for kind in kinds)
   present = iter(refs[:n_present])
   srcs = [None if kind is None else next(present) for kind in kinds]
   o_ref, lse_ref, *bufs, sems = refs[n_present:]
-  b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  rows_p = q_ref.shape[0]
+  b, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  rows_p = q_ref.shape[1]
   block = pages_per_step * page_size
   seq_len = table_len * page_size
   end = ends_ref[b]
@@ -298,14 +304,19 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
       src = srcs[i]
       if kinds[i] == "step":
         bm, hm = src.shape[:2]
-        window = src.at[b if bm > 1 else 0, h if hm > 1 else 0, :, pl.ds(step * block, block)]
-        yield True, pltpu.make_async_copy(window, bufs[n].at[slot], sems.at[n, slot])
+        for hh in range(heads):
+          window = src.at[b if bm > 1 else 0, j * heads + hh if hm > 1 else 0, :, pl.ds(step * block, block)]
+          yield True, pltpu.make_async_copy(window, bufs[n].at[slot, hh], sems.at[n, slot])
         continue
+      words = _words(src) if token_major and heads == 2 else src
       for p in range(pages_per_step):
         index = step * pages_per_step + p
         page = jnp.clip(tables_ref[b * table_len + jnp.minimum(index, table_len - 1)], 0, num_pages - 1)
-        head = h if src.shape[0] > 1 else 0
-        copy = pltpu.make_async_copy(src.at[head, page], bufs[n].at[slot, pl.ds(p * page_size, page_size)],
+        if token_major:  # [page_size, D] rows of one kv head (or of a head pair, as words)
+          window = words.at[page, :, j]
+        else:
+          window = src.at[j if src.shape[0] > 1 else 0, page]
+        copy = pltpu.make_async_copy(window, bufs[n].at[slot, pl.ds(p * page_size, page_size)],
                                      sems.at[n, slot])
         yield (index < live_pages) & (index >= first_page), copy
 
@@ -318,11 +329,10 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
       pl.when(needed)(copy.wait)
 
   dtype = q_ref.dtype
-  q = q_ref[...]
-  q_pieces = _q_pieces(q, k_pieces, kinds[2] is not None)
+  q_pieces = [_q_pieces(q_ref[hh], k_pieces, kinds[2] is not None) for hh in range(heads)]
   rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, mods)
 
-  def body(step, state):
+  def body(step, states):
     slot = (step - first) % 2
 
     @pl.when(step + 1 < last)
@@ -331,30 +341,95 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
 
     wait(step, slot)
     buf_of = dict(zip(dma_ids, bufs))
-    kx, vx, rx, ks, ko, vs, vo, mask, bias, slopes = (
-        buf_of[i][slot] if i in buf_of else None if src is None else src[...]
-        for i, src in enumerate(srcs))
-    kb, vb = _block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
-    kb, bad = blk.guard_values(kb, vb, blk.rows_may_differ(num_tokens, mods))
-    s = blk.block_scores(q_pieces, kb, softmax_scale)
-    s, visible, live = _modify(s, mods, rows, step * block, live_end, block, (mask, bias, slopes),
-                               end=end, seq_len=seq_len, group=group, num_tokens=num_tokens)
-    return blk.online_update(state, s, visible, live, vb, bad)
+    new_states = []
+    for hh, state in enumerate(states):
+      def operand(i, src):
+        if i in buf_of:
+          x = buf_of[i][slot]
+          if kinds[i] == "step":
+            return x[hh]
+          return _unpack_head(x, hh, src.dtype) if token_major and heads == 2 else x
+        return None if src is None else (src[hh] if i == 9 else src[...])  # alibi: [heads, R_p, 1]
+      kx, vx, rx, ks, ko, vs, vo, mask, bias, slopes = (operand(i, src) for i, src in enumerate(srcs))
+      kb, vb = _block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
+      kb, bad = blk.guard_values(kb, vb, blk.rows_may_differ(num_tokens, mods))
+      s = blk.block_scores(q_pieces[hh], kb, softmax_scale)
+      s, visible, live = _modify(s, mods, rows, step * block, live_end, block, (mask, bias, slopes),
+                                 end=end, seq_len=seq_len, group=group, num_tokens=num_tokens)
+      new_states.append(blk.online_update(state, s, visible, live, vb, bad))
+    return tuple(new_states)
 
   @pl.when(first < last)
   def _first_fetch():
     start(first, 0)
 
-  state = lax.fori_loop(first, last, body, blk.init_state(rows_p, v_pieces))
-  o_pieces, lse = blk.finalize(state)
-  _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse)
+  states = lax.fori_loop(first, last, body, tuple(blk.init_state(rows_p, v_pieces) for _ in range(heads)))
+  for hh, state in enumerate(states):
+    o_pieces, lse = blk.finalize(state)
+    _store_out(o_ref.at[hh], lse_ref.at[hh], v_pieces, o_pieces, lse)
+
+
+def _words(pool):
+  """A bfloat16 token-major pool ``[P, ps, Hkv, D]`` as 32-bit words ``[P, ps, Hkv/2, D]``
+  (word ``[p, t, j, d]`` packs heads 2j, in its low half, and 2j+1): a free view of the
+  ref in the kernel. A DMA window of one head splits bfloat16's packed sublane pair,
+  which libtpu rejects; a window of one word row is whole. An array that is already
+  words (`pack_head_pairs`, for the interpreter) passes through."""
+  return pool if pool.dtype == jnp.uint32 else pool.bitcast(jnp.uint32)
+
+
+def pack_head_pairs(pool):
+  """`_words` computed in XLA: the interpreter cannot index a bitcast ref, so under
+  interpretation the kernel gets this copy (same words)."""
+  bits = lax.bitcast_convert_type(pool, jnp.uint16).astype(jnp.uint32)
+  p, ps, hkv, d = pool.shape
+  bits = bits.reshape(p, ps, hkv // 2, 2, d)
+  return bits[:, :, :, 0] | (bits[:, :, :, 1] << 16)
+
+
+def _unpack_head(words, hh, dtype):
+  """Head ``hh`` (0: low half, 1: high half) of a block of bfloat16 head-pair words."""
+  bits = words << 16 if hh == 0 else words & jnp.uint32(0xFFFF0000)
+  return lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16 if dtype == jnp.uint32 else dtype)
+
+
+def token_major_heads(k, v=None, k_rope=None, k_scale=None, v_scale=None, sparse=False):
+  """Kv heads per program of the paged kernel reading these token-major caches in place
+  (`_paged_kernel`), or None when it cannot: 1 for float32, 2 for bfloat16 with an even
+  Hkv. 8-bit caches, float16, MLA (``v`` None), ``k_rope`` and sparse index lists read a
+  head-major copy."""
+  if v is None or k_rope is not None or k_scale is not None or v_scale is not None or sparse:
+    return None
+  dtypes = {jnp.dtype(k.dtype), jnp.dtype(v.dtype)}
+  hkv = k.shape[2]
+  if dtypes == {jnp.dtype(jnp.float32)}:
+    return 1
+  if dtypes == {jnp.dtype(jnp.bfloat16)} and hkv % 2 == 0:
+    return 2
+  return None
+
+
+def contiguous_page_size(seq_len: int) -> int | None:
+  """Page size that views a contiguous token-major cache ``[B, S, Hkv, D]`` as a pool
+  ``[B*S/ps, ps, Hkv, D]`` (a free reshape) for `_paged_call`: the largest power of two
+  dividing S, at most 256; None below 8 (per-row DMAs)."""
+  ps = min(seq_len & -seq_len, 256) if seq_len else 0
+  return ps if ps >= 8 else None
 
 
 def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, *, num_rows, num_tokens,
-                softmax_scale, num_splits, interpret, mods, v_head_dim):
+                softmax_scale, num_splits, interpret, mods, v_head_dim, kv_layout="HND"):
   b, hkv, _, dq = q_rows.shape
   r = num_rows
-  _, num_pages, page_size, _ = k.shape
+  token_major = kv_layout == "NHD"
+  if token_major:
+    num_pages, page_size = k.shape[:2]
+    heads = token_major_heads(k, v, k_rope, quant[0], quant[2])
+    if heads == 2 and interpret:
+      k, v = pack_head_pairs(k), pack_head_pairs(v)
+  else:
+    _, num_pages, page_size, _ = k.shape
+    heads = 1
   dv = v_head_dim if v is None else v.shape[-1]
   table_len = tables.shape[1]
   steps = pl.cdiv(table_len, p.pages_per_step)
@@ -369,39 +444,39 @@ def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, 
         a = jnp.broadcast_to(a, (a.shape[0], num_pages, page_size, a.shape[-1]))
       kinds.append("stream")
       in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-      bufs.append(pltpu.VMEM((2, p.block, a.shape[-1]), a.dtype))
+      bufs.append(pltpu.VMEM((2, p.block, a.shape[-1]), jnp.uint32 if heads == 2 else a.dtype))
     else:  # per head / per tensor: one resident [1, nt] block
       d0, nt = a.shape[0], a.shape[-1]
       a = a.reshape(d0, 1, nt)
       kinds.append("resident")
       in_specs.append(pl.BlockSpec((None, 1, nt), lambda i, h, s, e, t, d0=d0: (h if d0 > 1 else 0, 0, 0)))
     present.append(a)
-  mod_ops, mod_specs = _mod_operands(mod_arrays, num_tokens, p.rows_p, steps * p.block)
-  mod_ops, mod_specs = iter(mod_ops), iter(mod_specs)
+  mod_ops, _ = _mod_operands(mod_arrays, num_tokens, p.rows_p, steps * p.block)
+  mod_ops = iter(mod_ops)
   for name in ("mask", "bias", "alibi"):
     if mod_arrays[name] is None:
       kinds.append(None)
       continue
-    a, spec = next(mod_ops), next(mod_specs)
+    a = next(mod_ops)
     present.append(a)
-    if name == "alibi":
+    if name == "alibi":  # [Hkv, R_p, 1]: this program's heads
       kinds.append("resident")
-      in_specs.append(spec((), None))
-    else:  # whole rows in HBM; one block of positions DMA'd per step
+      in_specs.append(pl.BlockSpec((heads, p.rows_p, 1), lambda i, h, *rest: (h, 0, 0)))
+    else:  # whole rows in HBM; one block of positions DMA'd per step and head
       kinds.append("step")
       in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-      bufs.append(pltpu.VMEM((2, a.shape[2], p.block), a.dtype))
+      bufs.append(pltpu.VMEM((2, heads, a.shape[2], p.block), a.dtype))
   k_pieces, v_pieces = _all_pieces(k, v, k_scale, v_scale, v_head_dim)
   kernel = functools.partial(
       _paged_kernel, kinds=tuple(kinds), softmax_scale=softmax_scale, num_splits=num_splits,
-      pages_per_step=p.pages_per_step, page_size=page_size,
+      heads=heads, token_major=token_major, pages_per_step=p.pages_per_step, page_size=page_size,
       num_pages=num_pages, table_len=table_len, num_rows=r, group=r // num_tokens,
       num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
-      grid=(b, hkv, num_splits),
-      in_specs=[pl.BlockSpec((None, None, p.rows_p, dq), lambda i, h, s, e, t: (i, h, 0, 0))] + in_specs,
-      out_specs=_out_specs(p.rows_p, dv, lambda i, h, s, e, t: (i, h, s, 0, 0)),
+      grid=(b, hkv // heads, num_splits),
+      in_specs=[pl.BlockSpec((None, heads, p.rows_p, dq), lambda i, h, s, e, t: (i, h, 0, 0))] + in_specs,
+      out_specs=_out_specs(p.rows_p, dv, lambda i, h, s, e, t: (i, h, s, 0, 0), heads=heads),
       scratch_shapes=bufs + [pltpu.SemaphoreType.DMA((max(len(bufs), 1), 2))],
   )
   operands = (ends, tables.reshape(-1), q_rows, *present)
@@ -422,7 +497,7 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
                     num_splits: int, plan: Plan, interpret,
                     block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
                     mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None,
-                    v_head_dim=None, k_rope=None):
+                    v_head_dim=None, k_rope=None, kv_layout="HND"):
   """Per-split partial states from the Mosaic (TPU) kernels.
 
   Args:
@@ -433,7 +508,12 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
       ``v`` None (MLA): no value stream; the values are the key block's first
       ``v_head_dim`` columns (each cache byte is DMA'd once).
     k_rope: optional key-only columns laid out like k (float): a second key stream.
-    plan: the launch's sizes, `fdecode.kernels.mosaic_tpu.plan` of these operands.
+    kv_layout: ``"NHD"``: k and v are token-major, contiguous ``[B, S, Hkv, D]`` or
+      pools ``[P, page_size, Hkv, D]``, read in place by the paged kernel (a contiguous
+      cache as a pool of `contiguous_page_size` pages); only where `token_major_heads`
+      allows (float32, or bfloat16 with an even Hkv; no scales, k_rope or MLA).
+    plan: the launch's sizes, `fdecode.kernels.mosaic_tpu.plan` of these operands (with
+      ``kv_heads_per_program=token_major_heads(...)`` for NHD).
     interpret: False (compile for TPU) or a ``pltpu.InterpretParams`` (TPU semantics on
       CPU: simulated HBM / VMEM / SMEM, DMAs and semaphores).
 
@@ -449,7 +529,16 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
             num_splits=num_splits, interpret=interpret, mods=mods, v_head_dim=v_head_dim)
   mod_arrays = dict(mask=mask, bias=bias, alibi=alibi)
   ends = ends.astype(jnp.int32)
-  if block_tables is None:
+  if kv_layout == "NHD":
+    if block_tables is None:  # a contiguous cache as a pool of whole pages, sequence by sequence
+      b, seq_len = k.shape[:2]
+      ps = contiguous_page_size(seq_len)
+      as_pool = lambda x: x.reshape((b * seq_len // ps, ps) + x.shape[2:])
+      k, v = as_pool(k), as_pool(v)
+      block_tables = jnp.arange(b * seq_len // ps, dtype=jnp.int32).reshape(b, seq_len // ps)
+    o, lse = _paged_call(q_rows, ends, k, v, k_rope, block_tables.astype(jnp.int32), quant, mod_arrays,
+                         p, kv_layout="NHD", **kw)
+  elif block_tables is None:
     o, lse = _contiguous_call(q_rows, ends, k, v, k_rope, quant, mod_arrays, p, **kw)
   else:
     o, lse = _paged_call(q_rows, ends, k, v, k_rope, block_tables.astype(jnp.int32), quant, mod_arrays,

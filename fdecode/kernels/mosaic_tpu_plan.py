@@ -82,7 +82,7 @@ def per_token(scale, paged: bool) -> bool:
 def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offset=None,
          v_offset=None, block_k: int | None = None, mods: Modifiers = Modifiers(), mask=None,
          bias=None, alibi=None, v_head_dim=None, k_rope=None, num_slots: int | None = None,
-         slot_rows: int = 1) -> Plan:
+         slot_rows: int = 1, kv_heads_per_program: int = 1) -> Plan:
   """Block sizes and VMEM footprint for these operands (arrays or ShapeDtypeStructs).
 
   ``block_k``: tokens per step; ``None`` picks about `_STEP_BYTES` of K + V per step.
@@ -90,7 +90,10 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
   None (MLA): no value stream, the values are the key block's first ``v_head_dim``
   columns; ``k_rope``: a second key stream. ``num_slots``: a sparse call's index-list
   length K (`fdecode.kernels.mosaic_tpu_sparse`): blocks are slots of the list, each
-  ``slot_rows`` cache rows wide in VMEM (its DMA unit).
+  ``slot_rows`` cache rows wide in VMEM (its DMA unit). ``kv_heads_per_program``: kv
+  heads one program computes (a token-major bfloat16 pool's head pairs): the streamed
+  blocks are that many heads wide, and the query, output, scratch and in-flight values
+  are per head.
   """
   r, dq = q_rows.shape[-2:]
   dk = k.shape[-1]
@@ -130,7 +133,7 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
       work += _tile_bytes((rows_p, m), jnp.float32) + _tile_bytes((rows_p, block), jnp.float32)
   if alibi is not None:
     io += _tile_bytes((rows_p, 1), jnp.float32)
-  vmem = 2 * streams + 2 * io + scratch + work
+  vmem = kv_heads_per_program * (2 * streams + 2 * io + scratch + work)
   limit = _round_up(vmem + _VMEM_HEADROOM, 1024 * 1024)
   return Plan(paged=paged and num_slots is None, block=block, pages_per_step=pages, rows_p=rows_p,
               vmem_bytes=vmem, vmem_limit_bytes=limit)

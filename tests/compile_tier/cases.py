@@ -95,7 +95,7 @@ CASES["nhd-paged1-f32-d128-t4"] = functools.partial(_contiguous, dk=128, dtype=j
                                                     kv_layout="NHD")
 
 
-def _modifier(target, which, paged=None, s=S):
+def _modifier(target, which, paged=None, s=S, kv_layout="HND"):
   sd = target.spec
   b, t, hq = B, 2, HKV * 4
   arrays = {"mask": dict(mask=sd((b, t, hq, s), jnp.bool_)),
@@ -104,7 +104,7 @@ def _modifier(target, which, paged=None, s=S):
             "sinks": dict(sinks=sd((hq,), jnp.float32))}.get(which, {})
   static = {"window": dict(window=256), "soft_cap": dict(logits_soft_cap=30.0),
             "non_causal": dict(causal=False)}.get(which, {})
-  fn, (q, k, v, n, opts) = _contiguous(target, dk=128, t=t, paged=paged, s=s, **static)
+  fn, (q, k, v, n, opts) = _contiguous(target, dk=128, t=t, paged=paged, s=s, kv_layout=kv_layout, **static)
   return fn, (q, k, v, n, dict(opts, **arrays))
 
 
@@ -112,6 +112,9 @@ for _m in ("mask", "bias", "alibi", "window", "soft_cap", "sinks", "non_causal")
   CASES[f"modifier-{_m}"] = functools.partial(_modifier, which=_m)
 CASES["modifier-window-paged16"] = functools.partial(_modifier, which="window", paged=16)
 CASES["modifier-mask-paged16"] = functools.partial(_modifier, which="mask", paged=16)
+# ... on token-major caches (the Mosaic kernel reads bf16 head pairs: per-head mask DMAs, slopes).
+CASES["nhd-modifier-mask-paged16"] = functools.partial(_modifier, which="mask", paged=16, kv_layout="NHD")
+CASES["nhd-modifier-alibi"] = functools.partial(_modifier, which="alibi", kv_layout="NHD")
 # A cache shorter than one block and no lane multiple: the mask's column union transposes
 # a tile narrower than 128 lanes (`block.column_any`).
 CASES["modifier-mask-s100"] = functools.partial(_modifier, which="mask", s=100)

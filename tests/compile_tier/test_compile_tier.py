@@ -7,7 +7,7 @@ the CPU tier skips this folder. Asserts, per case and chip: it compiles; on GPU 
 fdecode kernel has no register spills (``ptxas -v``) and fits the chip's shared memory;
 the benchmark shapes launch at least one full wave (programs >= SMs x programs resident
 per SM, from the compiled kernel's registers, threads and shared memory); token-major
-caches are read in place on GPU (no cache-sized transpose or copy); and on TPU the
+caches are read in place on GPU and TPU (no cache-sized transpose or copy); and on TPU the
 compiled decode's ``cost_analysis()`` counts the KV bytes within 10%.
 """
 
@@ -103,6 +103,32 @@ def test_gpu_reads_token_major_caches_in_place(reports, target, name):
   assert report["largest_copy_bytes"] < TOKEN_MAJOR_K_BYTES[name] / 8, (
       f"{name} on {target}: a {report['largest_copy_bytes']} B copy next to a "
       f"{TOKEN_MAJOR_K_BYTES[name]} B cache")
+
+
+# ... and on TPU, where the Mosaic kernel reads float32 and bfloat16 (even Hkv) token-major
+# caches in place; 8-bit ones (nhd-paged16-int8-token) still read a head-major copy.
+TPU_TOKEN_MAJOR_K_BYTES = dict(
+    {n: TOKEN_MAJOR_K_BYTES[n] for n in TOKEN_MAJOR_K_BYTES if n != "nhd-paged16-int8-token"},
+    **{"nhd-modifier-mask-paged16": (2 * 256 + 3) * 16 * 2 * 128 * 2,
+       "nhd-modifier-alibi": 2 * 4096 * 2 * 128 * 2})
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.TPUS])
+@pytest.mark.parametrize("name", list(TPU_TOKEN_MAJOR_K_BYTES))
+def test_tpu_reads_token_major_caches_in_place(reports, target, name):
+  """The Mosaic kernel reads a token-major cache in place (a bfloat16 one as words of two
+  heads): the compiled program runs the paged kernel, which reads token-major pages (a
+  contiguous cache as a pool; before, the contiguous kernel on a head-major view), and
+  copies nothing of a quarter of a cache (the largest left: the Flax step's 1024 x 1024
+  bfloat16 projection weight, 1/8 of its cache; before, the other cases copied a whole
+  cache)."""
+  report = reports[target][name]
+  assert report["ok"], report.get("error")
+  names = {k["name"] for k in report["kernels"]}
+  assert names == {"fdecode_split_kv_mosaic_paged"}, names
+  assert report["largest_copy_bytes"] < TPU_TOKEN_MAJOR_K_BYTES[name] / 4, (
+      f"{name} on {target}: a {report['largest_copy_bytes']} B copy next to a "
+      f"{TPU_TOKEN_MAJOR_K_BYTES[name]} B cache")
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])
