@@ -14,6 +14,11 @@ is how blocks reach VMEM, the way Mosaic wants it:
   block table is scalar-prefetched, ids clipped into the pool) into one slot of a
   two-slot VMEM buffer while the other slot computes, as JAX's TPU ``paged_attention``
   and ``ragged_paged_attention`` do. Only live pages are copied.
+* **Token-major caches** (pools ``[P, page_size, Hkv, D]``; a contiguous ``[B, S, Hkv, D]``
+  viewed as a pool of whole pages): the same paged kernel, each DMA one kv head's page
+  rows (float32) or one row of 32-bit words holding two bfloat16 heads, both computed by
+  one program (grid ``(B, Hkv/2, n_splits)``): a one-head bfloat16 window would split
+  the packed sublane pair, which libtpu rejects (`token_major_heads`).
 * **8-bit caches**: per-token scales / offsets travel with their block (BlockSpec or DMA);
   per-head / per-tensor ones are one small resident block. Dequantization happens after
   the load, per scale tile (`fdecode.kernels.block.head_pieces`).
@@ -269,6 +274,9 @@ def _out_shape(b, hkv, n, rows_p, dv, *inputs):
 # Paged cache: pools in HBM, pages DMA'd into a two-slot VMEM buffer.
 
 
+_ALIBI = 9  # the slopes' place in `_paged_kernel`'s operands (per head: [heads, R_p, 1])
+
+
 def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_splits, heads,
                   token_major, pages_per_step, page_size, num_pages, table_len, num_rows, group,
                   num_tokens, k_pieces, v_pieces, mods):
@@ -349,7 +357,7 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
           if kinds[i] == "step":
             return x[hh]
           return _unpack_head(x, hh, src.dtype) if token_major and heads == 2 else x
-        return None if src is None else (src[hh] if i == 9 else src[...])  # alibi: [heads, R_p, 1]
+        return None if src is None else (src[hh] if i == _ALIBI else src[...])  # alibi: [heads, R_p, 1]
       kx, vx, rx, ks, ko, vs, vo, mask, bias, slopes = (operand(i, src) for i, src in enumerate(srcs))
       kb, vb = _block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
       kb, bad = blk.guard_values(kb, vb, blk.rows_may_differ(num_tokens, mods))
