@@ -52,8 +52,8 @@ def mixed_rows(b, ctx, chunk, hkv, hq, d, page_size, dtype, iters, slow_iters, i
   add("floor: read live K+V once", floor_fn, (as_float32_words(k[:, :b * pages]), as_float32_words(v[:, :b * pages])))
   ragged = lambda q, k, v, lens, tables, cu: fdecode.ragged_decode(q, k, v, lens, tables, cu, b)
   add("ragged_decode (one call)", ragged, (q, k, v, lens, tables, cu))
-  # The same pool token-major [P, page_size, Hkv, D] (made outside the timed region): the
-  # attention paths take it transposed to head-major (fdecode.cache.layout), a copy per call.
+  # The same pool token-major [P, page_size, Hkv, D] (made outside the timed region), read
+  # in place by every path (fdecode.cache.layout).
   kn, vn = jax.block_until_ready((k.transpose(1, 2, 0, 3), v.transpose(1, 2, 0, 3)))
   ragged_nhd = lambda q, k, v, lens, tables, cu: fdecode.ragged_decode(q, k, v, lens, tables, cu, b, kv_layout="NHD")
   add("ragged_decode, NHD pool (one call)", ragged_nhd, (q, kn, vn, lens, tables, cu))

@@ -27,6 +27,10 @@ MAX_SPLITS_PER_HEAD = 16
 DEFAULT_BLOCK_K = 128
 # XLA path: about this many tokens per split (per loop step over paged / 8-bit caches).
 XLA_CHUNK_TOKENS = 2048
+# ... and in the chunk loops (pools, 8-bit and token-major caches) at most this many
+# bytes of K per chunk, over all sequences: B=4 S=16384 Hkv=8 D=128 pages of 16 on a 2-core
+# CPU, 2048-token chunks (32 MiB f32) 48.6 ms, 512-token ones (8 MiB) 30.0 (RESULTS.md).
+XLA_CHUNK_BYTES = 8 << 20
 # ... and at most this many over a contiguous token-major cache, whose chunks are
 # transposed as they load: B=4 S=4096 Hkv=8 D=128 on a 2-core CPU, 2048-token chunks
 # 25.3 ms f32 / 9.6-11.1 ms bf16 against 14.7 / 6.8 at 512 (benchmarks/RESULTS.md).

@@ -154,7 +154,8 @@ def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
                            num_splits=splits, mods=mods, **cache)
   s = window_tokens(seq_capacity(k, tables), num_tokens, mods, None if tables is None else k.shape[2])
   k, v, cache, layout = _as_read(k, v, cache, token_major)
-  splits = cfg.num_splits or _xla_default_splits(b, hkv, s, cache, platform, layout)
+  token_bytes = b * hkv * k.shape[-1] * jnp.dtype(k.dtype).itemsize  # K of one position, all sequences
+  splits = cfg.num_splits or _xla_default_splits(b, hkv, s, cache, platform, layout, token_bytes)
   return xla_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
                       num_splits=splits, mods=mods, kv_layout=layout, **cache)
 
@@ -254,18 +255,21 @@ def _materialize(x, tables, scale=None, offset=None):
   return dequantize(x, scale, offset)
 
 
-def _xla_default_splits(b, hkv, s, cache, backend, kv_layout="HND"):
+def _xla_default_splits(b, hkv, s, cache, backend, kv_layout="HND", token_bytes=0):
   """The XLA path's split count: the parallelism heuristic, raised to chunks of about
   `config.XLA_CHUNK_TOKENS` tokens (one chunk's scores, or its gathered / dequantized
   pages, stay cache-sized: 0.50 of the floor at S=16384 on a 2-core CPU vs 0.38 unsplit,
   benchmarks/RESULTS.md). Contiguous float caches round down to a divisor of S so that
-  the split stays a free reshape; a contiguous token-major cache's chunks are smaller
-  (`config.XLA_TOKEN_MAJOR_CHUNK_TOKENS`: each is transposed as it loads)."""
+  the split stays a free reshape. The chunk loops (pools, 8-bit and token-major caches)
+  also keep a chunk's K under `config.XLA_CHUNK_BYTES` (``token_bytes``: K bytes of one
+  position over all sequences), and a contiguous token-major cache's chunks are smaller
+  still (`config.XLA_TOKEN_MAJOR_CHUNK_TOKENS`: each is transposed as it loads)."""
   n = config_lib.default_num_splits(b, hkv, max(s, 1), config_lib.num_parallel_units(backend))
-  contiguous = cache["block_tables"] is None
-  if contiguous and kv_layout == "NHD":
-    return max(n, s // config_lib.XLA_TOKEN_MAJOR_CHUNK_TOKENS, 1)
   n = max(n, s // config_lib.XLA_CHUNK_TOKENS)
-  if contiguous and cache["k_scale"] is None and cache["v_scale"] is None:
-    return config_lib.largest_divisor_at_most(s, n)
+  contiguous = cache["block_tables"] is None
+  if contiguous and kv_layout == "HND" and cache["k_scale"] is None and cache["v_scale"] is None:
+    return config_lib.largest_divisor_at_most(s, n)  # no loop: one batched matmul
+  n = max(n, -(-s * token_bytes // config_lib.XLA_CHUNK_BYTES))
+  if contiguous and kv_layout == "NHD":
+    n = max(n, s // config_lib.XLA_TOKEN_MAJOR_CHUNK_TOKENS)
   return max(n, 1)
