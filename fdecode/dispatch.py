@@ -181,57 +181,44 @@ def _as_read(k, v, cache, token_major):
 
 def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, token_major=None, **cache):
   b, hkv = q_rows.shape[:2]
-  heads = _mosaic_token_major_heads(token_major, cache)
-  if heads is not None:  # read in place by the paged kernel (`mosaic_partials`)
+  heads = None if token_major is None else mosaic_token_major_heads(
+      *token_major, cache["k_scale"], cache["v_scale"], paged=cache["block_tables"] is not None,
+      sparse="sparse" in cache)
+  if heads is None:
+    unit = mosaic_dma_unit(k, v, cache["k_rope"])
+    if ("sparse" in cache or cache["block_tables"] is not None) and k.shape[2] % unit:
+      # Pages (or sparse rows) that split a 32-bit sublane: no DMA can address them.
+      return _xla(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
+                  platform="tpu", **cache)
+    if "sparse" in cache:  # blocks of index-list slots, each token DMA'd on its own
+      slots = cache["indices"].shape[-1]
+      plan_args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
+      p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, num_slots=slots,
+                      slot_rows=unit, **plan_args)
+      splits = cfg.num_splits or config_lib.default_num_splits(
+          b, hkv, max(-(-slots // p.block), 1), config_lib.num_parallel_units("tpu"))
+      return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                                    num_splits=splits, plan=p, interpret=interpret, **cache)
+    p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, **cache)
+    read, layout = (k, v), {}
+  else:  # token-major caches read in place by the paged kernel (`mosaic_partials`)
     k_tm, v_tm, _ = token_major
     tables = cache["block_tables"]
+    k_plan, v_plan = k, v
     if tables is None:  # planned as the pool of whole pages it is read as
       seq_len, ps = k_tm.shape[1], mosaic_contiguous_page_size(k_tm.shape[1])
       tables = jax.ShapeDtypeStruct((b, seq_len // ps), jnp.int32)
       pool = lambda x: jax.ShapeDtypeStruct((hkv, b * seq_len // ps, ps, x.shape[-1]), x.dtype)
       k_plan, v_plan = pool(k_tm), pool(v_tm)
-    else:
-      k_plan, v_plan = k, v
     p = mosaic_plan(q_rows, k_plan, v_plan, block_k=cfg.block_k, kv_heads_per_program=heads,
                     **dict(cache, block_tables=tables))
-    seen = window_tokens(seq_capacity(k, cache["block_tables"]), num_tokens, cache["mods"])
-    splits = cfg.num_splits or config_lib.default_num_splits(
-        b, hkv // heads, max(-(-seen // p.block), 1), config_lib.num_parallel_units("tpu"))
-    return mosaic_partials(q_rows, ends, k_tm, v_tm, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                           num_splits=splits, plan=p, interpret=interpret, kv_layout="NHD", **cache)
-  unit = mosaic_dma_unit(k, v, cache["k_rope"])
-  if ("sparse" in cache or cache["block_tables"] is not None) and k.shape[2] % unit:
-    # Pages (or sparse rows) that split a 32-bit sublane: no DMA can address them.
-    return _xla(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
-                platform="tpu", **cache)
-  if "sparse" in cache:  # blocks of index-list slots, each token DMA'd on its own
-    slots = cache["indices"].shape[-1]
-    plan_args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
-    p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, num_slots=slots,
-                    slot_rows=unit, **plan_args)
-    splits = cfg.num_splits or config_lib.default_num_splits(
-        b, hkv, max(-(-slots // p.block), 1), config_lib.num_parallel_units("tpu"))
-    return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                                  num_splits=splits, plan=p, interpret=interpret, **cache)
-  p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, **cache)
+    read, layout = (k_tm, v_tm), dict(kv_layout="NHD")
   seen = window_tokens(seq_capacity(k, cache["block_tables"]), num_tokens, cache["mods"])
   num_blocks = max(-(-seen // p.block), 1)
   splits = cfg.num_splits or config_lib.default_num_splits(
-      b, hkv, num_blocks, config_lib.num_parallel_units("tpu"))
-  return mosaic_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                         num_splits=splits, plan=p, interpret=interpret, **cache)
-
-
-def _mosaic_token_major_heads(token_major, cache):
-  """Kv heads per program when the Mosaic kernel reads these token-major caches in place
-  (`mosaic_tpu.token_major_heads`; a contiguous one also needs a page size), else None:
-  the kernel then reads the head-major copy."""
-  if token_major is None:
-    return None
-  k, v, rope = token_major
-  if cache["block_tables"] is None and mosaic_contiguous_page_size(k.shape[1]) is None:
-    return None
-  return mosaic_token_major_heads(k, v, rope, cache["k_scale"], cache["v_scale"], sparse="sparse" in cache)
+      b, hkv // (heads or 1), num_blocks, config_lib.num_parallel_units("tpu"))
+  return mosaic_partials(q_rows, ends, *read, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                         num_splits=splits, plan=p, interpret=interpret, **layout, **cache)
 
 
 def triton_supports(k, v, cache, v_head_dim=None) -> bool:

@@ -401,12 +401,14 @@ def _unpack_head(words, hh, dtype):
   return lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16 if dtype == jnp.uint32 else dtype)
 
 
-def token_major_heads(k, v=None, k_rope=None, k_scale=None, v_scale=None, sparse=False):
+def token_major_heads(k, v=None, k_rope=None, k_scale=None, v_scale=None, *, paged=True, sparse=False):
   """Kv heads per program of the paged kernel reading these token-major caches in place
   (`_paged_kernel`), or None when it cannot: 1 for float32, 2 for bfloat16 with an even
-  Hkv. 8-bit caches, float16, MLA (``v`` None), ``k_rope`` and sparse index lists read a
-  head-major copy."""
+  Hkv. 8-bit caches, float16, MLA (``v`` None), ``k_rope``, sparse index lists and a
+  contiguous cache (``paged`` False) with no `contiguous_page_size` read a head-major copy."""
   if v is None or k_rope is not None or k_scale is not None or v_scale is not None or sparse:
+    return None
+  if not paged and contiguous_page_size(k.shape[1]) is None:
     return None
   dtypes = {jnp.dtype(k.dtype), jnp.dtype(v.dtype)}
   hkv = k.shape[2]
