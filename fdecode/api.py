@@ -165,8 +165,10 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       (token-major, as Flax / vLLM / JAX's ragged paged attention hold it): contiguous
       ``[B, S, Hkv, D]``, paged ``[P, page_size, Hkv, D]``; scales, offsets and k_rope
       follow the same layout. Every kernel reads a token-major cache in place; the Mosaic
-      kernel float32 and bfloat16 (even Hkv) caches without scales or ``k_rope``, the
-      rest through a head-major copy made in the same program (`fdecode.cache.layout`).
+      kernel float32 and bfloat16 (even Hkv) caches, and caches of one kv head (MQA, MLA
+      latents, 8-bit with scales and ``k_rope`` included); its other cases read a
+      head-major copy made in the same program (`fdecode.cache.layout`). float16 caches
+      take the XLA path on TPU (Mosaic has no float16 vectors).
 
   Returns:
     ``out`` shaped like ``q`` with last dim Dv, dtype ``q.dtype``; with ``return_lse``

@@ -19,9 +19,10 @@ from fdecode.cache.layout import head_major
 from fdecode.cache.paged import gather_pages, gather_scale
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels import mosaic_tpu_sparse as mosaic_sparse
-from fdecode.kernels.mosaic_tpu import contiguous_page_size as mosaic_contiguous_page_size
 from fdecode.kernels.mosaic_tpu import mosaic_partials, plan as mosaic_plan
-from fdecode.kernels.mosaic_tpu import token_major_heads as mosaic_token_major_heads
+from fdecode.kernels.mosaic_tpu_token_major import contiguous_as_pool as mosaic_contiguous_as_pool
+from fdecode.kernels.mosaic_tpu_token_major import lone_packed_head as mosaic_lone_packed_head
+from fdecode.kernels.mosaic_tpu_token_major import token_major_heads as mosaic_token_major_heads
 from fdecode.kernels.mosaic_tpu_plan import dma_unit as mosaic_dma_unit
 from fdecode.kernels.triton import triton_partials, triton_unsupported
 from fdecode.kernels.xla import window_tokens, xla_partials
@@ -139,6 +140,9 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   return out.astype(q.dtype), lse
 
 
+_QUANT = ("k_scale", "k_offset", "v_scale", "v_offset")
+
+
 def seq_capacity(k, block_tables):
   return k.shape[2] if block_tables is None else block_tables.shape[1] * k.shape[2]
 
@@ -173,7 +177,9 @@ def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, int
 def _as_read(k, v, cache, token_major):
   """The caches as a path reads them -> (k, v, cache, kv_layout): token-major ones as
   stored (``token_major``: k, v, k_rope), else the head-major views."""
-  if token_major is None:
+  if token_major is None or (k.shape[0] if cache["block_tables"] is not None else k.shape[1]) == 1:
+    # One kv head (MQA, MLA latents): the head-major view is a free reshape here (no tiled
+    # layouts on CPU / GPU), the same bytes in the same order.
     return k, v, cache, "HND"
   k, v, rope = token_major
   return k, v, dict(cache, k_rope=rope), "NHD"
@@ -181,15 +187,21 @@ def _as_read(k, v, cache, token_major):
 
 def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, token_major=None, **cache):
   b, hkv = q_rows.shape[:2]
+  capacity = seq_capacity(k, cache["block_tables"])
   heads = None if token_major is None else mosaic_token_major_heads(
       *token_major, cache["k_scale"], cache["v_scale"], paged=cache["block_tables"] is not None,
       sparse="sparse" in cache)
+  # Mosaic has no float16 vectors (libtpu: "Invalid vector type for load"): a float16 cache
+  # takes the XLA path, and a float16 query over an 8-bit cache computes in float32.
+  float16_cache = any(x is not None and x.dtype == jnp.float16 for x in (k, v, cache["k_rope"]))
+  if q_rows.dtype == jnp.float16 and not float16_cache:
+    q_rows = q_rows.astype(jnp.float32)
   if heads is None:
     unit = mosaic_dma_unit(k, v, cache["k_rope"])
-    if ("sparse" in cache or cache["block_tables"] is not None) and k.shape[2] % unit:
-      # Pages (or sparse rows) that split a 32-bit sublane: no DMA can address them.
+    if float16_cache or (("sparse" in cache or cache["block_tables"] is not None) and k.shape[2] % unit):
+      # (Or pages / sparse rows that split a 32-bit sublane: no DMA can address them.)
       return _xla(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
-                  platform="tpu", **cache)
+                  platform="tpu", token_major=token_major, **cache)
     if "sparse" in cache:  # blocks of index-list slots, each token DMA'd on its own
       slots = cache["indices"].shape[-1]
       plan_args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
@@ -202,18 +214,19 @@ def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, to
     p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, **cache)
     read, layout = (k, v), {}
   else:  # token-major caches read in place by the paged kernel (`mosaic_partials`)
-    k_tm, v_tm, _ = token_major
-    tables = cache["block_tables"]
-    k_plan, v_plan = k, v
-    if tables is None:  # planned as the pool of whole pages it is read as
-      seq_len, ps = k_tm.shape[1], mosaic_contiguous_page_size(k_tm.shape[1])
-      tables = jax.ShapeDtypeStruct((b, seq_len // ps), jnp.int32)
-      pool = lambda x: jax.ShapeDtypeStruct((hkv, b * seq_len // ps, ps, x.shape[-1]), x.dtype)
-      k_plan, v_plan = pool(k_tm), pool(v_tm)
-    p = mosaic_plan(q_rows, k_plan, v_plan, block_k=cfg.block_k, kv_heads_per_program=heads,
-                    **dict(cache, block_tables=tables))
+    k_tm, v_tm, rope_tm = token_major
+    if cache["block_tables"] is None:  # a contiguous cache as the pool of whole pages it is read as
+      k_tm, v_tm, rope_tm, quant, tables = mosaic_contiguous_as_pool(
+          k_tm, v_tm, rope_tm, tuple(cache[n] for n in _QUANT))
+      cache = dict(cache, block_tables=tables, **dict(zip(_QUANT, quant)))
+    # Planned as the head-major pool it reads: [Hkv, P, page_size, D].
+    as_hnd = lambda x: None if x is None else jax.ShapeDtypeStruct(
+        (x.shape[2], x.shape[0], x.shape[1], x.shape[3]), x.dtype)
+    p = mosaic_plan(q_rows, as_hnd(k_tm), as_hnd(v_tm), block_k=cfg.block_k, kv_heads_per_program=heads,
+                    lone_packed_head=mosaic_lone_packed_head(k_tm), **dict(cache, k_rope=as_hnd(rope_tm)))
     read, layout = (k_tm, v_tm), dict(kv_layout="NHD")
-  seen = window_tokens(seq_capacity(k, cache["block_tables"]), num_tokens, cache["mods"])
+    cache = dict(cache, k_rope=rope_tm)
+  seen = window_tokens(capacity, num_tokens, cache["mods"])
   num_blocks = max(-(-seen // p.block), 1)
   splits = cfg.num_splits or config_lib.default_num_splits(
       b, hkv // (heads or 1), num_blocks, config_lib.num_parallel_units("tpu"))

@@ -14,7 +14,7 @@ import fdecode
 from fdecode.cache.layout import head_major
 from fdecode.compile_check import _HLO_BYTES
 from fdecode.config import XLA_CHUNK_TOKENS
-from fdecode.quant import quantize
+from fdecode.quant import dequantize, quantize
 from fdecode.reference import reference_decode
 from conftest import assert_close, impl_param, make_problem, tol
 from test_paged_quant import paged_problem, with_garbage
@@ -22,7 +22,9 @@ from test_paged_quant import paged_problem, with_garbage
 
 def nhd(x, paged):
   """A head-major cache-shaped array in the token-major layout."""
-  return None if x is None else (x.transpose(1, 2, 0, 3) if paged else x.swapaxes(1, 2))
+  if x is None or jnp.ndim(x) < 4:  # absent, or a per-tensor scale
+    return x
+  return x.transpose(1, 2, 0, 3) if paged else x.swapaxes(1, 2)
 
 
 def both_layouts(q, k, v, lengths, *, paged=False, k_rope=None, k_scale=None, v_scale=None, **kw):
@@ -114,7 +116,7 @@ def test_modifiers_and_nan_in_dead_slots(impl):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_head_pairs_with_modifiers_and_nan(impl, paged):
   """bfloat16 with 4 kv heads: the Mosaic kernel reads a token-major cache as 32-bit words
-  holding two heads each (`mosaic_tpu._words`), one program per pair. A per-head mask,
+  holding two heads each (`mosaic_tpu_token_major.words`), one program per pair. A per-head mask,
   ALiBi slopes, a window and NaN / inf in dead slots: bit for bit the head-major call,
   and the clean cache's result."""
   b, s, hkv, ps = 2, 48, 4, 16
@@ -132,6 +134,79 @@ def test_head_pairs_with_modifiers_and_nan(impl, paged):
   assert_same(hm, tm)
   clean = fdecode.flash_decode(q, nhd(k, paged), nhd(v, paged), lengths, kv_layout="NHD", return_lse=True, **kw)
   assert_same(clean, tm)
+
+
+@pytest.mark.parametrize("hkv,kind", [(1, "bf16"), (1, "int8-token"), (1, "mla-e4m3-tiles-rope"),
+                                      (4, "int8-token"), (4, "e4m3-tiles"), (8, "e5m2-tensor")])
+@pytest.mark.parametrize("page_size", [None, 1, 16], ids=["contiguous", "page1", "page16"])
+def test_packed_heads_in_place(request, impl, hkv, kind, page_size):
+  """Token-major 16- and 8-bit caches the Mosaic kernel reads in place beyond head pairs:
+  one kv head (MQA, MLA latents; the XLA path and Triton read the head-major view, a
+  free reshape; Mosaic DMAs ``[page_size, 1, D]`` windows, `mosaic_tpu_token_major.lone_packed_head`)
+  and 8-bit caches of 4 or 8 kv heads (words of four heads, `mosaic_tpu_token_major.unpack_head`;
+  scales per token, per 16-column tile or per tensor). NaN / inf in dead slots (and their
+  scales) and garbage table entries past the lengths: bit for bit the head-major call and
+  the clean cache's, and the float32 reference's within tolerance."""
+  if impl_param(request) == "pallas" and hkv > 1:
+    pytest.skip("the Triton kernel reads 8-bit token-major caches of several heads as test_int8_per_token_scales does")
+  b, s, hq, dk = 3, 48, 8, 64  # S = 3 pages of 16: Mosaic's contiguous blocks match
+  q, k, v = make_problem(7, b=b, t=2, hq=hq, hkv=hkv, s=s, dk=dk, dtype=jnp.bfloat16)
+  if kind != "bf16":  # a float32 query: 8-bit values dequantize exactly (the reference's tolerance)
+    q = q.astype(jnp.float32)
+  lengths = jnp.array([s, 1, 33], jnp.int32)
+  dead = (jnp.arange(s) >= lengths[:, None])[:, None, :, None]
+  kw, rope = dict(impl=impl, block_k=32, num_splits=3), None  # 32: int8 sublane tiles
+  if kind.startswith("mla"):  # FlashMLA's layout: fp8 latent with tile scales, bf16 RoPE columns
+    rope, k, v = k[..., 48:], k[..., :48], None
+    kw["v_head_dim"] = 32
+  dtype = next((d for name, d in (("int8", jnp.int8), ("e4m3", jnp.float8_e4m3fn), ("e5m2", jnp.float8_e5m2))
+                if name in kind), None)
+
+  def quant(k, v):
+    if kind == "bf16":
+      return k, v, {}
+    tile = 16 if "tiles" in kind else None
+    q8 = lambda x: quantize(x.astype(jnp.float32), dtype, tile=tile, per_tensor=kind.endswith("tensor"))
+    (kq, ks), (vq, vs) = q8(k), (None, None) if v is None else q8(v)
+    return kq, vq, dict(k_scale=ks) if v is None else dict(k_scale=ks, v_scale=vs)
+  bad = lambda x, fill: None if x is None else jnp.where(dead, fill, x)
+  t = tol(jnp.bfloat16) if kind == "bf16" else dict(atol=3e-5, rtol=3e-5, lse=3e-5)
+  if page_size:  # sequence i's page j is pool page b * j + i (interleaved), garbage past the lengths
+    to_pool = lambda x: x if x is None or x.ndim < 4 else (
+        x.reshape(b, x.shape[1], s // page_size, page_size, x.shape[-1]).transpose(1, 2, 0, 3, 4)
+        .reshape(x.shape[1], -1, page_size, x.shape[-1]))
+    tables = np.arange(b * s // page_size, dtype=np.int32).reshape(s // page_size, b).T
+    kw["block_tables"] = with_garbage(tables, lengths, page_size, b * s // page_size)
+  else:
+    to_pool = lambda x: x
+  clean = quant(k, v) + (rope,)
+  kf, vf = (None if x is None else (x if n not in clean[2] else dequantize(x, jnp.atleast_1d(clean[2][n])))
+            for x, n in ((clean[0], "k_scale"), (clean[1], "v_scale")))
+  # Dead slots: NaN keys and inf values (int8: -128 bytes), and NaN / inf per-token scales.
+  garbage = lambda x, fill: bad(x, fill if x.dtype != jnp.int8 else -128)
+  dirty = (garbage(clean[0], jnp.nan), None if v is None else garbage(clean[1], jnp.inf),
+           {n: bad(x, jnp.nan if n == "k_scale" else jnp.inf) if x.ndim == 4 else x for n, x in clean[2].items()},
+           bad(rope, jnp.nan))
+  results = []
+  for kq, vq, scales, rr in (dirty, clean):
+    kq, vq, rr = to_pool(kq), to_pool(vq), to_pool(rr)
+    scales = {n: to_pool(x) for n, x in scales.items()}
+    hm, tm = both_layouts(q, kq, vq, lengths, paged=page_size is not None, k_rope=rr, **scales, **kw)
+    if impl_param(request) == "mosaic" and page_size == 1:
+      # A head-major pool of 1-token 16- / 8-bit pages takes the XLA path on TPU (no DMA
+      # addresses a lone packed row); the token-major one the kernel (whole tile rows).
+      assert_close(tm[0], hm[0], atol=t["atol"], rtol=t["rtol"])
+      assert_close(tm[1], hm[1], atol=t["lse"], rtol=t["lse"], what="lse")
+    else:
+      assert_same(hm, tm)
+    results.append(tm)
+  assert_same(results[1], results[0])
+  kf, vf = (None if x is None else x.astype(jnp.float32) for x in (kf, vf))
+  if rope is not None:
+    kf, vf = jnp.concatenate([kf, rope.astype(jnp.float32)], -1), kf[..., :32]
+  ref, ref_lse = reference_decode(q, kf, vf, lengths)
+  assert_close(results[0][0], ref, atol=t["atol"], rtol=t["rtol"])
+  assert_close(results[0][1], ref_lse, atol=t["lse"], rtol=t["lse"], what="lse")
 
 
 def test_errors_name_the_token_major_shapes():

@@ -19,14 +19,19 @@ How each path reads a token-major cache:
 * Mosaic: in place through its paged kernel (a contiguous cache viewed as a pool of
   whole pages), one kv head's ``[page_size, D]`` rows per DMA for float32; bfloat16 as
   32-bit words that each hold two heads (a one-head window would split the packed
-  sublane pair, which libtpu rejects), one program per head pair, so Hkv must be even
-  (`fdecode.kernels.mosaic_tpu.token_major_heads`). 8-bit and float16 caches, MLA,
-  ``k_rope`` and sparse index lists, an odd Hkv in bfloat16, and a contiguous S with no
-  power-of-two factor of 8 or more read a head-major copy.
+  sublane pair, which libtpu rejects), one program per head pair, so Hkv must be even;
+  a cache of one kv head (MQA, MLA latents), in any dtype but float16 and with scales
+  and ``k_rope``, as ``[page_size, 1, D]`` windows
+  (`fdecode.kernels.mosaic_tpu_token_major.token_major_heads`). 8-bit caches with several kv heads,
+  MLA / ``k_rope`` with several, sparse index lists, an odd Hkv > 1 in bfloat16, and a
+  contiguous S with no power-of-two factor of 8 or more read a head-major copy; float16
+  caches take the XLA path (Mosaic has no float16 vectors).
 * The float32 reference reads the head-major copy.
 
 `head_major` is the one conversion, a transpose inside the same jit-compiled program
-(dropped when no lowered branch uses it). Cache *writes* (`fdecode.ragged`) go to the
+(dropped when no lowered branch uses it). With one kv head (MQA, MLA latents) it is a
+free reshape, so every path reads such a cache as head-major, in place, whatever its
+dtype or kind. Cache *writes* (`fdecode.ragged`) go to the
 caller's layout in place.
 """
 
@@ -53,8 +58,11 @@ def head_major(x, kv_layout: str, paged: bool):
   if x is None or kv_layout == "HND" or np.ndim(x) != 4:
     return x
   perm = (2, 0, 1, 3) if paged else (0, 2, 1, 3)
+  shape = tuple(x.shape[i] for i in perm)
   if isinstance(x, jax.ShapeDtypeStruct):  # a shape-only view (for checks)
-    return jax.ShapeDtypeStruct(tuple(x.shape[i] for i in perm), x.dtype)
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+  if x.shape[2] == 1:  # one kv head: the same bytes in the same order
+    return jnp.reshape(x, shape)
   return jnp.asarray(x).transpose(perm)
 
 

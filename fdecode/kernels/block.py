@@ -73,6 +73,29 @@ def head_pieces(d: int, n_tiles: int = 1, *, pow2: bool, limit: int | None = Non
   return tuple(pieces)
 
 
+def decode_fp8_bits(b, dtype_name: str):
+  """float8 bytes (uint8 ``x``, or int32 holding them) -> float32 values, with integer
+  ops only (GPUs below sm_89 have no float8 conversions; the Mosaic kernel unpacks bytes
+  from 32-bit words). e4m3fn: no inf, ``S.1111.111`` is NaN; e5m2:
+  IEEE-like (exponent 31: inf / NaN). Subnormals are built exactly from the mantissa;
+  the specials are selected, so nothing depends on denormal flushing."""
+  e4m3 = dtype_name == "float8_e4m3fn"
+  man_bits, bias = (3, 7) if e4m3 else (2, 15)
+  b = b.astype(jnp.int32)
+  mag = b & 0x7F
+  sign = jnp.where((b & 0x80) != 0, -1.0, 1.0)
+  exp = mag >> man_bits
+  man = mag & ((1 << man_bits) - 1)
+  normal = lax.bitcast_convert_type((mag << (23 - man_bits)) + ((127 - bias) << 23), jnp.float32)
+  sub = man.astype(jnp.float32) * (2.0 ** (1 - bias - man_bits))
+  x = jnp.where(exp == 0, sub, normal)
+  if e4m3:
+    x = jnp.where(mag == 0x7F, jnp.nan, x)
+  else:
+    x = jnp.where(exp == 31, jnp.where(man == 0, jnp.inf, jnp.nan), x)
+  return sign * x
+
+
 def dequantize_piece(x, scale, offset, dtype):
   """A loaded piece ``[bk, w]`` of an 8-bit cache and its tile's scale (and offset) column
   ``[bk|1, 1]`` -> ``[bk, w]`` in ``dtype``; a float piece is only cast."""

@@ -18,7 +18,9 @@ is how blocks reach VMEM, the way Mosaic wants it:
   viewed as a pool of whole pages): the same paged kernel, each DMA one kv head's page
   rows (float32) or one row of 32-bit words holding two bfloat16 heads, both computed by
   one program (grid ``(B, Hkv/2, n_splits)``): a one-head bfloat16 window would split
-  the packed sublane pair, which libtpu rejects (`token_major_heads`).
+  the packed sublane pair, which libtpu rejects (`token_major_heads`). A cache of one kv
+  head (MQA, MLA latents; 8-bit with scales and ``k_rope`` too) DMAs ``[page_size, 1, D]``
+  windows and flattens each loaded block (`lone_packed_head`).
 * **8-bit caches**: per-token scales / offsets travel with their block (BlockSpec or DMA);
   per-head / per-tensor ones are one small resident block. Dequantization happens after
   the load, per scale tile (`fdecode.kernels.block.head_pieces`).
@@ -42,6 +44,8 @@ from fdecode.kernels import block as blk
 from fdecode.modifiers import Modifiers, window_start
 
 from fdecode.kernels.mosaic_tpu_plan import Plan, per_token as _per_token, plan  # noqa: F401 (re-exported)
+from fdecode.kernels.mosaic_tpu_token_major import (lone_packed_head, pack_heads, token_major_heads, unpack_head,
+                                                    words as _words)
 
 
 def _pieces(d, scale, limit=None):
@@ -279,14 +283,17 @@ _ALIBI = 9  # the slopes' place in `_paged_kernel`'s operands (per head: [heads,
 
 def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_splits, heads,
                   token_major, pages_per_step, page_size, num_pages, table_len, num_rows, group,
-                  num_tokens, k_pieces, v_pieces, mods):
+                  num_tokens, k_pieces, v_pieces, mods, word_dtypes=(None, None, None)):
   # kinds: for (k, v, k_rope, k_scale, k_offset, v_scale, v_offset, mask, bias, alibi): "stream"
   #   (an HBM ref, DMA'd page by page), "step" (an HBM ref [Bm, Hm, M, positions], DMA'd
   #   one block of positions per step and kv head), "resident" (a VMEM block) or None (absent).
   # heads: kv heads per program (program j has heads j*heads ... ; q [heads, R_p, Dq]).
   #   Head-major pools: 1. Token-major pools (`token_major`): 1 for 32-bit caches, each
-  #   page window `pool[page, :, h]`; 2 for bfloat16, whose pool is read as 32-bit words
-  #   (`_words`) so a window `words[page, :, j]` holds heads 2j (low half) and 2j+1.
+  #   page window `pool[page, :, h]`, and for one kv head (`lone_packed_head`); 2 for
+  #   bfloat16 and 4 for 8-bit caches, whose pools are read as 32-bit words (`_words`) so
+  #   a window `words[page, :, j]` holds heads heads*j (lowest bits) ... heads*j + heads-1,
+  #   unpacked by `unpack_head` (word_dtypes: each cache's own dtype name). Scales stay
+  #   head-major: a streamed one is DMA'd per head into [2, heads, block, nt].
   # refs: the present operands in that order; o [heads, R_p, Dv], lse [heads, R_p, 1]; a
   #   VMEM buffer [2, block, D|nt] (stream) or [2, heads, M, block] (step) per DMA'd
   #   operand; DMA semaphores [n_dma, 2].
@@ -316,17 +323,25 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
           window = src.at[b if bm > 1 else 0, j * heads + hh if hm > 1 else 0, :, pl.ds(step * block, block)]
           yield True, pltpu.make_async_copy(window, bufs[n].at[slot, hh], sems.at[n, slot])
         continue
-      words = _words(src) if token_major and heads == 2 else src
+      cache_rows = token_major and i < 3  # k, v, k_rope token-major; scales head-major
+      words = _words(src) if cache_rows and heads > 1 else src
       for p in range(pages_per_step):
         index = step * pages_per_step + p
         page = jnp.clip(tables_ref[b * table_len + jnp.minimum(index, table_len - 1)], 0, num_pages - 1)
-        if token_major:  # [page_size, D] rows of one kv head (or of a head pair, as words)
-          window = words.at[page, :, j]
+        needed = (index < live_pages) & (index >= first_page)
+        rows = pl.ds(p * page_size, page_size)
+        if cache_rows and lone_packed_head(words):  # [page_size, 1, D]: the head axis kept
+          window = words.at[page, :, pl.ds(0, 1)]
+        elif cache_rows:  # [page_size, D] rows of one kv head (or of its heads' words)
+          window = words.at[page, :, j if words.shape[2] > 1 else 0]
+        elif heads > 1 and src.shape[0] > 1:  # a head-major scale of several heads: a page of each
+          for hh in range(heads):
+            window = src.at[j * heads + hh if src.shape[0] > 1 else 0, page]
+            yield needed, pltpu.make_async_copy(window, bufs[n].at[slot, hh, rows], sems.at[n, slot])
+          continue
         else:
           window = src.at[j if src.shape[0] > 1 else 0, page]
-        copy = pltpu.make_async_copy(window, bufs[n].at[slot, pl.ds(p * page_size, page_size)],
-                                     sems.at[n, slot])
-        yield (index < live_pages) & (index >= first_page), copy
+        yield needed, pltpu.make_async_copy(window, bufs[n].at[slot, rows], sems.at[n, slot])
 
   def start(step, slot):
     for needed, copy in copies(step, slot):
@@ -354,10 +369,15 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
       def operand(i, src):
         if i in buf_of:
           x = buf_of[i][slot]
-          if kinds[i] == "step":
+          if kinds[i] == "step" or (i >= 3 and x.ndim == 3):  # per head: [heads, ...]
             return x[hh]
-          return _unpack_head(x, hh, src.dtype) if token_major and heads == 2 else x
-        return None if src is None else (src[hh] if i == _ALIBI else src[...])  # alibi: [heads, R_p, 1]
+          if x.ndim == 3:  # a lone kv head's rows [block, 1, D]
+            return x.reshape(x.shape[0], x.shape[2])
+          return unpack_head(x, hh, heads, word_dtypes[i]) if token_major and i < 3 and heads > 1 else x
+        if src is None:
+          return None
+        # alibi [heads, R_p, 1] and resident scales of several heads [heads, 1, nt]: this head's
+        return src[hh] if i == _ALIBI or (heads > 1 and src.ndim == 3) else src[...]
       kx, vx, rx, ks, ko, vs, vo, mask, bias, slopes = (operand(i, src) for i, src in enumerate(srcs))
       kb, vb = _block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
       kb, bad = blk.guard_values(kb, vb, blk.rows_may_differ(num_tokens, mods))
@@ -377,56 +397,6 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
     _store_out(o_ref.at[hh], lse_ref.at[hh], v_pieces, o_pieces, lse)
 
 
-def _words(pool):
-  """A bfloat16 token-major pool ``[P, ps, Hkv, D]`` as 32-bit words ``[P, ps, Hkv/2, D]``
-  (word ``[p, t, j, d]`` packs heads 2j, in its low half, and 2j+1): a free view of the
-  ref in the kernel. A DMA window of one head splits bfloat16's packed sublane pair,
-  which libtpu rejects; a window of one word row is whole. An array that is already
-  words (`pack_head_pairs`, for the interpreter) passes through."""
-  return pool if pool.dtype == jnp.uint32 else pool.bitcast(jnp.uint32)
-
-
-def pack_head_pairs(pool):
-  """`_words` computed in XLA: the interpreter cannot index a bitcast ref, so under
-  interpretation the kernel gets this copy (same words)."""
-  bits = lax.bitcast_convert_type(pool, jnp.uint16).astype(jnp.uint32)
-  p, ps, hkv, d = pool.shape
-  bits = bits.reshape(p, ps, hkv // 2, 2, d)
-  return bits[:, :, :, 0] | (bits[:, :, :, 1] << 16)
-
-
-def _unpack_head(words, hh, dtype):
-  """Head ``hh`` (0: low half, 1: high half) of a block of bfloat16 head-pair words."""
-  bits = words << 16 if hh == 0 else words & jnp.uint32(0xFFFF0000)
-  return lax.bitcast_convert_type(bits, jnp.float32).astype(jnp.bfloat16 if dtype == jnp.uint32 else dtype)
-
-
-def token_major_heads(k, v=None, k_rope=None, k_scale=None, v_scale=None, *, paged=True, sparse=False):
-  """Kv heads per program of the paged kernel reading these token-major caches in place
-  (`_paged_kernel`), or None when it cannot: 1 for float32, 2 for bfloat16 with an even
-  Hkv. 8-bit caches, float16, MLA (``v`` None), ``k_rope``, sparse index lists and a
-  contiguous cache (``paged`` False) with no `contiguous_page_size` read a head-major copy."""
-  if v is None or k_rope is not None or k_scale is not None or v_scale is not None or sparse:
-    return None
-  if not paged and contiguous_page_size(k.shape[1]) is None:
-    return None
-  dtypes = {jnp.dtype(k.dtype), jnp.dtype(v.dtype)}
-  hkv = k.shape[2]
-  if dtypes == {jnp.dtype(jnp.float32)}:
-    return 1
-  if dtypes == {jnp.dtype(jnp.bfloat16)} and hkv % 2 == 0:
-    return 2
-  return None
-
-
-def contiguous_page_size(seq_len: int) -> int | None:
-  """Page size that views a contiguous token-major cache ``[B, S, Hkv, D]`` as a pool
-  ``[B*S/ps, ps, Hkv, D]`` (a free reshape) for `_paged_call`: the largest power of two
-  dividing S, at most 256; None below 8 (per-row DMAs)."""
-  ps = min(seq_len & -seq_len, 256) if seq_len else 0
-  return ps if ps >= 8 else None
-
-
 def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, *, num_rows, num_tokens,
                 softmax_scale, num_splits, interpret, mods, v_head_dim, kv_layout="HND"):
   b, hkv, _, dq = q_rows.shape
@@ -435,11 +405,12 @@ def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, 
   if token_major:
     num_pages, page_size = k.shape[:2]
     heads = token_major_heads(k, v, k_rope, quant[0], quant[2])
-    if heads == 2 and interpret:
-      k, v = pack_head_pairs(k), pack_head_pairs(v)
+    word_dtypes = tuple(None if x is None else jnp.dtype(x.dtype).name for x in (k, v, k_rope))
+    if heads > 1 and interpret:
+      k, v = pack_heads(k), pack_heads(v)
   else:
     _, num_pages, page_size, _ = k.shape
-    heads = 1
+    heads, word_dtypes = 1, (None, None, None)
   dv = v_head_dim if v is None else v.shape[-1]
   table_len = tables.shape[1]
   steps = pl.cdiv(table_len, p.pages_per_step)
@@ -454,12 +425,20 @@ def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, 
         a = jnp.broadcast_to(a, (a.shape[0], num_pages, page_size, a.shape[-1]))
       kinds.append("stream")
       in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-      bufs.append(pltpu.VMEM((2, p.block, a.shape[-1]), jnp.uint32 if heads == 2 else a.dtype))
-    else:  # per head / per tensor: one resident [1, nt] block
+      if i < 3:  # cache rows: a lone head's keep its axis; several heads' are words
+        shape = (2, p.block) + ((1,) if token_major and lone_packed_head(a) else ()) + (a.shape[-1],)
+        bufs.append(pltpu.VMEM(shape, jnp.uint32 if heads > 1 else a.dtype))
+      else:  # a scale: per head when a program computes several heads that differ
+        per_head = (heads,) if heads > 1 and a.shape[0] > 1 else ()
+        bufs.append(pltpu.VMEM((2,) + per_head + (p.block, a.shape[-1]), a.dtype))
+    else:  # per head / per tensor: one resident [1, nt] block ([heads, 1, nt] for several heads)
       d0, nt = a.shape[0], a.shape[-1]
       a = a.reshape(d0, 1, nt)
       kinds.append("resident")
-      in_specs.append(pl.BlockSpec((None, 1, nt), lambda i, h, s, e, t, d0=d0: (h if d0 > 1 else 0, 0, 0)))
+      if d0 > 1 and heads > 1:
+        in_specs.append(pl.BlockSpec((heads, 1, nt), lambda i, h, *rest: (h, 0, 0)))
+      else:
+        in_specs.append(pl.BlockSpec((None, 1, nt), lambda i, h, s, e, t, d0=d0: (h if d0 > 1 else 0, 0, 0)))
     present.append(a)
   mod_ops, _ = _mod_operands(mod_arrays, num_tokens, p.rows_p, steps * p.block)
   mod_ops = iter(mod_ops)
@@ -481,7 +460,7 @@ def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, 
       _paged_kernel, kinds=tuple(kinds), softmax_scale=softmax_scale, num_splits=num_splits,
       heads=heads, token_major=token_major, pages_per_step=p.pages_per_step, page_size=page_size,
       num_pages=num_pages, table_len=table_len, num_rows=r, group=r // num_tokens,
-      num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods)
+      num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods, word_dtypes=word_dtypes)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(b, hkv // heads, num_splits),
@@ -518,10 +497,9 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
       ``v`` None (MLA): no value stream; the values are the key block's first
       ``v_head_dim`` columns (each cache byte is DMA'd once).
     k_rope: optional key-only columns laid out like k (float): a second key stream.
-    kv_layout: ``"NHD"``: k and v are token-major, contiguous ``[B, S, Hkv, D]`` or
-      pools ``[P, page_size, Hkv, D]``, read in place by the paged kernel (a contiguous
-      cache as a pool of `contiguous_page_size` pages); only where `token_major_heads`
-      allows (float32, or bfloat16 with an even Hkv; no scales, k_rope or MLA).
+    kv_layout: ``"NHD"``: k, v and k_rope are token-major pools ``[P, page_size, Hkv, D]``
+      (a contiguous ``[B, S, Hkv, D]`` cache as `contiguous_as_pool` makes it), read in
+      place by the paged kernel; only where `token_major_heads` allows.
     plan: the launch's sizes, `fdecode.kernels.mosaic_tpu.plan` of these operands (with
       ``kv_heads_per_program=token_major_heads(...)`` for NHD).
     interpret: False (compile for TPU) or a ``pltpu.InterpretParams`` (TPU semantics on
@@ -540,12 +518,9 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   mod_arrays = dict(mask=mask, bias=bias, alibi=alibi)
   ends = ends.astype(jnp.int32)
   if kv_layout == "NHD":
-    if block_tables is None:  # a contiguous cache as a pool of whole pages, sequence by sequence
-      b, seq_len = k.shape[:2]
-      ps = contiguous_page_size(seq_len)
-      as_pool = lambda x: x.reshape((b * seq_len // ps, ps) + x.shape[2:])
-      k, v = as_pool(k), as_pool(v)
-      block_tables = jnp.arange(b * seq_len // ps, dtype=jnp.int32).reshape(b, seq_len // ps)
+    if block_tables is None:
+      raise ValueError("mosaic_partials: a contiguous token-major cache is read as a pool: "
+                       "pass contiguous_as_pool(...)'s pool and tables")
     o, lse = _paged_call(q_rows, ends, k, v, k_rope, block_tables.astype(jnp.int32), quant, mod_arrays,
                          p, kv_layout="NHD", **kw)
   elif block_tables is None:

@@ -20,6 +20,9 @@ _LANES = 128
 _STEP_BYTES = 512 * 1024
 _MAX_STEP_TOKENS = 2048
 _MAX_PAGES_PER_STEP = 64
+# Tokens per step of a lone packed kv head (`plan`): its relayout scratch is 4 KiB per
+# token and 128 columns.
+_LONE_HEAD_STEP_TOKENS = 128
 # Headroom above the computed footprint for Mosaic's internal scratch.
 _VMEM_HEADROOM = 4 * 1024 * 1024
 
@@ -82,7 +85,7 @@ def per_token(scale, paged: bool) -> bool:
 def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offset=None,
          v_offset=None, block_k: int | None = None, mods: Modifiers = Modifiers(), mask=None,
          bias=None, alibi=None, v_head_dim=None, k_rope=None, num_slots: int | None = None,
-         slot_rows: int = 1, kv_heads_per_program: int = 1) -> Plan:
+         slot_rows: int = 1, kv_heads_per_program: int = 1, lone_packed_head: bool = False) -> Plan:
   """Block sizes and VMEM footprint for these operands (arrays or ShapeDtypeStructs).
 
   ``block_k``: tokens per step; ``None`` picks about `_STEP_BYTES` of K + V per step.
@@ -93,7 +96,11 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
   ``slot_rows`` cache rows wide in VMEM (its DMA unit). ``kv_heads_per_program``: kv
   heads one program computes (a token-major bfloat16 pool's head pairs): the streamed
   blocks are that many heads wide, and the query, output, scratch and in-flight values
-  are per head.
+  are per head. ``lone_packed_head``: the caches are a token-major pool of one 16- or 8-bit
+  kv head (`fdecode.kernels.mosaic_tpu_token_major.lone_packed_head`): each buffered token takes a
+  whole 32-bit sublane, and the loaded block is relaid out through one vector register
+  per token and 128 columns (Mosaic's scratch: 24.25 MB for 2048 tokens of D=256 K and V
+  on v5e, where 8 MB is the buffers), so such a step is `_LONE_HEAD_STEP_TOKENS`.
   """
   r, dq = q_rows.shape[-2:]
   dk = k.shape[-1]
@@ -103,7 +110,7 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
   # Streams besides K: (width, dtype) of V (absent for MLA) and k_rope.
   extra = [(x.shape[-1], x.dtype) for x in (v, k_rope) if x is not None]
   token_bytes = dk * jnp.dtype(k.dtype).itemsize + sum(w * jnp.dtype(d).itemsize for w, d in extra)
-  tokens = block_k or _default_step_tokens(token_bytes)
+  tokens = block_k or (_LONE_HEAD_STEP_TOKENS if lone_packed_head else _default_step_tokens(token_bytes))
   quant = [a for a in (k_scale, k_offset, v_scale, v_offset) if a is not None]
   if paged and num_slots is None:
     page_size, table_len = k.shape[2], block_tables.shape[1]
@@ -118,7 +125,12 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
     block = seq_len if seq_len <= tokens else _round_up(tokens, align)
   # Streams (K, V, k_rope and per-token scales): two buffers each, blocks of `rows` rows.
   rows = block * (slot_rows if num_slots is not None else 1)
-  streams = _tile_bytes((rows, dk), k.dtype) + sum(_tile_bytes((rows, w), d) for w, d in extra)
+  if lone_packed_head:  # a 32-bit sublane per token; the relayout of the widest stream
+    streams = sum(_tile_bytes((rows, w), jnp.float32) for w in [dk] + [w for w, _ in extra])
+    relayout = rows * _round_up(max([dk] + [w for w, _ in extra]), _LANES) * _sublanes(jnp.float32) * 4
+  else:
+    streams = _tile_bytes((rows, dk), k.dtype) + sum(_tile_bytes((rows, w), d) for w, d in extra)
+    relayout = 0
   streams += sum(_tile_bytes((rows if per_token(a, paged) else 1, a.shape[-1]), jnp.float32)
                  for a in quant)
   io = (_tile_bytes((rows_p, dq), q_rows.dtype) + _tile_bytes((rows_p, dv), jnp.float32)
@@ -133,7 +145,7 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
       work += _tile_bytes((rows_p, m), jnp.float32) + _tile_bytes((rows_p, block), jnp.float32)
   if alibi is not None:
     io += _tile_bytes((rows_p, 1), jnp.float32)
-  vmem = kv_heads_per_program * (2 * streams + 2 * io + scratch + work)
+  vmem = kv_heads_per_program * (2 * streams + 2 * io + scratch + work) + relayout
   limit = _round_up(vmem + _VMEM_HEADROOM, 1024 * 1024)
   return Plan(paged=paged and num_slots is None, block=block, pages_per_step=pages, rows_p=rows_p,
               vmem_bytes=vmem, vmem_limit_bytes=limit)

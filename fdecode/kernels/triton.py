@@ -46,6 +46,7 @@ from fdecode import chips
 from fdecode import config as config_lib
 from fdecode.cache.layout import kv_heads, token_axis
 from fdecode.kernels import block as blk
+from fdecode.kernels.block import decode_fp8_bits  # noqa: F401 (its home is the shared block math)
 from fdecode.kernels.xla import window_tokens
 from fdecode.modifiers import Modifiers, window_start
 from fdecode.sparse import Sparse, pad_slots, slot_range
@@ -170,28 +171,6 @@ def launch_plan(gpu: chips.Gpu, *, block_r: int, dq: int, dv: int, cols: int, ra
   # tiles on 8 warps, which ptxas takes without spills once float32 pieces are at most
   # _F32_PIECE wide (16 warps would cap it at 128 registers and spill).
   return fits(_MIN_DOT, _WARPS[-1])[1]
-
-
-def decode_fp8_bits(b, dtype_name: str):
-  """float8 bytes (uint8 ``x``) -> float32 values, with integer ops only (GPUs below
-  sm_89 have no float8 conversions). e4m3fn: no inf, ``S.1111.111`` is NaN; e5m2:
-  IEEE-like (exponent 31: inf / NaN). Subnormals are built exactly from the mantissa;
-  the specials are selected, so nothing depends on denormal flushing."""
-  e4m3 = dtype_name == "float8_e4m3fn"
-  man_bits, bias = (3, 7) if e4m3 else (2, 15)
-  b = b.astype(jnp.int32)
-  mag = b & 0x7F
-  sign = jnp.where((b & 0x80) != 0, -1.0, 1.0)
-  exp = mag >> man_bits
-  man = mag & ((1 << man_bits) - 1)
-  normal = lax.bitcast_convert_type((mag << (23 - man_bits)) + ((127 - bias) << 23), jnp.float32)
-  sub = man.astype(jnp.float32) * (2.0 ** (1 - bias - man_bits))
-  x = jnp.where(exp == 0, sub, normal)
-  if e4m3:
-    x = jnp.where(mag == 0x7F, jnp.nan, x)
-  else:
-    x = jnp.where(exp == 31, jnp.where(man == 0, jnp.inf, jnp.nan), x)
-  return sign * x
 
 
 # Widest piece of a float32 computation (FMA dots; see `fdecode.kernels.block.head_pieces`).

@@ -28,14 +28,14 @@ def case(name):
 
 
 def _contiguous(target, *, dk, dv=None, dtype=jnp.bfloat16, g=4, t=1, s=S, b=B, hkv=HKV,
-                quant=None, paged=None, kv_layout="HND", **static):
+                quant=None, paged=None, kv_layout="HND", q_dtype=None, **static):
   """flash_decode over a contiguous or paged (``paged`` = page size) cache.
 
   ``quant``: None, or (scale granularity, with offsets): "tensor" | "token" | "tiles"."""
   dv = dk if dv is None else dv
   sd = target.spec
   is8 = dtype in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
-  q_dtype = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+  q_dtype = q_dtype or (jnp.float32 if dtype == jnp.float32 else jnp.bfloat16)
   q = sd((b, t, hkv * g, dk), q_dtype)
   opts = {}
   if paged:
@@ -72,6 +72,11 @@ for _dt, _q in ((jnp.int8, ("tensor", False)), (jnp.int8, ("token", True)), (jnp
                 (jnp.float8_e5m2, ("tensor", False))):
   _name = f"{jnp.dtype(_dt).name}-{_q[0]}" + ("-offsets" if _q[1] else "")
   CASES[_name] = functools.partial(_contiguous, dk=128, dtype=_dt, quant=_q)
+# float16: Mosaic has no float16 vectors (libtpu: "Invalid vector type for load"), so on
+# TPU a float16 cache takes the XLA path (TPU_XLA) and a float16 query over an 8-bit
+# cache computes in float32 in the kernel.
+CASES["float16-d128"] = functools.partial(_contiguous, dk=128, dtype=jnp.float16, q_dtype=jnp.float16)
+CASES["int8-token-q-float16"] = functools.partial(_contiguous, dk=128, dtype=jnp.int8, q_dtype=jnp.float16)
 CASES["float8_e4m3fn-d256-tiles"] = functools.partial(_contiguous, dk=256, dtype=jnp.float8_e4m3fn,
                                                        quant=("tiles", False))
 # Paged caches.
@@ -120,11 +125,14 @@ CASES["nhd-modifier-alibi"] = functools.partial(_modifier, which="alibi", kv_lay
 CASES["modifier-mask-s100"] = functools.partial(_modifier, which="mask", s=100)
 
 
-def _mla(target, *, g, dtype=jnp.bfloat16, paged=None, t=1):
+def _mla(target, *, g, dtype=jnp.bfloat16, paged=None, t=1, kv_layout="HND"):
   """DeepSeek MLA: a 576-wide latent key, values its first 512 columns; fp8: FlashMLA's
   layout (e4m3 latent with 1x128 tile scales, bf16 RoPE columns)."""
   sd = target.spec
-  lead = (1, S // 16 * B + 3, 16) if paged else (B, 1, S)
+  if kv_layout == "NHD":
+    lead = (S // 16 * B + 3, 16, 1) if paged else (B, S, 1)
+  else:
+    lead = (1, S // 16 * B + 3, 16) if paged else (B, 1, S)
   q = sd((B, t, g, 576), jnp.bfloat16)
   opts = {}
   if paged:
@@ -134,7 +142,7 @@ def _mla(target, *, g, dtype=jnp.bfloat16, paged=None, t=1):
     opts.update(k_scale=sd(lead + (4,), jnp.float32), k_rope=sd(lead + (64,), jnp.bfloat16))
   else:
     k = sd(lead + (576,), dtype)
-  fn = lambda q, k, n, opts: fdecode.flash_decode(q, k, None, n, v_head_dim=512, **opts)
+  fn = lambda q, k, n, opts: fdecode.flash_decode(q, k, None, n, v_head_dim=512, kv_layout=kv_layout, **opts)
   return fn, (q, k, sd((B,), jnp.int32), opts)
 
 
@@ -143,6 +151,18 @@ CASES["mla-bf16-g128"] = functools.partial(_mla, g=128)
 CASES["mla-fp8-g128"] = functools.partial(_mla, g=128, dtype=jnp.float8_e4m3fn)
 CASES["mla-fp8-g16-paged16"] = functools.partial(_mla, g=16, dtype=jnp.float8_e4m3fn, paged=True)
 CASES["mla-bf16-g128-t2"] = functools.partial(_mla, g=128, t=2)
+# One kv head, token-major (MQA as Gemma 3 270M holds it, MLA latents): the head-major
+# view is a free reshape on CPU / GPU; Mosaic DMAs [page_size, 1, D] windows in place.
+CASES["nhd-mla-fp8-g16-paged16"] = functools.partial(_mla, g=16, dtype=jnp.float8_e4m3fn, paged=True,
+                                                     kv_layout="NHD")
+CASES["nhd-mla-bf16-g16"] = functools.partial(_mla, g=16, kv_layout="NHD")
+CASES["nhd-mqa-bf16-d256"] = functools.partial(_contiguous, dk=256, hkv=1, kv_layout="NHD")
+CASES["nhd-mqa-int8-paged16"] = functools.partial(_contiguous, dk=128, hkv=1, g=8, dtype=jnp.int8, paged=16,
+                                                  kv_layout="NHD")
+# 8-bit token-major caches of 4k kv heads: Mosaic reads words of four heads in place.
+CASES["nhd-hkv8-int8-token"] = functools.partial(_contiguous, dk=128, hkv=8, dtype=jnp.int8, kv_layout="NHD")
+CASES["nhd-hkv8-e4m3-tiles-paged16"] = functools.partial(_contiguous, dk=128, hkv=8, dtype=jnp.float8_e4m3fn,
+                                                         paged=16, quant=("tiles", False), kv_layout="NHD")
 
 
 def _sparse(target, *, form, paged=None, dk=128, kk=512, **kw):
@@ -221,8 +241,9 @@ def _sharded(target, n_dev, head, seq, pod=None):
 CASES["sharded-4dev"] = functools.partial(_sharded, n_dev=4, head=2, seq=2)
 TPU_ONLY = {"sharded-pod-v5e-4x4"}  # a 16-chip, 4-host slice (TPU topology only)
 # Cases whose documented TPU path is XLA, not a kernel: bf16 pages of one token split a
-# 32-bit sublane, which no Mosaic DMA addresses (`fdecode.kernels.mosaic_tpu_plan.dma_unit`).
-TPU_XLA = {"paged1-bf16-d128"}
+# 32-bit sublane, which no Mosaic DMA addresses (`fdecode.kernels.mosaic_tpu_plan.dma_unit`);
+# float16 caches, which Mosaic cannot load.
+TPU_XLA = {"paged1-bf16-d128", "float16-d128"}
 CASES["sharded-pod-v5e-4x4"] = functools.partial(_sharded, n_dev=16, head=4, seq=4, pod="v5e:4x4")
 
 

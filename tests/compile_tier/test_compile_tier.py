@@ -89,6 +89,13 @@ TOKEN_MAJOR_K_BYTES = {
     "nhd-paged1-f32-d128-t4": (2 * 4096 + 3) * 1 * 2 * 128 * 4,
     "ragged-nhd-paged16": (16 * 256 + 3) * 16 * 2 * 128 * 2,
     "flax-mha-attention-fn": 2 * 4096 * 8 * 128 * 2,  # Flax's own cache, 8 heads
+    # One kv head: MQA (Gemma 3's shape), MLA latents (fp8 with bf16 RoPE columns).
+    "nhd-mqa-bf16-d256": 2 * 4096 * 1 * 256 * 2,
+    "nhd-mqa-int8-paged16": (2 * 256 + 3) * 16 * 1 * 128 * 1,
+    "nhd-mla-bf16-g16": 2 * 4096 * 1 * 576 * 2,
+    "nhd-mla-fp8-g16-paged16": (2 * 256 + 3) * 16 * 1 * 512 * 1,
+    "nhd-hkv8-int8-token": 2 * 4096 * 8 * 128 * 1,
+    "nhd-hkv8-e4m3-tiles-paged16": (2 * 256 + 3) * 16 * 8 * 128 * 1,
 }
 
 
@@ -105,8 +112,9 @@ def test_gpu_reads_token_major_caches_in_place(reports, target, name):
       f"{TOKEN_MAJOR_K_BYTES[name]} B cache")
 
 
-# ... and on TPU, where the Mosaic kernel reads float32 and bfloat16 (even Hkv) token-major
-# caches in place; 8-bit ones (nhd-paged16-int8-token) still read a head-major copy.
+# ... and on TPU, where the Mosaic kernel reads float32, bfloat16 (even Hkv), 8-bit (Hkv a
+# multiple of 4) and one-kv-head (any dtype but float16) token-major caches in place;
+# 8-bit ones of 2 kv heads (nhd-paged16-int8-token) still read a head-major copy.
 TPU_TOKEN_MAJOR_K_BYTES = dict(
     {n: TOKEN_MAJOR_K_BYTES[n] for n in TOKEN_MAJOR_K_BYTES if n != "nhd-paged16-int8-token"},
     **{"nhd-modifier-mask-paged16": (2 * 256 + 3) * 16 * 2 * 128 * 2,
