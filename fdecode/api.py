@@ -72,7 +72,11 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     num_splits: chunks of the token axis processed in parallel, each yielding a partial
       state merged by `merge_states`. ``None``: compiled Triton fills one wave of the GPU's
       SMs (`fdecode.config.gpu_num_splits`); elsewhere `fdecode.config.default_num_splits`.
-      Any positive value gives the same result within float tolerance.
+      Any positive value gives the same result within float tolerance. ``"balance"``:
+      the Triton kernel runs a fixed grid of work items sized to fill the GPU, each a run
+      of one sequence's live blocks, dealt out by the live lengths (then merged per
+      sequence), for batches whose lengths differ widely, e.g. mostly empty rows
+      (`ragged_decode`'s prefill blocks); other paths pick their splits as for ``None``.
     block_k: tokens per block of the Pallas kernels' inner loop. Triton: rounded up to a
       power of two, at least 16 (default 128); compiled, an upper bound: the block shrinks
       until its tiles fit the GPU's registers and shared memory. Mosaic: rounded up to the cache dtype's
@@ -225,7 +229,7 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     interpret = forced_tpu_interpret()
   if isinstance(interpret, np.bool_):
     interpret = bool(interpret)
-  cfg = config_lib.Config(num_splits=num_splits, block_k=block_k).bounded(
+  cfg = config_lib.Config.from_args(num_splits, block_k).bounded(
       max(seq_capacity(k, block_tables), 0 if indices is None else np.shape(indices)[-1]))
   scale = static_scale(softmax_scale, q.shape[-1])
   check_concrete_lengths(lengths, None if kv_offset is not None else seq_capacity(k, block_tables))

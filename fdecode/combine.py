@@ -38,25 +38,55 @@ def merge_states(o: jnp.ndarray, lse: jnp.ndarray, axis: int = 0):
   if not -lse.ndim <= axis < lse.ndim:
     raise ValueError(f"merge_states: axis={axis} out of range for {lse.shape=}")
   axis = axis % lse.ndim
+  reduce = lambda fn, x: fn(x, axis=axis)
+  back = lambda x: jnp.expand_dims(x, axis)
+  return _merge(o, lse, lambda x: reduce(jnp.max, x), lambda o, w: (reduce(jnp.sum, o), reduce(jnp.sum, w)),
+                lambda x: reduce(jnp.any, x), back)
+
+
+def merge_segments(o: jnp.ndarray, lse: jnp.ndarray, segments: jnp.ndarray, num_segments: int):
+  """`merge_states` of the parts that share a segment id: parts ``[n, ...]`` ->
+  ``[num_segments, ...]``, the same semantics (empty segment: o = 0, lse = -inf; NaN
+  propagates; +inf takes all the weight). ``segments``: int ``[n]``; a part whose id is
+  outside ``[0, num_segments)`` is dropped (whatever it holds). The Triton kernel's
+  balanced schedule merges its work items so (`fdecode.kernels.triton`)."""
+  import jax  # pylint: disable=g-import-not-at-top (combine.py stays import-light)
+  if o.shape[:-1] != lse.shape or segments.shape != lse.shape[:1]:
+    raise ValueError(f"merge_segments: need o [n, ..., D], lse [n, ...], segments [n]; got "
+                     f"{o.shape=} {lse.shape=} {segments.shape=}")
+  live = (segments >= 0) & (segments < num_segments)
+  seg = jnp.where(live, segments, num_segments)  # out of range: dropped by every reduction
+  lse = jnp.where(live.reshape((-1,) + (1,) * (lse.ndim - 1)), lse.astype(jnp.float32), -jnp.inf)
+  kw = dict(segment_ids=seg, num_segments=num_segments)
+  def sums(o, w):  # one scatter for both (each scatter's zeroed buffer is a copy on GPU)
+    both = jax.ops.segment_sum(jnp.concatenate([o, w[..., None]], axis=-1), **kw)
+    return both[..., :-1], both[..., -1]
+  return _merge(o, lse, lambda x: jax.ops.segment_max(x, **kw), sums,
+                lambda x: jax.ops.segment_max(x.astype(jnp.int32), **kw) > 0,
+                lambda x: x[jnp.minimum(seg, num_segments - 1)])
+
+
+def _merge(o, lse, reduce_max, reduce_sums, reduce_any, back):
+  """The merge, over whatever grouping the reductions (parts -> merged; ``reduce_sums``:
+  of the weighted outputs and of the weights) and ``back`` (merged -> parts) define."""
   lse = lse.astype(jnp.float32)
-  lse_max = jnp.max(lse, axis=axis, keepdims=True)
+  lse_max = reduce_max(lse)
   # A part at lse = +inf (a sink of +inf) takes all the weight: its limit.
   top_inf = lse_max == jnp.inf
   # All parts empty: use 0 as the reference so that exp(-inf - 0) = 0 (no NaN).
   ref = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-  w = jnp.where(top_inf, jnp.where(lse == jnp.inf, 1.0, 0.0), jnp.exp(lse - ref))  # [..., n, ...]
-  total = jnp.sum(w, axis=axis)
+  w = jnp.where(back(top_inf), jnp.where(lse == jnp.inf, 1.0, 0.0), jnp.exp(lse - back(ref)))  # per part
   # An empty part (lse -inf) is selected away, never multiplied by its 0 weight (its o
   # may be anything). A non-empty part's o always enters, so a NaN it holds propagates
   # even where its weight underflows to 0, as the slot's 0 * NaN would in one softmax.
   nonempty = (lse != -jnp.inf)[..., None]
   weighted = jnp.where(nonempty, w[..., None] * o.astype(jnp.float32), 0.0)
-  acc = jnp.sum(weighted, axis=axis)
+  acc, total = reduce_sums(weighted, w)
   out = acc / jnp.where(total > 0, total, 1.0)[..., None]
-  out_lse = jnp.where(total > 0, jnp.squeeze(ref, axis) + jnp.log(total), -jnp.inf)
-  out_lse = jnp.where(jnp.squeeze(top_inf, axis), jnp.inf, out_lse)
+  out_lse = jnp.where(total > 0, ref + jnp.log(total), -jnp.inf)
+  out_lse = jnp.where(top_inf, jnp.inf, out_lse)
   # A NaN lse is not "empty": it propagates to the merged o and lse.
-  nan = jnp.any(jnp.isnan(lse), axis=axis)
+  nan = reduce_any(jnp.isnan(lse))
   out = jnp.where(nan[..., None], jnp.nan, out)
   out_lse = jnp.where(nan, jnp.nan, out_lse)
   return out.astype(o.dtype), out_lse

@@ -53,10 +53,21 @@ class Config:
       a partial output + LSE that `merge_states` combines. Any positive value gives
       the same result within float tolerance.
     block_k: tokens per block of the Pallas kernel's online-softmax loop.
+    balance: the Triton kernel's balanced schedule (``flash_decode(num_splits="balance")``):
+      a fixed grid of work items that deal out each sequence's live blocks
+      (`fdecode.kernels.triton`); other paths pick their splits as for ``None``.
   """
 
   num_splits: int | None = None
   block_k: int | None = None
+  balance: bool = False
+
+  @classmethod
+  def from_args(cls, num_splits, block_k) -> "Config":
+    """``flash_decode``'s ``num_splits`` (an int, None or ``"balance"``) and ``block_k``."""
+    if isinstance(num_splits, str) and num_splits == "balance":
+      return cls(block_k=block_k, balance=True)
+    return cls(num_splits=num_splits, block_k=block_k)
 
   def __post_init__(self):
     for name in ("num_splits", "block_k"):
@@ -64,7 +75,8 @@ class Config:
       if value is None:
         continue
       if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be a positive int or None, got {describe(value)}")
+        allowed = "a positive int, None or 'balance'" if name == "num_splits" else "a positive int or None"
+        raise ValueError(f"{name} must be {allowed}, got {describe(value)}")
       if not 1 <= value <= _STATIC_INT_MAX[name]:
         why = "int32; a block is rounded up to a power of two" if name == "block_k" else "int32"
         raise ValueError(f"{name} must be a positive int or None, at most {_STATIC_INT_MAX[name]} "

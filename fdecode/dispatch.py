@@ -171,7 +171,7 @@ def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, int
   k, v, cache, layout = _as_read(k, v, cache, token_major)
   return triton_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
                          num_splits=cfg.num_splits, block_k=cfg.block_k or config_lib.DEFAULT_BLOCK_K,
-                         interpret=interpret, kv_layout=layout, **cache)
+                         interpret=interpret, kv_layout=layout, balance=cfg.balance, **cache)
 
 
 def _as_read(k, v, cache, token_major):

@@ -18,7 +18,10 @@ How the work is split (all inside one jit-compiled program):
   ``impl="pallas"``) a paged step's blocks go to *one* `flash_decode` call, a static
   ``ceil(N / QUERY_BLOCK) + min(max_seqs, N // 2)`` of them (one kernel launch): blocks
   past the real ones have kv length 0, and the kernels read nothing for them; a step
-  with no prefill block skips that call (``lax.cond``). (Where
+  with no prefill block skips that call (``lax.cond``). On GPU that call runs the
+  balanced schedule (``num_splits="balance"``): a grid of work items sized to fill the
+  GPU deals out the real blocks' keys, however few they are (before, its split count
+  was sized for the static bound, so a step with 9 real blocks of 73 ran 72 programs). (Where
   `flash_decode` itself falls back to XLA on GPU or TPU, a head dim Triton cannot tile or
   a page size Mosaic cannot DMA, that XLA path reads every block of the bound.)
 
@@ -317,7 +320,10 @@ def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_
     # for every padding block) is skipped.
     def run(out, lse):
       s, idx, length, dest = geometry(jnp.arange(-(-n_rows // tb) + min(m, n_rows // 2), dtype=jnp.int32))
+      # num_splits "balance": the Triton kernel deals the real blocks' keys over a grid
+      # that fills the GPU, whichever blocks are real (`fdecode.kernels.triton`).
       o, l = call(q[idx], caches["k"], caches["v"], length, block_tables=tables[s],
+                  num_splits=opts.get("num_splits") or "balance",
                   **_cache_opts(caches), **shared, **per_row(idx, idx.shape))
       return put(out, lse, dest, o, l)
     return lax.cond(ends[-1] > 0, run, lambda out, lse: (out, lse), out, lse)

@@ -53,6 +53,7 @@ def test_shape_errors_raise_at_trace_time_under_jit():
 @pytest.mark.parametrize("kw,pattern", [
     (dict(impl="cuda"), "impl must be one of"),
     (dict(num_splits=0), "num_splits must be a positive int"),
+    (dict(num_splits="fast"), "num_splits must be a positive int, None or 'balance', got 'fast'"),
     (dict(block_k=-4), "block_k must be a positive int"),
 ])
 def test_bad_options(kw, pattern):

@@ -92,3 +92,27 @@ def test_kv_offset_per_sequence_and_errors():
   assert_close(out, ref, atol=3e-5, rtol=3e-5)
   with pytest.raises(ValueError, match=r"kv_offset must be a scalar or \[B\]=\(2,\)"):
     fdecode.flash_decode(q, k, v, lengths, kv_offset=jnp.array([1, 2, 3]))
+
+
+def test_merge_segments_is_merge_states_per_segment():
+  """`merge_segments` (the Triton kernel's balanced schedule merges its work items so):
+  each segment's parts give exactly `merge_states` of them, with its semantics for empty
+  parts, a NaN lse or o, and +inf; a segment with no part is (0, -inf); parts whose id
+  is out of range are dropped, NaN and all."""
+  from fdecode.combine import merge_segments
+  o = jax.random.normal(jax.random.key(1), (9, 2, 4))
+  lse = jax.random.normal(jax.random.key(2), (9, 2))
+  lse = lse.at[1, 0].set(-jnp.inf).at[3, 1].set(jnp.nan).at[5, 0].set(jnp.inf)
+  o = o.at[6, 1].set(jnp.nan).at[8].set(jnp.nan)
+  lse = lse.at[8].set(jnp.nan)
+  segments = jnp.array([0, 0, 2, 2, 2, 4, 4, 4, 7])  # 1, 3: no part; 7 out of range: dropped
+  out, out_lse = merge_segments(o, lse, segments, 5)
+  for seg, parts in ((0, slice(0, 2)), (2, slice(2, 5)), (4, slice(5, 8))):
+    want, want_lse = fdecode.merge_states(o[parts], lse[parts], axis=0)
+    np.testing.assert_array_equal(np.asarray(out[seg]), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(out_lse[seg]), np.asarray(want_lse))
+  for seg in (1, 3):
+    np.testing.assert_array_equal(np.asarray(out[seg]), 0.0)
+    assert np.isneginf(np.asarray(out_lse[seg])).all()
+  with pytest.raises(ValueError, match="merge_segments"):
+    merge_segments(o, lse, segments[:3], 5)

@@ -9,7 +9,7 @@ import fdecode
 from fdecode.cache import PageAllocator, PoolExhaustedError, gather_pages, write_contiguous, write_paged
 from fdecode.quant import dequantize, quantize
 from fdecode.reference import reference_decode
-from conftest import assert_close, make_problem, tol
+from conftest import assert_close, impl_param, make_problem, tol
 
 
 def paged_problem(seed, *, b, t, hq, hkv, pages_per_seq, page_size, dk, dtype=jnp.float32, spare=3):
@@ -272,3 +272,67 @@ def test_allocator_properties():
     alloc.free("nope")
   with pytest.raises(PoolExhaustedError, match="more pages"):
     PageAllocator(2, 4, 8).allocate("x", 12)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("t,window", [(None, None), (3, 24)], ids=["T1", "T3-window"])
+def test_balanced_schedule_matches_reference(request, impl, dtype, page_size, t, window):
+  """``num_splits="balance"`` (the Triton kernel's work items, `ragged_decode`'s prefill
+  blocks): a batch of mostly empty rows beside lengths 1, block±1 and the capacity, NaN
+  / inf in the pages past each length and garbage table entries, against the float32
+  reference (the other paths pick their splits as for None)."""
+  if impl_param(request) == "mosaic":
+    pytest.skip("a Triton schedule: Mosaic picks its splits as for num_splits=None")
+  block, pages_per_seq = 16, 64 // page_size
+  cap = pages_per_seq * page_size
+  q, kp, vp, tables = paged_problem(9, b=9, t=t, hq=8, hkv=2, pages_per_seq=pages_per_seq,
+                                    page_size=page_size, dk=32, dtype=dtype)
+  lengths = jnp.array([0, cap, 0, 1, 0, block - 1, block + 1, 0, cap - 3], jnp.int32)
+  if t is not None:  # each sequence holds at least its T new tokens
+    lengths = jnp.where(lengths > 0, jnp.maximum(lengths, t), 0)
+  tables = with_garbage(tables, lengths, page_size, kp.shape[1])
+  gather = lambda pool: jnp.take(pool, jnp.clip(jnp.asarray(tables), 0, pool.shape[1] - 1), axis=1) \
+      .transpose(1, 0, 2, 3, 4).reshape(9, 2, cap, 32)
+  k, v = gather(kp), gather(vp)  # the clean contiguous view, for the reference
+  dead_pages = np.setdiff1d(np.arange(kp.shape[1]), np.asarray(tables)[
+      np.arange(pages_per_seq)[None, :] < -(-np.asarray(lengths)[:, None] // page_size)])
+  kp, vp = kp.at[:, dead_pages].set(jnp.nan), vp.at[:, dead_pages].set(jnp.inf)
+  out, lse = fdecode.flash_decode(q, kp, vp, lengths, block_tables=tables, impl=impl, num_splits="balance",
+                                  block_k=block, window=window, return_lse=True)
+  q4 = q if t else q[:, None]
+  ref, ref_lse = reference_decode(q4, k, v, lengths, window=window)
+  if t is None:
+    ref, ref_lse = ref[:, 0], ref_lse[:, 0]
+  tl = tol(dtype)
+  assert_close(out, ref, atol=tl["atol"], rtol=tl["rtol"])
+  assert_close(lse, ref_lse, atol=tl["lse"], rtol=tl["lse"], what="lse")
+
+
+def test_balanced_schedule_covers_every_block_once():
+  """`triton._balanced_schedule`: every live block of every sequence belongs to exactly
+  one used item, no item exceeds ceil(blocks / (items - live)) blocks, and the items
+  needed never exceed the grid, for random lengths with many empty rows."""
+  from fdecode.kernels import block as blk
+  from fdecode.kernels.triton import _balanced_schedule
+  from fdecode.modifiers import Modifiers
+  rng = np.random.default_rng(0)
+  for trial in range(20):
+    b, items, bk, s = int(rng.integers(1, 40)), int(rng.integers(2, 80)), 16, 1024
+    ends = np.where(rng.random(b) < 0.7, 0, rng.integers(1, s + 1, b)).astype(np.int32)
+    items = max(items, b + 1)
+    seq, work, item_ends = (np.asarray(x) for x in _balanced_schedule(jnp.asarray(ends), items, bk, 1, s, Modifiers()))
+    covered, item_blocks = {i: [] for i in range(b)}, [0]
+    for w in range(items):
+      if seq[w] == b:
+        assert item_ends[w] == 0
+        continue
+      first, last = blk.split_range(jnp.int32(item_ends[w]), int(work[w, 0]), int(work[w, 1]), 1, s, bk, Modifiers())
+      covered[int(seq[w])] += list(range(int(first), int(last)))
+      item_blocks.append(int(last) - int(first))
+    blocks = -(-ends // bk)
+    live = int((blocks > 0).sum())
+    per = max(1, -(-int(blocks.sum()) // max(items - live, 1)))
+    for i in range(b):
+      assert sorted(covered[i]) == list(range(blocks[i])), (trial, i)
+    assert max(item_blocks) <= per, (trial, max(item_blocks), per)

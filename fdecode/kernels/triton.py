@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 
 from fdecode import chips
 from fdecode import config as config_lib
+from fdecode.combine import merge_segments
 from fdecode.cache.layout import kv_heads, token_axis
 from fdecode.kernels import block as blk
 from fdecode.kernels.block import decode_fp8_bits  # noqa: F401 (its home is the shared block math)
@@ -74,6 +75,7 @@ class _Plan:
   r_pieces: tuple = ()        # k_rope's pieces (key-only columns after k's own)
   sparse: bool = False        # blocks are index-list slots (`fdecode.sparse`), not positions
   fp8_bits: tuple = (None, None)  # (k, v): float8 dtype name when passed as raw bytes (pre-sm_89)
+  balanced: bool = False      # a work item per program (`_balanced_schedule`): its split, of how many
 
 
 # Placeholder of a row-blocked operand's BlockSpec while the others are built.
@@ -215,13 +217,15 @@ def _load_piece(ref, index, piece, quant_refs, quant_index, dtype, fp8_bits=None
 
 
 def _kernel(*refs, plan: _Plan, softmax_scale, num_splits, num_rows, group, num_tokens, row_blocks):
-  # refs: end i32[1] (lengths - kv_offset), [table i32[n]], q [R_p, Dk], k, [v], [k_rope],
+  # refs: end i32[1] (lengths - kv_offset), [work i32[2] (balanced: this item's split of its
+  #       sequence, of how many)], [table i32[n]], q [R_p, Dk], k, [v], [k_rope],
   #       [k_scale], [k_offset], [v_scale], [v_offset], [mask i8[M, S_p]], [bias [M, S_p]],
   #       [alibi f32[R_p]], o f32[R_p, Dv], lse f32[R_p]
   #       sparse: [indices i32[K_p], bounds i32[2]] after the table.
   refs = list(refs)
   mods = plan.mods
   end_ref = refs.pop(0)
+  work_ref = refs.pop(0) if plan.balanced else None
   table_ref = refs.pop(0) if plan.paged else None
   idx_ref, bounds_ref = (refs.pop(0), refs.pop(0)) if plan.sparse else (None, None)
   q_ref, k_ref = refs.pop(0), refs.pop(0)
@@ -246,6 +250,8 @@ def _kernel(*refs, plan: _Plan, softmax_scale, num_splits, num_rows, group, num_
   slopes = None if alibi_ref is None else alibi_ref[...][:, None]
   if plan.sparse:
     first, last = slot_range((bounds_ref[0], bounds_ref[1]), pl.program_id(2), num_splits, bk)
+  elif plan.balanced:
+    first, last = blk.split_range(end, work_ref[0], work_ref[1], num_tokens, plan.seq_len, bk, mods)
   else:
     first, last = blk.split_range(end, pl.program_id(2), num_splits, num_tokens, plan.seq_len, bk, mods)
 
@@ -340,7 +346,7 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
                     block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
                     mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None,
                     v_head_dim=None, k_rope=None, indices=None, index_bounds=None,
-                    sparse: Sparse | None = None, kv_layout: str = "HND"):
+                    sparse: Sparse | None = None, kv_layout: str = "HND", balance: bool = False):
   """Per-split partial states from the Triton kernel (``interpret``: Pallas' interpreter).
 
   Args:
@@ -362,6 +368,10 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     num_tokens: T (rows are T groups of G).
     num_splits: splits of each sequence's blocks; None: compiled, at least one full wave
       of ``gpu`` with the least tail and merge cost (`fdecode.config.gpu_num_splits`); interpreted, `fdecode.config.default_num_splits`.
+    balance: with ``num_splits`` None, a paged cache and no mask, bias or index list: the
+      balanced schedule (`_balanced_schedule`): grid ``(B + one wave of items, Hkv * row
+      blocks, 1)``, each program one work item, its states merged per sequence
+      (`fdecode.combine.merge_segments`); the result has one split.
     block_k: tokens per block (rounded by `block_size`). Compiled, an upper bound:
       `launch_plan` takes the largest block that fits ``gpu``'s registers and shared memory.
     gpu: the `fdecode.chips.Gpu` compiled for (None: `fdecode.chips.lowering_gpu`).
@@ -445,7 +455,14 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   if rows_p != r:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, rows_p - r), (0, 0)])
   num_blocks = pl.cdiv(max(seq_len, 1), bk)
-  if num_splits is None:
+  balanced = balance and num_splits is None and paged and sparse is None and mask is None and bias is None
+  if balanced:  # a fixed grid of work items, each a run of one sequence's live blocks
+    seqs = b
+    extra = 8 if interpret else -(-gpu.sms * launch.residency(gpu)[1] // (hkv * row_blocks))
+    item_seq, work, ends = _balanced_schedule(ends.astype(jnp.int32), seqs + extra, bk, num_tokens, seq_len, mods)
+    q_rows, block_tables = q_rows[jnp.minimum(item_seq, seqs - 1)], block_tables[jnp.minimum(item_seq, seqs - 1)]
+    b, num_splits = seqs + extra, 1
+  elif num_splits is None:
     slots = indices.shape[-1] if sparse is not None else window_tokens(seq_len, num_tokens, mods)
     blocks = max(pl.cdiv(slots, bk), 1)
     if interpret:
@@ -459,6 +476,9 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   fold = 1 if sparse is None else sparse.fold  # contiguous cache row of q row i: i // fold
   operands = [ends.astype(jnp.int32)]
   in_specs = [pl.BlockSpec((1,), lambda i, h, j: (i,))]
+  if balanced:
+    operands.append(work)
+    in_specs.append(pl.BlockSpec((None, 2), lambda i, h, j: (i, 0)))
   if paged:
     operands.append(block_tables.astype(jnp.int32))
     in_specs.append(pl.BlockSpec((None, table_len), lambda i, h, j: (i, 0)))
@@ -508,7 +528,8 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   plan = _Plan(paged=paged, block=bk, seq_len=seq_len, rows=rows, page_size=page_size,
                num_pages=num_pages, table_len=table_len,
                k_pieces=k_pieces, v_pieces=v_pieces, quant=tuple(quant_dims), mods=mods,
-               v_from_k=v_from_k, r_pieces=r_pieces, sparse=sparse is not None, fp8_bits=tuple(fp8_bits))
+               v_from_k=v_from_k, r_pieces=r_pieces, sparse=sparse is not None, fp8_bits=tuple(fp8_bits),
+               balanced=balanced)
   kernel = functools.partial(
       _kernel, plan=plan, softmax_scale=softmax_scale,
       num_splits=num_splits, num_rows=r, group=r // num_tokens,
@@ -543,4 +564,39 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
       interpret=interpret,
       name="fdecode_split_kv_triton",
   )(*operands)
-  return o[:, :, :, :r], lse[:, :, :, :r]
+  o, lse = o[:, :, :, :r], lse[:, :, :, :r]
+  if balanced:  # each sequence's items merged: one "split" per sequence
+    o, lse = merge_segments(o[:, :, 0], lse[:, :, 0], item_seq, seqs)
+    o, lse = o[:, :, None], lse[:, :, None]
+  return o, lse
+
+
+def _balanced_schedule(ends, items: int, bk: int, num_tokens: int, seq_len: int, mods: Modifiers):
+  """The balanced schedule (``flash_decode(num_splits="balance")``): ``items`` work items
+  dealt out over the sequences by their live blocks, computed in XLA from ``ends``
+  (int32 ``[B]``), so a batch whose rows are mostly empty (`ragged_decode`'s prefill
+  blocks: a static bound of blocks, few of them real) still fills the GPU with even work.
+
+  A sequence of ``n_b`` live blocks (`block.split_range`'s, window included) gets
+  ``ceil(n_b / c)`` items, ``c = ceil(sum(n) / (items - live sequences))`` blocks each, so
+  the items needed never exceed ``items``; the rest are empty (end 0: they read nothing).
+
+  Returns ``(item_seq, work, item_ends)``: int32 ``[items]`` each item's sequence (B for
+  an empty item: its state is dropped by the merge), ``[items, 2]`` its split and that
+  sequence's split count (`block.split_range`'s), and ``[items]`` its sequence's end.
+  """
+  b = ends.shape[0]
+  first, last = blk.split_range(ends, 0, 1, num_tokens, seq_len, bk, mods)
+  blocks = last - first  # [B]
+  live = jnp.sum(blocks > 0)
+  per_item = jnp.maximum(1, -(-jnp.sum(blocks) // jnp.maximum(items - live, 1)))
+  splits = -(-blocks // per_item)  # [B], 0 for an empty sequence
+  bounds = jnp.cumsum(splits)
+  item = jnp.arange(items, dtype=jnp.int32)
+  seq = jnp.minimum(jnp.sum(bounds[None, :] <= item[:, None], axis=1), b).astype(jnp.int32)
+  used = item < bounds[-1]
+  seq = jnp.where(used, seq, b)
+  safe = jnp.minimum(seq, b - 1)
+  work = jnp.stack([jnp.where(used, item - (bounds[safe] - splits[safe]), 0),
+                    jnp.where(used, jnp.maximum(splits[safe], 1), 1)], axis=1).astype(jnp.int32)
+  return seq, work, jnp.where(used, ends[safe], 0)
