@@ -24,19 +24,21 @@ head dims and 8-bit scale tiles must be multiples of 16; `triton_unsupported` na
 the shapes it cannot take.
 
 Sized to the target GPU (`fdecode.chips.lowering_gpu`), never to one chip's constants:
-`launch_plan` picks the warps and the block so that the loaded tiles fit the registers
-(no spills) and the pipelined loads fit the chip's shared memory, and the split count
+`launch_plan` (`fdecode.kernels.triton_plan`) picks the warps and the block so that the
+loaded tiles fit the registers (no spills) and the pipelined loads fit the chip's shared
+memory, and the split count
 (`fdecode.config.gpu_num_splits`) launches at least one full wave of the chip's SMs and,
 among such counts, the one whose tail (SM balance, last partial wave) and merge bytes
 cost least. Below sm_89 (A100) Triton has no float8 conversions: an 8-bit float
 cache is passed as its bytes and decoded with integer ops (`decode_fp8_bits`).
+``num_splits="balance"`` replaces the per-sequence splits with work items dealt out by
+the live lengths (`fdecode.kernels.triton_plan.balanced_schedule`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -48,12 +50,12 @@ from fdecode.combine import merge_segments
 from fdecode.cache.layout import kv_heads, token_axis
 from fdecode.kernels import block as blk
 from fdecode.kernels.block import decode_fp8_bits  # noqa: F401 (its home is the shared block math)
+from fdecode.kernels.triton_plan import (_MIN_DOT, _PIECE_COLS, _STAGES, Launch, balanced_schedule,  # noqa: F401
+                                         block_size, launch_plan, rows_per_program)
 from fdecode.kernels.xla import window_tokens
 from fdecode.modifiers import Modifiers, window_start
 from fdecode.sparse import Sparse, pad_slots, slot_range
 
-# tl.dot needs every dimension >= 16; rows are padded to it, pieces must reach it.
-_MIN_DOT = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,106 +77,11 @@ class _Plan:
   r_pieces: tuple = ()        # k_rope's pieces (key-only columns after k's own)
   sparse: bool = False        # blocks are index-list slots (`fdecode.sparse`), not positions
   fp8_bits: tuple = (None, None)  # (k, v): float8 dtype name when passed as raw bytes (pre-sm_89)
-  balanced: bool = False      # a work item per program (`_balanced_schedule`): its split, of how many
+  balanced: bool = False      # a work item per program (`fdecode.kernels.triton_plan.balanced_schedule`): its split, of how many
 
 
 # Placeholder of a row-blocked operand's BlockSpec while the others are built.
 _ROWS = pl.BlockSpec((None,), lambda i, h, j: (0,))
-# Elements of q (and of the float32 accumulator) one program holds: with 4 warps about
-# 64-128 registers a thread. Wider rows (MLA's 576 / 512) get fewer rows per program
-# (sglang's Triton MLA decode: 16 heads a program); the cache block is then read once
-# per row block (from L2 after the first).
-_ROW_BUDGET = 16 * 1024
-
-
-def rows_per_program(rows: int, dq: int, dv: int) -> int:
-  """Query rows one Triton program holds: all ``rows`` when ``rows * max(Dq, Dv)`` fits
-  `_ROW_BUDGET`, else the largest power of two (>= 16) that does."""
-  per = max(_MIN_DOT, 1 << ((_ROW_BUDGET // max(dq, dv)).bit_length() - 1))
-  return rows if rows <= per else per
-
-
-def block_size(block_k: int) -> int:
-  """The kernel's ``bk``: ``block_k`` rounded up to a power of two, at least 16."""
-  return max(_MIN_DOT, 1 << max(block_k - 1, 0).bit_length())
-
-
-# Bytes of tiles and row state one thread may hold: about 150 of its 255 registers (the
-# rest hold addresses, masks and the load pipeline). Calibrated on ptxas -v for H100 and
-# A100 (benchmarks/RESULTS.md, compile report): past it ptxas spills.
-_THREAD_BYTES = 540
-_PIECE_COLS = 64
-_STAGES = 2                     # Triton software-pipeline stages (one block in flight)
-_WARPS = (4, 8)
-# Shared memory the compiler really allocates came to about 0.8 of `Launch.smem`
-# (measured): the upper residency estimate counts 0.75 of it.
-_SMEM_MEASURED = 0.75
-# Registers ptxas allocates came to 0.41-0.94 of `Launch.regs` over the compile report's
-# grid (H100 and A100): the upper residency estimate counts this fraction.
-_REGS_MEASURED = 0.4
-
-
-@dataclasses.dataclass(frozen=True)
-class Launch:
-  """How one program runs on the target GPU."""
-  block: int                  # bk
-  warps: int
-  stages: int
-  smem: int                   # upper estimate of its shared memory (bytes)
-  regs: int                   # estimate of its registers per thread
-
-  def residency(self, gpu: chips.Gpu) -> tuple[int, int]:
-    """Programs an SM may hold at once, (lower, upper): at the estimated registers and
-    shared memory, and at `_REGS_MEASURED` of those registers and `_SMEM_MEASURED` of
-    that memory. Registers are ptxas' choice (H100, B=64 S=4k: 3 resident by the
-    estimate, 4 compiled), so the split count is judged at every residency between."""
-    threads = 32 * self.warps
-    hi = max(1, gpu.resident_programs(threads=threads, regs=int(self.regs * _REGS_MEASURED),
-                                      smem=int(self.smem * _SMEM_MEASURED)))
-    lo = max(1, gpu.resident_programs(threads=threads, regs=self.regs, smem=self.smem))
-    return min(lo, hi), hi
-
-
-def launch_plan(gpu: chips.Gpu, *, block_r: int, dq: int, dv: int, cols: int, raw_bytes: int,
-                compute_bytes: int, block_k: int, convert_bytes: int = 0) -> Launch:
-  """Warps and block for ``gpu``: the largest power-of-two ``bk <= block_size(block_k)``
-  whose tiles fit `_THREAD_BYTES` a thread and whose pipelined loads fit the chip's shared
-  memory per block, on 4 warps if that keeps ``bk >= 64`` (or the cap), else on 8.
-
-  ``cols``: cache columns one block loads (k's, v's unless MLA, k_rope's); ``raw_bytes``:
-  their bytes in memory; ``compute_bytes``: after the cast / dequantization;
-  ``convert_bytes``: what a loaded element holds on the way there (its raw bytes for a
-  cast or a dequantization, plus 4 for the int32 of a float8 bit decode; 0 when loads feed
-  the dots as they are).
-  """
-  cap = block_size(block_k)
-
-  def fits(bk, warps):
-    tiles = bk * cols * (compute_bytes + convert_bytes) + block_r * (dq * compute_bytes + dv * 4) + 2 * block_r * bk * 4
-    smem = bk * cols * (raw_bytes * (_STAGES - 1) + compute_bytes) + block_r * bk * compute_bytes
-    per_thread = tiles / (32 * warps)
-    ok = per_thread <= _THREAD_BYTES and smem <= gpu.smem_per_block
-    return ok, Launch(bk, warps, _STAGES, smem, math.ceil(per_thread / 4) + 64)
-
-  best = None
-  for warps in _WARPS:
-    bk = cap
-    while bk >= _MIN_DOT:
-      ok, launch = fits(bk, warps)
-      if ok:
-        if warps == _WARPS[-1] or bk >= min(cap, 64):
-          return launch
-        best = best or launch
-        break
-      bk //= 2
-  if best is not None:
-    return best
-  # Nothing fits (float32 MLA: q and acc alone take ~70 registers a thread): the smallest
-  # tiles on 8 warps, which ptxas takes without spills once float32 pieces are at most
-  # _F32_PIECE wide (16 warps would cap it at 128 registers and spill).
-  return fits(_MIN_DOT, _WARPS[-1])[1]
-
-
 # Widest piece of a float32 computation (FMA dots; see `fdecode.kernels.block.head_pieces`).
 _F32_PIECE = 128
 
@@ -369,7 +276,7 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     num_splits: splits of each sequence's blocks; None: compiled, at least one full wave
       of ``gpu`` with the least tail and merge cost (`fdecode.config.gpu_num_splits`); interpreted, `fdecode.config.default_num_splits`.
     balance: with ``num_splits`` None, a paged cache and no mask, bias or index list: the
-      balanced schedule (`_balanced_schedule`): grid ``(B + one wave of items, Hkv * row
+      balanced schedule (`fdecode.kernels.triton_plan.balanced_schedule`): grid ``(B + one wave of items, Hkv * row
       blocks, 1)``, each program one work item, its states merged per sequence
       (`fdecode.combine.merge_segments`); the result has one split.
     block_k: tokens per block (rounded by `block_size`). Compiled, an upper bound:
@@ -459,7 +366,7 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   if balanced:  # a fixed grid of work items, each a run of one sequence's live blocks
     seqs = b
     extra = 8 if interpret else -(-gpu.sms * launch.residency(gpu)[1] // (hkv * row_blocks))
-    item_seq, work, ends = _balanced_schedule(ends.astype(jnp.int32), seqs + extra, bk, num_tokens, seq_len, mods)
+    item_seq, work, ends = balanced_schedule(ends.astype(jnp.int32), seqs + extra, bk, num_tokens, seq_len, mods)
     q_rows, block_tables = q_rows[jnp.minimum(item_seq, seqs - 1)], block_tables[jnp.minimum(item_seq, seqs - 1)]
     b, num_splits = seqs + extra, 1
   elif num_splits is None:
@@ -569,34 +476,3 @@ def triton_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     o, lse = merge_segments(o[:, :, 0], lse[:, :, 0], item_seq, seqs)
     o, lse = o[:, :, None], lse[:, :, None]
   return o, lse
-
-
-def _balanced_schedule(ends, items: int, bk: int, num_tokens: int, seq_len: int, mods: Modifiers):
-  """The balanced schedule (``flash_decode(num_splits="balance")``): ``items`` work items
-  dealt out over the sequences by their live blocks, computed in XLA from ``ends``
-  (int32 ``[B]``), so a batch whose rows are mostly empty (`ragged_decode`'s prefill
-  blocks: a static bound of blocks, few of them real) still fills the GPU with even work.
-
-  A sequence of ``n_b`` live blocks (`block.split_range`'s, window included) gets
-  ``ceil(n_b / c)`` items, ``c = ceil(sum(n) / (items - live sequences))`` blocks each, so
-  the items needed never exceed ``items``; the rest are empty (end 0: they read nothing).
-
-  Returns ``(item_seq, work, item_ends)``: int32 ``[items]`` each item's sequence (B for
-  an empty item: its state is dropped by the merge), ``[items, 2]`` its split and that
-  sequence's split count (`block.split_range`'s), and ``[items]`` its sequence's end.
-  """
-  b = ends.shape[0]
-  first, last = blk.split_range(ends, 0, 1, num_tokens, seq_len, bk, mods)
-  blocks = last - first  # [B]
-  live = jnp.sum(blocks > 0)
-  per_item = jnp.maximum(1, -(-jnp.sum(blocks) // jnp.maximum(items - live, 1)))
-  splits = -(-blocks // per_item)  # [B], 0 for an empty sequence
-  bounds = jnp.cumsum(splits)
-  item = jnp.arange(items, dtype=jnp.int32)
-  seq = jnp.minimum(jnp.sum(bounds[None, :] <= item[:, None], axis=1), b).astype(jnp.int32)
-  used = item < bounds[-1]
-  seq = jnp.where(used, seq, b)
-  safe = jnp.minimum(seq, b - 1)
-  work = jnp.stack([jnp.where(used, item - (bounds[safe] - splits[safe]), 0),
-                    jnp.where(used, jnp.maximum(splits[safe], 1), 1)], axis=1).astype(jnp.int32)
-  return seq, work, jnp.where(used, ends[safe], 0)
