@@ -73,10 +73,11 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       state merged by `merge_states`. ``None``: compiled Triton fills one wave of the GPU's
       SMs (`fdecode.config.gpu_num_splits`); elsewhere `fdecode.config.default_num_splits`.
       Any positive value gives the same result within float tolerance. ``"balance"``:
-      the Triton kernel runs a fixed grid of work items sized to fill the GPU, each a run
-      of one sequence's live blocks, dealt out by the live lengths (then merged per
-      sequence), for batches whose lengths differ widely, e.g. mostly empty rows
-      (`ragged_decode`'s prefill blocks); other paths pick their splits as for ``None``.
+      on a paged cache without mask, bias or index list, the Triton kernel runs a fixed
+      grid of work items sized to fill the GPU, each a run of one sequence's live
+      blocks, dealt out by the live lengths (then merged per sequence), for batches
+      whose lengths differ widely, e.g. mostly empty rows (`ragged_decode`'s prefill
+      blocks); otherwise, and on the other paths, splits are picked as for ``None``.
     block_k: tokens per block of the Pallas kernels' inner loop. Triton: rounded up to a
       power of two, at least 16 (default 128); compiled, an upper bound: the block shrinks
       until its tiles fit the GPU's registers and shared memory. Mosaic: rounded up to the cache dtype's
@@ -168,11 +169,10 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     kv_layout: ``"HND"`` (default, head-major, the shapes above) or ``"NHD"``
       (token-major, as Flax / vLLM / JAX's ragged paged attention hold it): contiguous
       ``[B, S, Hkv, D]``, paged ``[P, page_size, Hkv, D]``; scales, offsets and k_rope
-      follow the same layout. Every kernel reads a token-major cache in place; the Mosaic
-      kernel float32 and bfloat16 (even Hkv) caches, and caches of one kv head (MQA, MLA
-      latents, 8-bit with scales and ``k_rope`` included); its other cases read a
-      head-major copy made in the same program (`fdecode.cache.layout`). float16 caches
-      take the XLA path on TPU (Mosaic has no float16 vectors).
+      follow the same layout. Every kernel reads a token-major cache in place (the Mosaic
+      kernel all but sparse index lists, which read a head-major copy made in the same
+      program; `fdecode.cache.layout`). float16 caches take the XLA path on TPU (Mosaic
+      has no float16 vectors).
 
   Returns:
     ``out`` shaped like ``q`` with last dim Dv, dtype ``q.dtype``; with ``return_lse``

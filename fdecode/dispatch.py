@@ -21,8 +21,7 @@ from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels import mosaic_tpu_sparse as mosaic_sparse
 from fdecode.kernels.mosaic_tpu import mosaic_partials, plan as mosaic_plan
 from fdecode.kernels.mosaic_tpu_token_major import contiguous_as_pool as mosaic_contiguous_as_pool
-from fdecode.kernels.mosaic_tpu_token_major import lone_packed_head as mosaic_lone_packed_head
-from fdecode.kernels.mosaic_tpu_token_major import token_major_heads as mosaic_token_major_heads
+from fdecode.kernels.mosaic_tpu_token_major import token_major_read as mosaic_token_major_read
 from fdecode.kernels.mosaic_tpu_plan import dma_unit as mosaic_dma_unit
 from fdecode.kernels.triton import triton_partials, triton_unsupported
 from fdecode.kernels.xla import window_tokens, xla_partials
@@ -188,7 +187,7 @@ def _as_read(k, v, cache, token_major):
 def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, token_major=None, **cache):
   b, hkv = q_rows.shape[:2]
   capacity = seq_capacity(k, cache["block_tables"])
-  heads = None if token_major is None else mosaic_token_major_heads(
+  how = None if token_major is None else mosaic_token_major_read(
       *token_major, cache["k_scale"], cache["v_scale"], paged=cache["block_tables"] is not None,
       sparse="sparse" in cache)
   # Mosaic has no float16 vectors (libtpu: "Invalid vector type for load"): a float16 cache
@@ -196,7 +195,7 @@ def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, to
   float16_cache = any(x is not None and x.dtype == jnp.float16 for x in (k, v, cache["k_rope"]))
   if q_rows.dtype == jnp.float16 and not float16_cache:
     q_rows = q_rows.astype(jnp.float32)
-  if heads is None:
+  if how is None:
     unit = mosaic_dma_unit(k, v, cache["k_rope"])
     if float16_cache or (("sparse" in cache or cache["block_tables"] is not None) and k.shape[2] % unit):
       # (Or pages / sparse rows that split a 32-bit sublane: no DMA can address them.)
@@ -222,14 +221,14 @@ def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, to
     # Planned as the head-major pool it reads: [Hkv, P, page_size, D].
     as_hnd = lambda x: None if x is None else jax.ShapeDtypeStruct(
         (x.shape[2], x.shape[0], x.shape[1], x.shape[3]), x.dtype)
-    p = mosaic_plan(q_rows, as_hnd(k_tm), as_hnd(v_tm), block_k=cfg.block_k, kv_heads_per_program=heads,
-                    lone_packed_head=mosaic_lone_packed_head(k_tm), **dict(cache, k_rope=as_hnd(rope_tm)))
+    p = mosaic_plan(q_rows, as_hnd(k_tm), as_hnd(v_tm), block_k=cfg.block_k, kv_heads_per_program=how.heads,
+                    head_axis=how.axis, **dict(cache, k_rope=as_hnd(rope_tm)))
     read, layout = (k_tm, v_tm), dict(kv_layout="NHD")
     cache = dict(cache, k_rope=rope_tm)
   seen = window_tokens(capacity, num_tokens, cache["mods"])
   num_blocks = max(-(-seen // p.block), 1)
   splits = cfg.num_splits or config_lib.default_num_splits(
-      b, hkv // (heads or 1), num_blocks, config_lib.num_parallel_units("tpu"))
+      b, hkv // (1 if how is None else how.heads), num_blocks, config_lib.num_parallel_units("tpu"))
   return mosaic_partials(q_rows, ends, *read, num_tokens=num_tokens, softmax_scale=softmax_scale,
                          num_splits=splits, plan=p, interpret=interpret, **layout, **cache)
 

@@ -17,15 +17,15 @@ How each path reads a token-major cache:
 * XLA: in place, chunk by chunk: each chunk's rows are sliced (or its pages gathered),
   then only those rows transposed (`fdecode.kernels.xla`).
 * Mosaic: in place through its paged kernel (a contiguous cache viewed as a pool of
-  whole pages), one kv head's ``[page_size, D]`` rows per DMA for float32; bfloat16 as
-  32-bit words that each hold two heads (a one-head window would split the packed
-  sublane pair, which libtpu rejects), one program per head pair, so Hkv must be even;
-  a cache of one kv head (MQA, MLA latents), in any dtype but float16 and with scales
-  and ``k_rope``, as ``[page_size, 1, D]`` windows
-  (`fdecode.kernels.mosaic_tpu_token_major.token_major_heads`). 8-bit caches with several kv heads,
-  MLA / ``k_rope`` with several, sparse index lists, an odd Hkv > 1 in bfloat16, and a
-  contiguous S with no power-of-two factor of 8 or more read a head-major copy; float16
-  caches take the XLA path (Mosaic has no float16 vectors).
+  whole pages; `fdecode.kernels.mosaic_tpu_token_major.token_major_read`): one kv
+  head's ``[page_size, D]`` rows per DMA for float32; bfloat16 with an even Hkv and
+  8-bit with Hkv a multiple of 4 as 32-bit words of 2 / 4 heads (a one-head window
+  would split a packed sublane, which libtpu rejects), one program per word; every
+  other 16- / 8-bit cache up to 8 kv heads (one head: MQA, MLA latents; odd counts;
+  ``k_rope``) as windows of the whole head axis, one program for all heads. Sparse
+  index lists, more than 8 heads that do not fill words, and a contiguous S with no
+  power-of-two factor of 8 or more read a head-major copy; float16 caches take the XLA
+  path (Mosaic has no float16 vectors).
 * The float32 reference reads the head-major copy.
 
 `head_major` is the one conversion, a transpose inside the same jit-compiled program

@@ -18,9 +18,10 @@ is how blocks reach VMEM, the way Mosaic wants it:
   viewed as a pool of whole pages): the same paged kernel, each DMA one kv head's page
   rows (float32) or one row of 32-bit words holding two bfloat16 heads, both computed by
   one program (grid ``(B, Hkv/2, n_splits)``): a one-head bfloat16 window would split
-  the packed sublane pair, which libtpu rejects (`token_major_heads`). A cache of one kv
-  head (MQA, MLA latents; 8-bit with scales and ``k_rope`` too) DMAs ``[page_size, 1, D]``
-  windows and flattens each loaded block (`lone_packed_head`).
+  the packed sublane pair, which libtpu rejects; 8-bit as words of four heads. Other
+  16- and 8-bit caches (one kv head: MQA, MLA latents; odd head counts; k_rope) DMA
+  the whole head axis, ``[page_size, Hkv, D]``, one program for all heads
+  (`fdecode.kernels.mosaic_tpu_token_major.token_major_read`).
 * **8-bit caches**: per-token scales / offsets travel with their block (BlockSpec or DMA);
   per-head / per-tensor ones are one small resident block. Dequantization happens after
   the load, per scale tile (`fdecode.kernels.block.head_pieces`).
@@ -44,8 +45,7 @@ from fdecode.kernels import block as blk
 from fdecode.modifiers import Modifiers, window_start
 
 from fdecode.kernels.mosaic_tpu_plan import Plan, per_token as _per_token, plan  # noqa: F401 (re-exported)
-from fdecode.kernels.mosaic_tpu_token_major import (lone_packed_head, pack_heads, token_major_heads, unpack_head,
-                                                    words as _words)
+from fdecode.kernels.mosaic_tpu_token_major import pack_heads, token_major_read, unpack_head, words as _words
 
 
 def _pieces(d, scale, limit=None):
@@ -244,7 +244,8 @@ def _mod_operands(mod_arrays, num_tokens, rows_p, positions):
     if x is None:
       continue
     bm, hm, tm, gm, s = x.shape
-    x = x.reshape(bm, hm, tm * gm, s).astype(dtype or x.dtype)
+    # (A float16 bias is widened: Mosaic has no float16 vectors.)
+    x = x.reshape(bm, hm, tm * gm, s).astype(dtype or (jnp.float32 if x.dtype == jnp.float16 else x.dtype))
     ops.append(jnp.pad(x, [(0, 0), (0, 0), (0, 0), (0, positions - s)]))
 
     def spec(tokens, index, bm=bm, hm=hm, m=tm * gm):
@@ -283,17 +284,19 @@ _ALIBI = 9  # the slopes' place in `_paged_kernel`'s operands (per head: [heads,
 
 def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_splits, heads,
                   token_major, pages_per_step, page_size, num_pages, table_len, num_rows, group,
-                  num_tokens, k_pieces, v_pieces, mods, word_dtypes=(None, None, None)):
+                  num_tokens, k_pieces, v_pieces, mods, head_words=False, head_axis=False,
+                  word_dtypes=(None, None, None)):
   # kinds: for (k, v, k_rope, k_scale, k_offset, v_scale, v_offset, mask, bias, alibi): "stream"
   #   (an HBM ref, DMA'd page by page), "step" (an HBM ref [Bm, Hm, M, positions], DMA'd
   #   one block of positions per step and kv head), "resident" (a VMEM block) or None (absent).
   # heads: kv heads per program (program j has heads j*heads ... ; q [heads, R_p, Dq]).
   #   Head-major pools: 1. Token-major pools (`token_major`): 1 for 32-bit caches, each
-  #   page window `pool[page, :, h]`, and for one kv head (`lone_packed_head`); 2 for
-  #   bfloat16 and 4 for 8-bit caches, whose pools are read as 32-bit words (`_words`) so
-  #   a window `words[page, :, j]` holds heads heads*j (lowest bits) ... heads*j + heads-1,
-  #   unpacked by `unpack_head` (word_dtypes: each cache's own dtype name). Scales stay
-  #   head-major: a streamed one is DMA'd per head into [2, heads, block, nt].
+  #   page window `pool[page, :, h]`; `head_words`: 2 for bfloat16 and 4 for 8-bit caches,
+  #   whose pools are read as 32-bit words (`_words`) so a window `words[page, :, j]`
+  #   holds heads heads*j (lowest bits) ... heads*j + heads-1, unpacked by `unpack_head`
+  #   (word_dtypes: each cache's own dtype name); `head_axis`: Hkv, each window
+  #   `pool[page, :, 0:Hkv]` and each head taken from the loaded [block, Hkv, D] block.
+  #   Scales stay head-major: a streamed one is DMA'd per head into [2, heads, block, nt].
   # refs: the present operands in that order; o [heads, R_p, Dv], lse [heads, R_p, 1]; a
   #   VMEM buffer [2, block, D|nt] (stream) or [2, heads, M, block] (step) per DMA'd
   #   operand; DMA semaphores [n_dma, 2].
@@ -324,14 +327,14 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
           yield True, pltpu.make_async_copy(window, bufs[n].at[slot, hh], sems.at[n, slot])
         continue
       cache_rows = token_major and i < 3  # k, v, k_rope token-major; scales head-major
-      words = _words(src) if cache_rows and heads > 1 else src
+      words = _words(src) if cache_rows and head_words else src
       for p in range(pages_per_step):
         index = step * pages_per_step + p
         page = jnp.clip(tables_ref[b * table_len + jnp.minimum(index, table_len - 1)], 0, num_pages - 1)
         needed = (index < live_pages) & (index >= first_page)
         rows = pl.ds(p * page_size, page_size)
-        if cache_rows and lone_packed_head(words):  # [page_size, 1, D]: the head axis kept
-          window = words.at[page, :, pl.ds(0, 1)]
+        if cache_rows and head_axis:  # [page_size, Hkv, D]: the whole head axis
+          window = src.at[page, :, pl.ds(0, src.shape[2])]
         elif cache_rows:  # [page_size, D] rows of one kv head (or of its heads' words)
           window = words.at[page, :, j if words.shape[2] > 1 else 0]
         elif heads > 1 and src.shape[0] > 1:  # a head-major scale of several heads: a page of each
@@ -371,9 +374,9 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
           x = buf_of[i][slot]
           if kinds[i] == "step" or (i >= 3 and x.ndim == 3):  # per head: [heads, ...]
             return x[hh]
-          if x.ndim == 3:  # a lone kv head's rows [block, 1, D]
-            return x.reshape(x.shape[0], x.shape[2])
-          return unpack_head(x, hh, heads, word_dtypes[i]) if token_major and i < 3 and heads > 1 else x
+          if head_axis and i < 3:  # [block, Hkv, D]: this head's rows
+            return x.reshape(x.shape[0], x.shape[2]) if x.shape[1] == 1 else x[:, hh, :]
+          return unpack_head(x, hh, heads, word_dtypes[i]) if head_words and i < 3 else x
         if src is None:
           return None
         # alibi [heads, R_p, 1] and resident scales of several heads [heads, 1, nt]: this head's
@@ -404,13 +407,13 @@ def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, 
   token_major = kv_layout == "NHD"
   if token_major:
     num_pages, page_size = k.shape[:2]
-    heads = token_major_heads(k, v, k_rope, quant[0], quant[2])
+    heads, head_words, head_axis = token_major_read(k, v, k_rope, quant[0], quant[2])
     word_dtypes = tuple(None if x is None else jnp.dtype(x.dtype).name for x in (k, v, k_rope))
-    if heads > 1 and interpret:
+    if head_words and interpret:
       k, v = pack_heads(k), pack_heads(v)
   else:
     _, num_pages, page_size, _ = k.shape
-    heads, word_dtypes = 1, (None, None, None)
+    heads, head_words, head_axis, word_dtypes = 1, False, False, (None, None, None)
   dv = v_head_dim if v is None else v.shape[-1]
   table_len = tables.shape[1]
   steps = pl.cdiv(table_len, p.pages_per_step)
@@ -426,8 +429,8 @@ def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, 
       kinds.append("stream")
       in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
       if i < 3:  # cache rows: a lone head's keep its axis; several heads' are words
-        shape = (2, p.block) + ((1,) if token_major and lone_packed_head(a) else ()) + (a.shape[-1],)
-        bufs.append(pltpu.VMEM(shape, jnp.uint32 if heads > 1 else a.dtype))
+        shape = (2, p.block) + ((a.shape[2],) if head_axis else ()) + (a.shape[-1],)
+        bufs.append(pltpu.VMEM(shape, jnp.uint32 if head_words else a.dtype))
       else:  # a scale: per head when a program computes several heads that differ
         per_head = (heads,) if heads > 1 and a.shape[0] > 1 else ()
         bufs.append(pltpu.VMEM((2,) + per_head + (p.block, a.shape[-1]), a.dtype))
@@ -460,7 +463,8 @@ def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, 
       _paged_kernel, kinds=tuple(kinds), softmax_scale=softmax_scale, num_splits=num_splits,
       heads=heads, token_major=token_major, pages_per_step=p.pages_per_step, page_size=page_size,
       num_pages=num_pages, table_len=table_len, num_rows=r, group=r // num_tokens,
-      num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods, word_dtypes=word_dtypes)
+      num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods, head_words=head_words,
+      head_axis=head_axis, word_dtypes=word_dtypes)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(b, hkv // heads, num_splits),
@@ -499,9 +503,9 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     k_rope: optional key-only columns laid out like k (float): a second key stream.
     kv_layout: ``"NHD"``: k, v and k_rope are token-major pools ``[P, page_size, Hkv, D]``
       (a contiguous ``[B, S, Hkv, D]`` cache as `contiguous_as_pool` makes it), read in
-      place by the paged kernel; only where `token_major_heads` allows.
+      place by the paged kernel; only where `token_major_read` allows.
     plan: the launch's sizes, `fdecode.kernels.mosaic_tpu.plan` of these operands (with
-      ``kv_heads_per_program=token_major_heads(...)`` for NHD).
+      ``kv_heads_per_program`` and ``head_axis`` from `token_major_read` for NHD).
     interpret: False (compile for TPU) or a ``pltpu.InterpretParams`` (TPU semantics on
       CPU: simulated HBM / VMEM / SMEM, DMAs and semaphores).
 

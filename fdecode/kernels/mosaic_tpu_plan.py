@@ -20,9 +20,10 @@ _LANES = 128
 _STEP_BYTES = 512 * 1024
 _MAX_STEP_TOKENS = 2048
 _MAX_PAGES_PER_STEP = 64
-# Tokens per step of a lone packed kv head (`plan`): its relayout scratch is 4 KiB per
+# Tokens per step of a whole-head-axis read (`plan`): its relayout scratch is 4 KiB per
 # token and 128 columns.
-_LONE_HEAD_STEP_TOKENS = 128
+_HEAD_AXIS_STEP_TOKENS = 128
+_VREG_BYTES = 4096
 # Headroom above the computed footprint for Mosaic's internal scratch.
 _VMEM_HEADROOM = 4 * 1024 * 1024
 
@@ -85,7 +86,7 @@ def per_token(scale, paged: bool) -> bool:
 def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offset=None,
          v_offset=None, block_k: int | None = None, mods: Modifiers = Modifiers(), mask=None,
          bias=None, alibi=None, v_head_dim=None, k_rope=None, num_slots: int | None = None,
-         slot_rows: int = 1, kv_heads_per_program: int = 1, lone_packed_head: bool = False) -> Plan:
+         slot_rows: int = 1, kv_heads_per_program: int = 1, head_axis: bool = False) -> Plan:
   """Block sizes and VMEM footprint for these operands (arrays or ShapeDtypeStructs).
 
   ``block_k``: tokens per step; ``None`` picks about `_STEP_BYTES` of K + V per step.
@@ -94,13 +95,16 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
   columns; ``k_rope``: a second key stream. ``num_slots``: a sparse call's index-list
   length K (`fdecode.kernels.mosaic_tpu_sparse`): blocks are slots of the list, each
   ``slot_rows`` cache rows wide in VMEM (its DMA unit). ``kv_heads_per_program``: kv
-  heads one program computes (a token-major bfloat16 pool's head pairs): the streamed
-  blocks are that many heads wide, and the query, output, scratch and in-flight values
-  are per head. ``lone_packed_head``: the caches are a token-major pool of one 16- or 8-bit
-  kv head (`fdecode.kernels.mosaic_tpu_token_major.lone_packed_head`): each buffered token takes a
-  whole 32-bit sublane, and the loaded block is relaid out through one vector register
-  per token and 128 columns (Mosaic's scratch: 24.25 MB for 2048 tokens of D=256 K and V
-  on v5e, where 8 MB is the buffers), so such a step is `_LONE_HEAD_STEP_TOKENS`.
+  heads one program computes (a token-major pool's head words, or its whole head axis):
+  the streamed blocks are that many heads wide, and the query, output, scratch and
+  in-flight values are per head. ``head_axis``: the program reads a token-major pool's
+  whole head axis (`fdecode.kernels.mosaic_tpu_token_major.token_major_read`): each
+  buffered token takes the 32-bit sublanes its Hkv packed rows fill, and each head is
+  relaid out of the loaded block through vector registers: counted as one (4 KiB) per
+  token, head, stream and 128 columns, an upper bound of what libtpu allocated on v5e
+  for 1024 / 2048-token steps (bf16 Hkv 1, 3, 5; int8 Hkv 2, 6: 5.9-7.7 KiB a token and
+  head for K + V of 128 columns, against 8 counted), so such a step is
+  `_HEAD_AXIS_STEP_TOKENS`.
   """
   r, dq = q_rows.shape[-2:]
   dk = k.shape[-1]
@@ -110,7 +114,7 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
   # Streams besides K: (width, dtype) of V (absent for MLA) and k_rope.
   extra = [(x.shape[-1], x.dtype) for x in (v, k_rope) if x is not None]
   token_bytes = dk * jnp.dtype(k.dtype).itemsize + sum(w * jnp.dtype(d).itemsize for w, d in extra)
-  tokens = block_k or (_LONE_HEAD_STEP_TOKENS if lone_packed_head else _default_step_tokens(token_bytes))
+  tokens = block_k or (_HEAD_AXIS_STEP_TOKENS if head_axis else _default_step_tokens(token_bytes))
   quant = [a for a in (k_scale, k_offset, v_scale, v_offset) if a is not None]
   if paged and num_slots is None:
     page_size, table_len = k.shape[2], block_tables.shape[1]
@@ -125,14 +129,18 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
     block = seq_len if seq_len <= tokens else _round_up(tokens, align)
   # Streams (K, V, k_rope and per-token scales): two buffers each, blocks of `rows` rows.
   rows = block * (slot_rows if num_slots is not None else 1)
-  if lone_packed_head:  # a 32-bit sublane per token; the relayout of the widest stream
-    streams = sum(_tile_bytes((rows, w), jnp.float32) for w in [dk] + [w for w, _ in extra])
-    relayout = rows * _round_up(max([dk] + [w for w, _ in extra]), _LANES) * _sublanes(jnp.float32) * 4
+  heads = kv_heads_per_program
+  caches = [(dk, k.dtype)] + extra
+  if head_axis:  # every head's rows in the 32-bit sublanes they fill; one head relaid out at a time
+    hkv = k.shape[0]
+    cache_streams = rows * sum(-(-hkv * jnp.dtype(d).itemsize // 4) * 4 * _round_up(w, _LANES) for w, d in caches)
+    relayout = rows * hkv * sum(-(-w // _LANES) for w, _ in caches) * _VREG_BYTES
   else:
-    streams = _tile_bytes((rows, dk), k.dtype) + sum(_tile_bytes((rows, w), d) for w, d in extra)
+    cache_streams = heads * sum(_tile_bytes((rows, w), d) for w, d in caches)
     relayout = 0
-  streams += sum(_tile_bytes((rows if per_token(a, paged) else 1, a.shape[-1]), jnp.float32)
-                 for a in quant)
+  # Per head: scales and offsets, mask / bias blocks (below).
+  streams = sum(_tile_bytes((rows if per_token(a, paged) else 1, a.shape[-1]), jnp.float32)
+                for a in quant)
   io = (_tile_bytes((rows_p, dq), q_rows.dtype) + _tile_bytes((rows_p, dv), jnp.float32)
         + _tile_bytes((rows_p, 1), jnp.float32))
   scratch = _tile_bytes((rows_p, dv), jnp.float32) + 2 * _tile_bytes((rows_p, 1), jnp.float32)
@@ -145,7 +153,7 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
       work += _tile_bytes((rows_p, m), jnp.float32) + _tile_bytes((rows_p, block), jnp.float32)
   if alibi is not None:
     io += _tile_bytes((rows_p, 1), jnp.float32)
-  vmem = kv_heads_per_program * (2 * streams + 2 * io + scratch + work) + relayout
+  vmem = 2 * cache_streams + heads * (2 * streams + 2 * io + scratch + work) + relayout
   limit = _round_up(vmem + _VMEM_HEADROOM, 1024 * 1024)
   return Plan(paged=paged and num_slots is None, block=block, pages_per_step=pages, rows_p=rows_p,
               vmem_bytes=vmem, vmem_limit_bytes=limit)

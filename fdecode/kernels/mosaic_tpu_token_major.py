@@ -6,15 +6,19 @@
   and libtpu rejects a window that splits one. The pool is viewed as 32-bit words
   (`words`), each holding 2 / 4 heads; one program computes them all and unpacks each
   head with 32-bit vector ops (`unpack_head`).
-* One kv head (MQA, MLA latents) of a packed dtype: ``[page_size, 1, D]`` windows, the
-  head axis kept (`lone_packed_head`).
+* Other packed caches (one kv head: MQA, MLA latents; an odd Hkv; MLA / k_rope with
+  several heads): ``[page_size, Hkv, D]`` windows, the whole head axis, one program for
+  all heads.
 * A contiguous ``[B, S, Hkv, D]`` cache is read as a pool of whole pages
   (`contiguous_as_pool`).
 
-`token_major_heads` decides which caches qualify; the others read a head-major copy.
+`token_major_read` decides how (or whether) a cache is read so; the others read a
+head-major copy.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -60,48 +64,50 @@ def unpack_head(words, hh, heads, dtype_name):
   return blk.decode_fp8_bits(byte, dtype_name)
 
 
-def lone_packed_head(pool) -> bool:
-  """Whether a token-major pool ``[P, page_size, Hkv, D]`` has one kv head of a packed
-  dtype (16- or 8-bit). Its HBM tiles hold one head row each (the head axis padded to
-  the dtype's packing), and libtpu cannot squeeze a tiled axis of size 1 out of a DMA
-  window: the kernel DMAs ``[page_size, 1, D]`` windows into ``[block, 1, D]`` buffers
-  and flattens the loaded block (a relayout in vector registers, `plan`'s
-  ``lone_packed_head``)."""
-  return pool.shape[2] == 1 and jnp.dtype(pool.dtype).itemsize < 4
+class TokenMajorRead(NamedTuple):
+  """How the paged kernel reads a token-major pool (`token_major_read`)."""
+  heads: int      # kv heads one program computes
+  words: bool     # the pool as 32-bit words of `heads` heads (`words`), one word row a DMA
+  axis: bool      # each DMA keeps the whole head axis, ``pool[page, :, 0:Hkv]``
 
 
-def token_major_heads(k, v=None, k_rope=None, k_scale=None, v_scale=None, *, paged=True, sparse=False):
-  """Kv heads per program of the paged kernel reading these token-major caches in place
-  (`_paged_kernel`), or None when it cannot.
+# Most kv heads one program computes when it reads the whole head axis (each head is
+# unrolled in the kernel, with its own online-softmax state).
+MAX_AXIS_HEADS = 8
 
-  * One kv head (MQA, MLA latents), any dtype but float16, with scales, MLA and
-    ``k_rope``: 1 (each DMA keeps the head axis, ``pool[page, :, 0:1]``).
-  * float32: 1; bfloat16 with an even Hkv: 2 (head-pair words); 8-bit (int8 / float8)
-    with Hkv a multiple of 4: 4 (words of four heads, their scales DMA'd per head). No
-    MLA or k_rope with several kv heads.
-  * Otherwise None (a head-major copy): 8-bit caches with an Hkv of 2 or 6, bfloat16 with
-    an odd Hkv > 1, MLA / k_rope with several kv heads, sparse index lists, and a
-    contiguous cache (``paged`` False) with no `contiguous_page_size`. float16 never
-    reaches the kernel (the dispatch gives it the XLA path)."""
+
+def token_major_read(k, v=None, k_rope=None, k_scale=None, v_scale=None, *, paged=True,
+                     sparse=False) -> TokenMajorRead | None:
+  """How the paged kernel reads these token-major caches in place (`_paged_kernel`), or
+  None when it cannot (then a head-major copy).
+
+  * float32 (k, v and k_rope): one head a program, windows ``pool[page, :, h]``.
+  * bfloat16 with an even Hkv, or 8-bit with Hkv a multiple of 4, without MLA or
+    k_rope: words of 2 / 4 heads (their scales DMA'd per head).
+  * Any other 16- or 8-bit cache (one kv head: MQA, MLA latents; 8-bit with an Hkv of 2,
+    3, 5, 6, 7; bfloat16 with an odd Hkv; MLA / k_rope with several heads), up to
+    `MAX_AXIS_HEADS` heads: one program for all heads, each DMA ``[page_size, Hkv, D]``
+    (the whole head axis: TPU tiles pack several head rows in one 32-bit sublane and
+    libtpu rejects a window that splits one, or squeezes a tiled axis of size 1), each
+    head taken from the loaded block in vector registers (`plan`'s ``head_axis``).
+  * None: sparse index lists, float16 (the dispatch gives it the XLA path), more than
+    `MAX_AXIS_HEADS` heads that are not words, and a contiguous cache (``paged`` False)
+    with no `contiguous_page_size`."""
   if sparse or (not paged and contiguous_page_size(k.shape[1]) is None):
     return None
-  caches = [x for x in (k, v, k_rope) if x is not None]
-  if any(jnp.dtype(x.dtype) == jnp.float16 for x in caches):
+  dtypes = {jnp.dtype(x.dtype) for x in (k, v, k_rope) if x is not None}
+  if jnp.dtype(jnp.float16) in dtypes:
     return None
   hkv = k.shape[2]
-  if hkv == 1:
-    return 1
-  if v is None or k_rope is not None:
-    return None
-  dtypes = {jnp.dtype(k.dtype), jnp.dtype(v.dtype)}
-  if all(d.itemsize == 1 for d in dtypes):  # 8-bit (scales are head-major, DMA'd per head)
-    return 4 if hkv % 4 == 0 else None
-  if k_scale is not None or v_scale is not None:
-    return None
   if dtypes == {jnp.dtype(jnp.float32)}:
-    return 1
-  if dtypes == {jnp.dtype(jnp.bfloat16)} and hkv % 2 == 0:
-    return 2
+    return TokenMajorRead(1, False, False)
+  if v is not None and k_rope is None and hkv > 1:
+    if dtypes == {jnp.dtype(jnp.bfloat16)} and hkv % 2 == 0 and k_scale is None and v_scale is None:
+      return TokenMajorRead(2, True, False)
+    if all(d.itemsize == 1 for d in dtypes) and hkv % 4 == 0:
+      return TokenMajorRead(4, True, False)
+  if hkv <= MAX_AXIS_HEADS:
+    return TokenMajorRead(hkv, False, True)
   return None
 
 
@@ -126,8 +132,10 @@ def contiguous_as_pool(k, v, k_rope, quant):
   as_pool = lambda x: None if x is None else x.reshape((b * n, ps) + x.shape[2:])
 
   def scale(a):
-    if a is None or (a.shape[0] == 1 and a.shape[2] == 1):  # per tensor / per head
-      return a
+    if a is None:
+      return None
+    if a.shape[0] == 1 and a.shape[2] == 1:  # per tensor / per head: [1, Hkv|1, 1, nt] -> [Hkv|1, 1, 1, nt]
+      return a.transpose(1, 0, 2, 3)
     d1, nt = a.shape[1], a.shape[3]
     if a.shape[2] == 1:  # per sequence: per page
       return jnp.broadcast_to(a, (b, d1, n, nt)).transpose(1, 0, 2, 3).reshape(d1, b * n, 1, nt)

@@ -77,6 +77,12 @@ for _dt, _q in ((jnp.int8, ("tensor", False)), (jnp.int8, ("token", True)), (jnp
 # cache computes in float32 in the kernel.
 CASES["float16-d128"] = functools.partial(_contiguous, dk=128, dtype=jnp.float16, q_dtype=jnp.float16)
 CASES["int8-token-q-float16"] = functools.partial(_contiguous, dk=128, dtype=jnp.int8, q_dtype=jnp.float16)
+
+
+@case("modifier-bias-float16")  # a float16 bias is widened for the Mosaic kernel
+def _bias_float16(target):
+  fn, (q, k, v, n, opts) = _modifier(target, which="bias")
+  return fn, (q, k, v, n, dict(opts, bias=target.spec(opts["bias"].shape, jnp.float16)))
 CASES["float8_e4m3fn-d256-tiles"] = functools.partial(_contiguous, dk=256, dtype=jnp.float8_e4m3fn,
                                                        quant=("tiles", False))
 # Paged caches.
@@ -159,6 +165,8 @@ CASES["nhd-mla-bf16-g16"] = functools.partial(_mla, g=16, kv_layout="NHD")
 CASES["nhd-mqa-bf16-d256"] = functools.partial(_contiguous, dk=256, hkv=1, kv_layout="NHD")
 CASES["nhd-mqa-int8-paged16"] = functools.partial(_contiguous, dk=128, hkv=1, g=8, dtype=jnp.int8, paged=16,
                                                   kv_layout="NHD")
+# An odd Hkv in bfloat16: Mosaic reads the whole head axis.
+CASES["nhd-hkv3-bf16-paged16"] = functools.partial(_contiguous, dk=128, hkv=3, g=4, paged=16, kv_layout="NHD")
 # 8-bit token-major caches of 4k kv heads: Mosaic reads words of four heads in place.
 CASES["nhd-hkv8-int8-token"] = functools.partial(_contiguous, dk=128, hkv=8, dtype=jnp.int8, kv_layout="NHD")
 CASES["nhd-hkv8-e4m3-tiles-paged16"] = functools.partial(_contiguous, dk=128, hkv=8, dtype=jnp.float8_e4m3fn,

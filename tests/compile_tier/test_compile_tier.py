@@ -96,6 +96,7 @@ TOKEN_MAJOR_K_BYTES = {
     "nhd-mla-fp8-g16-paged16": (2 * 256 + 3) * 16 * 1 * 512 * 1,
     "nhd-hkv8-int8-token": 2 * 4096 * 8 * 128 * 1,
     "nhd-hkv8-e4m3-tiles-paged16": (2 * 256 + 3) * 16 * 8 * 128 * 1,
+    "nhd-hkv3-bf16-paged16": (2 * 256 + 3) * 16 * 3 * 128 * 2,
 }
 
 
@@ -112,11 +113,10 @@ def test_gpu_reads_token_major_caches_in_place(reports, target, name):
       f"{TOKEN_MAJOR_K_BYTES[name]} B cache")
 
 
-# ... and on TPU, where the Mosaic kernel reads float32, bfloat16 (even Hkv), 8-bit (Hkv a
-# multiple of 4) and one-kv-head (any dtype but float16) token-major caches in place;
-# 8-bit ones of 2 kv heads (nhd-paged16-int8-token) still read a head-major copy.
+# ... and on TPU, where the Mosaic kernel reads every one of them in place (float32 by
+# head, bfloat16 / 8-bit as words of 2 / 4 heads, the rest by the whole head axis).
 TPU_TOKEN_MAJOR_K_BYTES = dict(
-    {n: TOKEN_MAJOR_K_BYTES[n] for n in TOKEN_MAJOR_K_BYTES if n != "nhd-paged16-int8-token"},
+    TOKEN_MAJOR_K_BYTES,
     **{"nhd-modifier-mask-paged16": (2 * 256 + 3) * 16 * 2 * 128 * 2,
        "nhd-modifier-alibi": 2 * 4096 * 2 * 128 * 2})
 
@@ -124,8 +124,8 @@ TPU_TOKEN_MAJOR_K_BYTES = dict(
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.TPUS])
 @pytest.mark.parametrize("name", list(TPU_TOKEN_MAJOR_K_BYTES))
 def test_tpu_reads_token_major_caches_in_place(reports, target, name):
-  """The Mosaic kernel reads a token-major cache in place (a bfloat16 one as words of two
-  heads): the compiled program runs the paged kernel, which reads token-major pages (a
+  """The Mosaic kernel reads a token-major cache in place (16- / 8-bit ones as words of
+  2 / 4 heads or by the whole head axis): the compiled program runs the paged kernel, which reads token-major pages (a
   contiguous cache as a pool; before, the contiguous kernel on a head-major view), and
   copies nothing of a quarter of a cache (the largest left: the Flax step's 1024 x 1024
   bfloat16 projection weight, 1/8 of its cache; before, the other cases copied a whole
