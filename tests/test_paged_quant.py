@@ -1,5 +1,7 @@
 """Paged and 8-bit caches: against the reference on the gathered / dequantized cache."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -316,20 +318,23 @@ def test_balanced_schedule_covers_every_block_once():
   from fdecode.kernels import block as blk
   from fdecode.kernels.triton_plan import balanced_schedule as _balanced_schedule
   from fdecode.modifiers import Modifiers
+  bk, s = 16, 1024
+
+  @functools.partial(jax.jit, static_argnums=1)
+  def schedule(ends, items):  # and every item's blocks, as the kernel computes them
+    seq, work, item_ends = _balanced_schedule(ends, items, bk, 1, s, Modifiers())
+    return seq, work, item_ends, *blk.split_range(item_ends, work[:, 0], work[:, 1], 1, s, bk, Modifiers())
   rng = np.random.default_rng(0)
-  for trial in range(20):
-    b, items, bk, s = int(rng.integers(1, 40)), int(rng.integers(2, 80)), 16, 1024
+  for trial, (b, items) in enumerate([(1, 2), (5, 6), (5, 40), (37, 38), (37, 80)] * 4):
     ends = np.where(rng.random(b) < 0.7, 0, rng.integers(1, s + 1, b)).astype(np.int32)
-    items = max(items, b + 1)
-    seq, work, item_ends = (np.asarray(x) for x in _balanced_schedule(jnp.asarray(ends), items, bk, 1, s, Modifiers()))
+    seq, work, item_ends, first, last = (np.asarray(x) for x in schedule(jnp.asarray(ends), items))
     covered, item_blocks = {i: [] for i in range(b)}, [0]
     for w in range(items):
       if seq[w] == b:
-        assert item_ends[w] == 0
+        assert item_ends[w] == 0 and first[w] == last[w]
         continue
-      first, last = blk.split_range(jnp.int32(item_ends[w]), int(work[w, 0]), int(work[w, 1]), 1, s, bk, Modifiers())
-      covered[int(seq[w])] += list(range(int(first), int(last)))
-      item_blocks.append(int(last) - int(first))
+      covered[int(seq[w])] += list(range(int(first[w]), int(last[w])))
+      item_blocks.append(int(last[w]) - int(first[w]))
     blocks = -(-ends // bk)
     live = int((blocks > 0).sum())
     per = max(1, -(-int(blocks.sum()) // max(items - live, 1)))
