@@ -170,9 +170,9 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       (token-major, as Flax / vLLM / JAX's ragged paged attention hold it): contiguous
       ``[B, S, Hkv, D]``, paged ``[P, page_size, Hkv, D]``; scales, offsets and k_rope
       follow the same layout. Every kernel reads a token-major cache in place (the Mosaic
-      kernel all but sparse index lists, which read a head-major copy made in the same
-      program; `fdecode.cache.layout`). float16 caches take the XLA path on TPU (Mosaic
-      has no float16 vectors).
+      kernels up to 128 kv heads, and a contiguous S with a power-of-two factor of 8 or
+      more; `fdecode.cache.layout`). float16 caches take the XLA path on TPU (Mosaic has
+      no float16 vectors).
 
   Returns:
     ``out`` shaped like ``q`` with last dim Dv, dtype ``q.dtype``; with ``return_lse``

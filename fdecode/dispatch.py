@@ -202,27 +202,23 @@ def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, to
       return _xla(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
                   platform="tpu", token_major=token_major, **cache)
     if "sparse" in cache:  # blocks of index-list slots, each token DMA'd on its own
-      slots = cache["indices"].shape[-1]
-      plan_args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
-      p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, num_slots=slots,
-                      slot_rows=unit, **plan_args)
-      splits = cfg.num_splits or config_lib.default_num_splits(
-          b, hkv, max(-(-slots // p.block), 1), config_lib.num_parallel_units("tpu"))
-      return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                                    num_splits=splits, plan=p, interpret=interpret, **cache)
+      return _mosaic_sparse(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
+                            interpret=interpret, unit=unit, **cache)
     p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, **cache)
     read, layout = (k, v), {}
+  elif "sparse" in cache:  # token-major caches, each listed token's heads DMA'd in place
+    k_tm, v_tm, rope_tm = token_major
+    return _mosaic_sparse(q_rows, k_tm, v_tm, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                          cfg=cfg, interpret=interpret, unit=1 if how.axis else mosaic_dma_unit(*token_major),
+                          kv_layout="NHD", head_axis=how.axis, **dict(cache, k_rope=rope_tm))
   else:  # token-major caches read in place by the paged kernel (`mosaic_partials`)
     k_tm, v_tm, rope_tm = token_major
     if cache["block_tables"] is None:  # a contiguous cache as the pool of whole pages it is read as
       k_tm, v_tm, rope_tm, quant, tables = mosaic_contiguous_as_pool(
           k_tm, v_tm, rope_tm, tuple(cache[n] for n in _QUANT))
       cache = dict(cache, block_tables=tables, **dict(zip(_QUANT, quant)))
-    # Planned as the head-major pool it reads: [Hkv, P, page_size, D].
-    as_hnd = lambda x: None if x is None else jax.ShapeDtypeStruct(
-        (x.shape[2], x.shape[0], x.shape[1], x.shape[3]), x.dtype)
-    p = mosaic_plan(q_rows, as_hnd(k_tm), as_hnd(v_tm), block_k=cfg.block_k, kv_heads_per_program=how.heads,
-                    head_axis=how.axis, **dict(cache, k_rope=as_hnd(rope_tm)))
+    p = mosaic_plan(q_rows, _as_hnd(k_tm), _as_hnd(v_tm), block_k=cfg.block_k, kv_heads_per_program=how.heads,
+                    head_axis=how.axis, **dict(cache, k_rope=_as_hnd(rope_tm)))
     read, layout = (k_tm, v_tm), dict(kv_layout="NHD")
     cache = dict(cache, k_rope=rope_tm)
   seen = window_tokens(capacity, num_tokens, cache["mods"])
@@ -231,6 +227,29 @@ def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, to
       b, hkv // (1 if how is None else how.heads), num_blocks, config_lib.num_parallel_units("tpu"))
   return mosaic_partials(q_rows, ends, *read, num_tokens=num_tokens, softmax_scale=softmax_scale,
                          num_splits=splits, plan=p, interpret=interpret, **layout, **cache)
+
+
+def _as_hnd(x):
+  """A token-major cache's shape as the head-major pool `mosaic_plan` sizes: ``[Hkv, ., ., D]``."""
+  return None if x is None else jax.ShapeDtypeStruct((x.shape[2], x.shape[0], x.shape[1], x.shape[3]), x.dtype)
+
+
+def _mosaic_sparse(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, unit, kv_layout="HND",
+                   head_axis=False, **cache):
+  """The sparse Mosaic kernel: blocks of index-list slots, ``unit`` cache rows a slot."""
+  b, hkv = q_rows.shape[:2]
+  slots = cache["indices"].shape[-1]
+  plan_args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
+  shapes = (k, v) if kv_layout == "HND" else (_as_hnd(k), _as_hnd(v))
+  if kv_layout == "NHD":
+    plan_args["k_rope"] = _as_hnd(plan_args["k_rope"])
+  p = mosaic_plan(q_rows, *shapes, block_k=cfg.block_k, num_slots=slots, slot_rows=unit, head_axis=head_axis,
+                  **plan_args)
+  splits = cfg.num_splits or config_lib.default_num_splits(
+      b, hkv, max(-(-slots // p.block), 1), config_lib.num_parallel_units("tpu"))
+  return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                                              num_splits=splits, plan=p, interpret=interpret, kv_layout=kv_layout,
+                                              head_axis=head_axis, **cache)
 
 
 def triton_supports(k, v, cache, v_head_dim=None) -> bool:

@@ -140,6 +140,7 @@ def test_head_pairs_with_modifiers_and_nan(impl, paged):
 @pytest.mark.parametrize("hkv,kind", [
     (1, "bf16"), (1, "int8-token"), (1, "mla-e4m3-tiles-rope"),     # one kv head: the head axis
     (4, "int8-token"), (4, "e4m3-tiles"), (8, "e5m2-tensor"), (4, "int8-head-offsets"),  # words of 4
+    (2, "mla-bf16-rope"),                                           # bf16 words: latents and k_rope
     (3, "bf16"), (2, "int8-token"), (2, "mla-e4m3-tiles-rope")])   # the whole head axis
 @pytest.mark.parametrize("page_size", [None, 1, 16], ids=["contiguous", "page1", "page16"])
 def test_packed_heads_in_place(request, impl, hkv, kind, page_size):
@@ -148,8 +149,8 @@ def test_packed_heads_in_place(request, impl, hkv, kind, page_size):
   of four heads (`unpack_head`; scales per token, per 16-column tile, per head with
   offsets, per tensor), and the rest through windows of the whole head axis: one kv
   head (MQA, MLA latents; there the XLA path and Triton read the head-major view, a
-  free reshape), an odd Hkv in bfloat16, 8-bit with 2 heads, MLA with k_rope and 2
-  heads. NaN / inf in dead slots (and their scales) and garbage table entries past the
+  free reshape), an odd Hkv in bfloat16, 8-bit with 2 heads, fp8 MLA with bf16 k_rope
+  and 2 heads (bfloat16 MLA latents with k_rope, 2 heads: words of 2). NaN / inf in dead slots (and their scales) and garbage table entries past the
   lengths: bit for bit the head-major call and the clean cache's, and the float32
   reference's within tolerance."""
   if impl_param(request) == "pallas" and hkv > 1:
@@ -170,7 +171,7 @@ def test_packed_heads_in_place(request, impl, hkv, kind, page_size):
                 if name in kind), None)
 
   def quant(k, v):
-    if kind == "bf16":
+    if dtype is None:
       return k, v, {}
     if kind.endswith("head-offsets"):  # a scale and an offset per kv head: (values + offset) * scale
       def q8(x, name):

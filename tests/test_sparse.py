@@ -15,7 +15,7 @@ import fdecode
 from fdecode.cache.paged import gather_pages
 from fdecode.quant import dequantize, quantize
 from fdecode.reference import reference_decode
-from conftest import assert_close, interpreted_once, make_problem, tol
+from conftest import assert_close, impl_param, interpreted_once, make_problem, tol
 from test_gpu_lowering import TRITON_CALL, lower_for_cuda
 from test_tpu_kernel import TPU_CALL, lower_for_tpu
 
@@ -232,3 +232,63 @@ def test_sparse_mla_lowers_for_tpu_and_cuda(page_size):
   args = (q, k, sds((b,), jnp.int32), opts)
   assert TPU_CALL in lower_for_tpu(fn, *args)
   assert TRITON_CALL in lower_for_cuda(fn, *args)
+
+
+@pytest.mark.parametrize("kind", [
+    "f32-hkv2", "bf16-hkv2-paged16", "int8-hkv4-token-paged16",   # unit heads a DMA: 1, 2, 4
+    "mla-e4m3-rope-hkv1-paged16", "bf16-hkv3"])                   # the whole head axis
+def test_token_major_in_place(request, impl, kind):
+  """Token-major caches (kv_layout="NHD"), read in place by the TPU kernel
+  (`mosaic_tpu_token_major.sparse_token_major_read`): a listed token's DMA brings the
+  2 / 4 heads of its packed sublane (or the whole head axis), so head h's buffer
+  neighbours are other heads' rows. Per-kv-head lists (the MLA case shares one list),
+  and NaN / inf in every (slot, head) its head's list does not select: the neighbours
+  that arrive beside a selected row, and the slots never read. Within tolerance of the
+  float32 reference; the XLA path and Triton bit for bit the head-major call."""
+  from test_layout import nhd  # pylint: disable=g-import-not-at-top
+  paged = "paged16" in kind
+  hkv = int(kind.split("hkv")[1][0])
+  b, s, dk = 2, 48, 32
+  dtype = jnp.float32 if kind.startswith("f32") else jnp.bfloat16
+  q, k, v = make_problem(21, b=b, t=2, hq=2 * hkv, hkv=hkv, s=s, dk=dk, dtype=dtype)
+  lengths = jnp.array([s, 29])
+  mla = kind.startswith("mla")
+  idx = random_indices(22, (b, 2, 12) if mla else (b, 2, hkv, 12), s, dup=False)
+  sel = index_mask(idx, q.shape, hkv, s)[:, :, ::2].any(axis=1)  # [B, Hkv, S]: a slot its head may read
+  bad = jnp.asarray(~sel)[..., None]
+  kw, ref_kv = dict(impl=impl, block_k=BLOCK, num_splits=2, return_lse=True, indices=idx), None
+  if mla:  # FlashMLA's cache: fp8 latent with 1x16 tile scales, bf16 RoPE columns
+    latent, scale = quantize(k[..., :16].astype(jnp.float32), jnp.float8_e4m3fn, tile=16)
+    rope = k[..., 16:]
+    kf = jnp.concatenate([dequantize(latent, scale), rope.astype(jnp.float32)], -1)
+    ref_kv = (kf, kf[..., :16])
+    caches = dict(k=latent, v=None, k_rope=rope, k_scale=scale)
+    kw["v_head_dim"] = 16
+  elif kind.startswith("int8"):
+    (kq, ks), (vq, vs) = (quantize(x.astype(jnp.float32), jnp.int8) for x in (k, v))
+    ref_kv = (dequantize(kq, ks), dequantize(vq, vs))
+    caches = dict(k=kq, v=vq, k_scale=ks, v_scale=vs)
+  else:
+    caches = dict(k=k, v=v)
+  fill = lambda x, f: None if x is None else jnp.where(bad, f if x.dtype != jnp.int8 else -128, x).astype(x.dtype)
+  dirty = {n: fill(x, jnp.nan if n.startswith("k") else jnp.inf) if n != "v" or x is not None else x
+           for n, x in caches.items()}
+  if paged:  # sequence i's page j is pool page 2 * j + i
+    to_pool = lambda x: x if x is None or x.ndim < 4 else (
+        x.reshape(b, hkv, s // 16, 16, x.shape[-1]).transpose(1, 2, 0, 3, 4).reshape(hkv, -1, 16, x.shape[-1]))
+    dirty = {n: to_pool(x) for n, x in dirty.items()}
+    kw["block_tables"] = jnp.arange(b * s // 16, dtype=jnp.int32).reshape(s // 16, b).T
+  args = lambda c: (c["k"], c["v"])
+  rest = lambda c: {n: x for n, x in c.items() if n not in ("k", "v")}
+  tm = fdecode.flash_decode(q, *(nhd(x, paged) for x in args(dirty)), lengths, kv_layout="NHD",
+                            **{n: nhd(x, paged) for n, x in rest(dirty).items()}, **kw)
+  kf, vf = ref_kv if ref_kv is not None else (k, v)
+  ref, ref_lse = reference_decode(q, kf.astype(jnp.float32), vf.astype(jnp.float32), lengths,
+                                  mask=jnp.asarray(index_mask(idx, q.shape, hkv, s)))
+  t = tol(dtype) if not mla and not kind.startswith("int8") else tol(jnp.bfloat16)
+  assert_close(tm[0], ref, atol=t["atol"], rtol=t["rtol"], what="out")
+  assert_close(tm[1], ref_lse, atol=t["lse"], rtol=t["lse"], what="lse")
+  if impl_param(request) != "mosaic":  # XLA and Triton read either layout in the same block order
+    hm = fdecode.flash_decode(q, *args(dirty), lengths, **rest(dirty), **kw)
+    for a, e, what in zip(tm, hm, ("out", "lse")):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32), err_msg=what)

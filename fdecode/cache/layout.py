@@ -21,11 +21,12 @@ How each path reads a token-major cache:
   head's ``[page_size, D]`` rows per DMA for float32; bfloat16 with an even Hkv and
   8-bit with Hkv a multiple of 4 as 32-bit words of 2 / 4 heads (a one-head window
   would split a packed sublane, which libtpu rejects), one program per word; every
-  other 16- / 8-bit cache up to 8 kv heads (one head: MQA, MLA latents; odd counts;
-  ``k_rope``) as windows of the whole head axis, one program for all heads. Sparse
-  index lists, more than 8 heads that do not fill words, and a contiguous S with no
-  power-of-two factor of 8 or more read a head-major copy; float16 caches take the XLA
-  path (Mosaic has no float16 vectors).
+  other 16- / 8-bit cache up to 128 kv heads (one head: MQA, MLA latents; odd counts;
+  fp8 with ``k_rope``) as windows of the whole head axis, one program for all heads.
+  Its sparse kernel DMAs each listed token's heads (the 1 / 2 / 4 of a 32-bit sublane,
+  or the whole axis). More than 128 heads that do not fill words, and a contiguous S
+  with no power-of-two factor of 8 or more (dense calls), read a head-major copy;
+  float16 caches take the XLA path (Mosaic has no float16 vectors).
 * The float32 reference reads the head-major copy.
 
 `head_major` is the one conversion, a transpose inside the same jit-compiled program

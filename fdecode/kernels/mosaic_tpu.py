@@ -19,8 +19,8 @@ is how blocks reach VMEM, the way Mosaic wants it:
   rows (float32) or one row of 32-bit words holding two bfloat16 heads, both computed by
   one program (grid ``(B, Hkv/2, n_splits)``): a one-head bfloat16 window would split
   the packed sublane pair, which libtpu rejects; 8-bit as words of four heads. Other
-  16- and 8-bit caches (one kv head: MQA, MLA latents; odd head counts; k_rope) DMA
-  the whole head axis, ``[page_size, Hkv, D]``, one program for all heads
+  16- and 8-bit caches (one kv head: MQA, MLA latents; odd head counts; fp8 with
+  k_rope) DMA the whole head axis, ``[page_size, Hkv, D]``, one program for all heads
   (`fdecode.kernels.mosaic_tpu_token_major.token_major_read`).
 * **8-bit caches**: per-token scales / offsets travel with their block (BlockSpec or DMA);
   per-head / per-tensor ones are one small resident block. Dequantization happens after
@@ -410,7 +410,7 @@ def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, 
     heads, head_words, head_axis = token_major_read(k, v, k_rope, quant[0], quant[2])
     word_dtypes = tuple(None if x is None else jnp.dtype(x.dtype).name for x in (k, v, k_rope))
     if head_words and interpret:
-      k, v = pack_heads(k), pack_heads(v)
+      k, v, k_rope = (None if x is None else pack_heads(x) for x in (k, v, k_rope))
   else:
     _, num_pages, page_size, _ = k.shape
     heads, head_words, head_axis, word_dtypes = 1, False, False, (None, None, None)

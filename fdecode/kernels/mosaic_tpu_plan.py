@@ -20,9 +20,11 @@ _LANES = 128
 _STEP_BYTES = 512 * 1024
 _MAX_STEP_TOKENS = 2048
 _MAX_PAGES_PER_STEP = 64
-# Tokens per step of a whole-head-axis read (`plan`): its relayout scratch is 4 KiB per
-# token and 128 columns.
+# Tokens per step of a whole-head-axis read of up to 8 kv heads (`plan`): its relayout
+# scratch is 4 KiB per token, head and 128 columns; more heads take proportionally fewer
+# tokens (at least `_HEAD_AXIS_MIN_TOKENS`), so a step moves about as many bytes.
 _HEAD_AXIS_STEP_TOKENS = 128
+_HEAD_AXIS_MIN_TOKENS = 16
 _VREG_BYTES = 4096
 # Headroom above the computed footprint for Mosaic's internal scratch.
 _VMEM_HEADROOM = 4 * 1024 * 1024
@@ -104,7 +106,7 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
   token, head, stream and 128 columns, an upper bound of what libtpu allocated on v5e
   for 1024 / 2048-token steps (bf16 Hkv 1, 3, 5; int8 Hkv 2, 6: 5.9-7.7 KiB a token and
   head for K + V of 128 columns, against 8 counted), so such a step is
-  `_HEAD_AXIS_STEP_TOKENS`.
+  `_HEAD_AXIS_STEP_TOKENS` (fewer for more than 8 heads).
   """
   r, dq = q_rows.shape[-2:]
   dk = k.shape[-1]
@@ -114,7 +116,12 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
   # Streams besides K: (width, dtype) of V (absent for MLA) and k_rope.
   extra = [(x.shape[-1], x.dtype) for x in (v, k_rope) if x is not None]
   token_bytes = dk * jnp.dtype(k.dtype).itemsize + sum(w * jnp.dtype(d).itemsize for w, d in extra)
-  tokens = block_k or (_HEAD_AXIS_STEP_TOKENS if head_axis else _default_step_tokens(token_bytes))
+  if head_axis:
+    per_head = _HEAD_AXIS_STEP_TOKENS * 8 // max(k.shape[0], 8)
+    default = max(1 << per_head.bit_length() - 1, _HEAD_AXIS_MIN_TOKENS)
+  else:
+    default = _default_step_tokens(token_bytes)
+  tokens = block_k or default
   quant = [a for a in (k_scale, k_offset, v_scale, v_offset) if a is not None]
   if paged and num_slots is None:
     page_size, table_len = k.shape[2], block_tables.shape[1]

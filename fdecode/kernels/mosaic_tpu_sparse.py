@@ -17,6 +17,15 @@ and in VMEM as ``[K_p / bk, bk * unit]`` (one row per step: the buffer rows' pos
 for the masks). Slots outside the row's live range are not copied; whatever their
 buffer rows hold is selected away (their position is past every row's end, or before
 the window), as in every other kernel.
+
+Token-major caches (``kv_layout="NHD"``: contiguous ``[B, S, Hkv, D]``, paged
+``[P, page_size, Hkv, D]``) are read in place: a listed token's DMA moves the row of
+its heads that the packed sublanes need
+(`fdecode.kernels.mosaic_tpu_token_major.sparse_token_major_read`): ``unit`` heads from
+``h - h % unit`` (buffer row ``h % unit`` of the slot's unit is head h's, the others
+get position S), or the whole head axis into a ``[bk, Hkv, D]`` buffer (``head_axis``),
+whose head h is taken after the load. Per-token scales stay head-major (float32): one
+row a token, DMA'd beside its cache row.
 """
 
 from __future__ import annotations
@@ -38,11 +47,12 @@ from fdecode.sparse import Sparse, pad_slots, slot_range
 
 def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *refs, kinds, paged, fold,
                    heads, softmax_scale, num_splits, bk, unit, seq_len, page_size, num_pages, table_len,
-                   num_rows, group, num_tokens, k_pieces, v_pieces, mods):
+                   num_rows, group, num_tokens, k_pieces, v_pieces, mods, token_major=False, head_axis=False):
   # kinds: for (k, v, k_rope, k_scale, k_offset, v_scale, v_offset, alibi): "stream" (an
   #   HBM ref, DMA'd token by token), "resident" (a VMEM block) or None (absent).
-  # refs: the present operands; o [R_p, Dv], lse [R_p, 1]; a VMEM buffer [2, bk, D|nt]
-  #   per streamed operand; DMA semaphores [n_streams, 2].
+  # refs: the present operands; o [R_p, Dv], lse [R_p, 1]; a VMEM buffer [2, bk * unit, D|nt]
+  #   per streamed operand ([2, bk, Hkv, D] for a token-major cache read by `head_axis`);
+  #   DMA semaphores [n_streams, 2].
   n_present = sum(kind is not None for kind in kinds)
   present = iter(refs[:n_present])
   srcs = [None if kind is None else next(present) for kind in kinds]
@@ -58,20 +68,33 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
 
   def copy(n, i, pos, slot, j):
     """The DMA of the ``unit`` rows holding position ``pos`` of stream ``i`` into buffer
-    rows ``[j * unit, (j + 1) * unit)``."""
+    rows ``[j * unit, (j + 1) * unit)`` (token-major: see the module docstring)."""
     src = srcs[i]
-    head = h if src.shape[1 if not paged else 0] > 1 else 0
     aligned = lambda x: x if unit == 1 else pl.multiple_of(x, unit)
+    dst = bufs[n].at[slot, pl.ds(aligned(j * unit), unit)]
+    seq = b // fold if src.shape[0] > 1 else 0
     if paged:
       page = jnp.clip(tables_ref[b * table_len + jnp.clip(pos // page_size, 0, table_len - 1)],
                       0, num_pages - 1)
       row = pos % page_size
+    else:
+      row = jnp.clip(pos, 0, seq_len - 1)
+    if token_major and i < 3:  # the token's row of heads [Hkv, D]
+      token = src.at[page, row] if paged else src.at[seq, row]
+      if head_axis:
+        return pltpu.make_async_copy(token, bufs[n].at[slot, j], sems.at[n, slot])
+      return pltpu.make_async_copy(token.at[pl.ds(aligned(h - h % unit), unit)], dst, sems.at[n, slot])
+    head = h if src.shape[1 if not paged else 0] > 1 else 0
+    if token_major:  # a head-major float32 scale: the token's row, beside head h's cache row
+      row_src = (src.at[head, page if src.shape[1] > 1 else 0, pl.ds(row, 1)] if paged
+                 else src.at[seq, head, pl.ds(row, 1)])
+      at = j if head_axis else j * unit + h % unit
+      return pltpu.make_async_copy(row_src, bufs[n].at[slot, pl.ds(at, 1)], sems.at[n, slot])
+    if paged:
       row_src = src.at[head, page if src.shape[1] > 1 else 0, pl.ds(aligned(row - row % unit), unit)]
     else:
-      seq = b // fold if src.shape[0] > 1 else 0
-      row = jnp.clip(pos, 0, seq_len - 1)
       row_src = src.at[seq, head, pl.ds(aligned(row - row % unit), unit)]
-    return pltpu.make_async_copy(row_src, bufs[n].at[slot, pl.ds(aligned(j * unit), unit)], sems.at[n, slot])
+    return pltpu.make_async_copy(row_src, dst, sems.at[n, slot])
 
   def each_live_slot(step, slot, action):
     """Runs ``action`` on the DMA of every stream for each live slot of ``step``."""
@@ -105,10 +128,15 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
     buf_of = dict(zip(streams, bufs))
     kx, vx, rx, ks, ko, vs, vo = (buf_of[i][slot] if i in buf_of else None if src is None else src[...]
                                   for i, src in enumerate(srcs[:7]))
+    if head_axis:  # [bk, Hkv, D] -> head h's rows
+      kx, vx, rx = (None if x is None else _head_of(x, h) for x in (kx, vx, rx))
     kb, vb = _block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
     kb, bad = blk.guard_values(kb, vb, blk.rows_may_differ(num_tokens, mods))
     s = blk.block_scores(q_pieces, kb, softmax_scale)
     pos_row = pos_ref[pl.ds(step, 1), :]  # [1, bk * unit] the buffer rows' positions
+    if token_major and unit > 1 and not head_axis:  # row u of a slot's unit is head h - h % unit + u
+      lane = lax.broadcasted_iota(jnp.int32, pos_row.shape, 1)
+      pos_row = jnp.where(lane % unit == h % unit, pos_row, seq_len)
     s = blk.modify_scores(s, mods, rows, pos_row, slopes)
     visible, live = blk.sparse_block_masks(rows, pos_row, live_end, first_visible)
     return blk.online_update(state, s, visible, live, vb, bad)
@@ -122,14 +150,28 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
   _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse)
 
 
+def _head_of(x, h):
+  """Head ``h`` (traced) of a loaded token-major block ``[bk, Hkv, D]`` -> ``[bk, D]``:
+  one kv head's is a reshape; of several, a select over the static heads."""
+  if x.shape[1] == 1:
+    return x.reshape(x.shape[0], x.shape[2])
+  out = x[:, 0, :]
+  for hh in range(1, x.shape[1]):
+    out = jnp.where(h == hh, x[:, hh, :], out)
+  return out
+
+
 def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse: Sparse, num_tokens: int,
                            softmax_scale: float, num_splits: int, plan: Plan, interpret,
                            block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
                            mods: Modifiers = Modifiers(), alibi=None, v_head_dim=None, k_rope=None,
-                           mask=None, bias=None):
+                           mask=None, bias=None, kv_layout="HND", head_axis=False):
   """Per-split partial states over the selected tokens (arguments as
   `fdecode.kernels.mosaic_tpu.mosaic_partials`, plus the canonical ``indices`` ``[B', Hi, K]``,
   ``index_bounds`` ``[B', Hi, 2]`` and ``sparse``; ``plan.block`` slots per step).
+  ``kv_layout="NHD"``: k, v and k_rope are token-major (contiguous ``[B, S, Hkv, D]``,
+  paged ``[P, page_size, Hkv, D]``), read in place; ``head_axis`` as
+  `fdecode.kernels.mosaic_tpu_token_major.sparse_token_major_read` says.
 
   Returns:
     ``(o, lse)``: float32 ``[B', Hkv, n_splits, R, Dv]`` and ``[B', Hkv, n_splits, R]``.
@@ -138,24 +180,26 @@ def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse:
   b, hkv, r, dq = q_rows.shape
   paged = block_tables is not None
   bk = plan.block
+  token_major = kv_layout == "NHD"
   if paged:
-    _, num_pages, page_size, _ = k.shape
+    num_pages, page_size = k.shape[:2] if token_major else k.shape[1:3]
     table_len = block_tables.shape[1]
     seq_len = table_len * page_size
     tables = block_tables.astype(jnp.int32).reshape(-1)
   else:
     num_pages = page_size = table_len = 0
-    seq_len = k.shape[2]
+    seq_len = k.shape[1 if token_major else 2]
     tables = jnp.zeros((1,), jnp.int32)
   dv = v_head_dim if v is None else v.shape[-1]
   if plan.rows_p != r:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, plan.rows_p - r), (0, 0)])
   idx = pad_slots(indices, bk, seq_len)
   heads, k_p = idx.shape[1], idx.shape[2]
-  unit = dma_unit(k, v, k_rope)
-  # Row u of a slot's unit holds position pos if pos % unit == u, else nothing (S).
+  unit = 1 if head_axis else dma_unit(k, v, k_rope)
+  # Row u of a slot's unit holds position pos if pos % unit == u, else nothing (S);
+  # token-major: every row holds pos, the kernel keeps head h's (`_sparse_kernel`).
   lanes = jnp.arange(unit, dtype=idx.dtype)
-  unit_pos = jnp.where(idx[..., None] % unit == lanes, idx[..., None], seq_len)
+  unit_pos = jnp.where((idx[..., None] % unit == lanes) | token_major, idx[..., None], seq_len)
   per_head = lambda h: h if heads > 1 else 0
   kinds, present, in_specs, bufs = [], [], [], []
   for i, a in enumerate((k, v, k_rope, k_scale, k_offset, v_scale, v_offset)):
@@ -167,7 +211,8 @@ def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse:
         a = jnp.broadcast_to(a, (a.shape[0], num_pages, page_size, a.shape[-1]))
       kinds.append("stream")
       in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-      bufs.append(pltpu.VMEM((2, bk * unit, a.shape[-1]), a.dtype))
+      rows = (bk, a.shape[2]) if head_axis and i < 3 else (bk * unit,)
+      bufs.append(pltpu.VMEM((2,) + rows + (a.shape[-1],), a.dtype))
     else:  # per sequence / head / tensor: one resident [1, nt] block
       kinds.append("resident")
       d0, d1 = a.shape[:2]
@@ -188,7 +233,8 @@ def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse:
       _sparse_kernel, kinds=tuple(kinds), paged=paged, fold=sparse.fold, heads=heads,
       softmax_scale=softmax_scale, num_splits=num_splits, bk=bk, unit=unit, seq_len=seq_len, page_size=page_size,
       num_pages=num_pages, table_len=table_len, num_rows=r, group=r // num_tokens,
-      num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods)
+      num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods, token_major=token_major,
+      head_axis=head_axis)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=3,
       grid=(b, hkv, num_splits),

@@ -13,7 +13,8 @@
   (`contiguous_as_pool`).
 
 `token_major_read` decides how (or whether) a cache is read so; the others read a
-head-major copy.
+head-major copy. The sparse kernel reads a listed token's heads, ``pool[page, slot,
+h0:h0 + w]`` (`sparse_token_major_read`).
 """
 
 from __future__ import annotations
@@ -71,9 +72,11 @@ class TokenMajorRead(NamedTuple):
   axis: bool      # each DMA keeps the whole head axis, ``pool[page, :, 0:Hkv]``
 
 
-# Most kv heads one program computes when it reads the whole head axis (each head is
-# unrolled in the kernel, with its own online-softmax state).
-MAX_AXIS_HEADS = 8
+# Most kv heads read by the whole head axis. The paged kernel unrolls each head, with its
+# own online-softmax state, in one program; the sparse kernel selects its head from the
+# loaded rows. libtpu compiled 71 heads (Falcon-7B's bfloat16 MHA; 16-token steps) and
+# 30 int8 ones within VMEM on v5e.
+MAX_AXIS_HEADS = 128
 
 
 def token_major_read(k, v=None, k_rope=None, k_scale=None, v_scale=None, *, paged=True,
@@ -82,33 +85,60 @@ def token_major_read(k, v=None, k_rope=None, k_scale=None, v_scale=None, *, page
   None when it cannot (then a head-major copy).
 
   * float32 (k, v and k_rope): one head a program, windows ``pool[page, :, h]``.
-  * bfloat16 with an even Hkv, or 8-bit with Hkv a multiple of 4, without MLA or
-    k_rope: words of 2 / 4 heads (their scales DMA'd per head).
+  * bfloat16 with an even Hkv (k, v or MLA's none, k_rope), or 8-bit with Hkv a
+    multiple of 4 (without MLA or k_rope): words of 2 / 4 heads (8-bit scales DMA'd per
+    head).
   * Any other 16- or 8-bit cache (one kv head: MQA, MLA latents; 8-bit with an Hkv of 2,
-    3, 5, 6, 7; bfloat16 with an odd Hkv; MLA / k_rope with several heads), up to
+    3, 5, 6, 7; bfloat16 with an odd Hkv; fp8 MLA with bfloat16 k_rope), up to
     `MAX_AXIS_HEADS` heads: one program for all heads, each DMA ``[page_size, Hkv, D]``
     (the whole head axis: TPU tiles pack several head rows in one 32-bit sublane and
     libtpu rejects a window that splits one, or squeezes a tiled axis of size 1), each
     head taken from the loaded block in vector registers (`plan`'s ``head_axis``).
-  * None: sparse index lists, float16 (the dispatch gives it the XLA path), more than
-    `MAX_AXIS_HEADS` heads that are not words, and a contiguous cache (``paged`` False)
-    with no `contiguous_page_size`."""
-  if sparse or (not paged and contiguous_page_size(k.shape[1]) is None):
-    return None
+  * None: float16 (the dispatch gives it the XLA path), more than `MAX_AXIS_HEADS`
+    heads that are not words, and a contiguous cache (``paged`` False) with no
+    `contiguous_page_size`.
+
+  With ``sparse`` (index lists: `sparse_token_major_read`) the answer is for the sparse
+  kernel."""
   dtypes = {jnp.dtype(x.dtype) for x in (k, v, k_rope) if x is not None}
   if jnp.dtype(jnp.float16) in dtypes:
     return None
   hkv = k.shape[2]
+  if sparse:
+    return sparse_token_major_read(hkv, dtypes)
+  if not paged and contiguous_page_size(k.shape[1]) is None:
+    return None
   if dtypes == {jnp.dtype(jnp.float32)}:
     return TokenMajorRead(1, False, False)
-  if v is not None and k_rope is None and hkv > 1:
-    if dtypes == {jnp.dtype(jnp.bfloat16)} and hkv % 2 == 0 and k_scale is None and v_scale is None:
-      return TokenMajorRead(2, True, False)
-    if all(d.itemsize == 1 for d in dtypes) and hkv % 4 == 0:
-      return TokenMajorRead(4, True, False)
+  if dtypes == {jnp.dtype(jnp.bfloat16)} and hkv % 2 == 0 and k_scale is None and v_scale is None:
+    return TokenMajorRead(2, True, False)  # (also MLA latents and k_rope of bfloat16)
+  if v is not None and k_rope is None and all(d.itemsize == 1 for d in dtypes) and hkv % 4 == 0:
+    return TokenMajorRead(4, True, False)
   if hkv <= MAX_AXIS_HEADS:
     return TokenMajorRead(hkv, False, True)
   return None
+
+
+def sparse_token_major_read(hkv, dtypes) -> TokenMajorRead | None:
+  """How the sparse kernel (`fdecode.kernels.mosaic_tpu_sparse`) reads token-major caches
+  (pooled or contiguous, both in place) of ``hkv`` heads and these dtypes: one kv head a
+  program, one DMA per listed token, of the rows of its heads
+  ``pool[page, slot, h0:h0 + w]``:
+
+  * ``axis`` False: w = `dma_unit` heads from ``h0 = h - h % unit`` (one for 32-bit
+    caches, the 2 / 4 heads of one packed 32-bit sublane for 16- / 8-bit ones) when Hkv
+    is a multiple of it; the other heads' rows arrive beside head h's and are selected
+    away by position, as the head-major kernel's unit neighbours are.
+  * ``axis`` True: w = Hkv, the whole head axis, when Hkv is not (one kv head: MQA,
+    MLA latents; an odd packed count), up to `MAX_AXIS_HEADS`; head h is taken from
+    the loaded ``[bk, Hkv, D]`` block. Each program then moves every head's row of a
+    listed token (Hkv times its own bytes, for Hkv > 1); the head-major copy it
+    replaces moved the whole cache twice.
+  * None: more heads than that (a head-major copy)."""
+  unit = max(4 // d.itemsize for d in dtypes)
+  if hkv % unit == 0:
+    return TokenMajorRead(1, False, False)
+  return TokenMajorRead(1, False, True) if hkv <= MAX_AXIS_HEADS else None
 
 
 def contiguous_page_size(seq_len: int) -> int | None:

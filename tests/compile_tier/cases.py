@@ -167,6 +167,8 @@ CASES["nhd-mqa-int8-paged16"] = functools.partial(_contiguous, dk=128, hkv=1, g=
                                                   kv_layout="NHD")
 # An odd Hkv in bfloat16: Mosaic reads the whole head axis.
 CASES["nhd-hkv3-bf16-paged16"] = functools.partial(_contiguous, dk=128, hkv=3, g=4, paged=16, kv_layout="NHD")
+# ... and 9 (more than the 8 it once stopped at; 16-token steps).
+CASES["nhd-hkv9-bf16-paged16"] = functools.partial(_contiguous, dk=128, hkv=9, g=2, paged=16, kv_layout="NHD")
 # 8-bit token-major caches of 4k kv heads: Mosaic reads words of four heads in place.
 CASES["nhd-hkv8-int8-token"] = functools.partial(_contiguous, dk=128, hkv=8, dtype=jnp.int8, kv_layout="NHD")
 CASES["nhd-hkv8-e4m3-tiles-paged16"] = functools.partial(_contiguous, dk=128, hkv=8, dtype=jnp.float8_e4m3fn,
@@ -193,9 +195,18 @@ CASES["sparse-e4m3-tiles-paged16"] = functools.partial(_sparse, form="per_token"
                                                        dtype=jnp.float8_e4m3fn, quant=("tiles", False))
 
 
-def _sparse_mla(target):
-  fn, (q, k, n, opts) = _mla(target, g=16)
+def _sparse_mla(target, **kw):
+  fn, (q, k, n, opts) = _mla(target, g=16, **kw)
   return fn, (q, k, n, dict(opts, indices=target.spec((B, 512), jnp.int32)))
+
+
+# ... on token-major caches, read in place: Mosaic DMAs a listed token's packed heads
+# (bf16 pairs; 8-bit Hkv = 2: the whole head axis) or, for one kv head, its whole row.
+CASES["nhd-sparse-shared"] = functools.partial(_sparse, form="shared", kv_layout="NHD")
+CASES["nhd-sparse-per-head-paged16"] = functools.partial(_sparse, form="per_head", paged=16, kv_layout="NHD")
+CASES["nhd-sparse-int8-token"] = functools.partial(_sparse, form="shared", dtype=jnp.int8, kv_layout="NHD")
+CASES["nhd-sparse-mla-paged16"] = functools.partial(_sparse_mla, paged=True, kv_layout="NHD")
+CASES["nhd-sparse-mla-fp8"] = functools.partial(_sparse_mla, dtype=jnp.float8_e4m3fn, kv_layout="NHD")
 
 
 @case("cascade")

@@ -97,6 +97,13 @@ TOKEN_MAJOR_K_BYTES = {
     "nhd-hkv8-int8-token": 2 * 4096 * 8 * 128 * 1,
     "nhd-hkv8-e4m3-tiles-paged16": (2 * 256 + 3) * 16 * 8 * 128 * 1,
     "nhd-hkv3-bf16-paged16": (2 * 256 + 3) * 16 * 3 * 128 * 2,
+    "nhd-hkv9-bf16-paged16": (2 * 256 + 3) * 16 * 9 * 128 * 2,
+    # Sparse index lists (the Mosaic sparse kernel DMAs each listed token's heads).
+    "nhd-sparse-shared": 2 * 4096 * 2 * 128 * 2,
+    "nhd-sparse-per-head-paged16": (2 * 256 + 3) * 16 * 2 * 128 * 2,
+    "nhd-sparse-int8-token": 2 * 4096 * 2 * 128 * 1,
+    "nhd-sparse-mla-paged16": (2 * 256 + 3) * 16 * 1 * 576 * 2,
+    "nhd-sparse-mla-fp8": 2 * 4096 * 1 * 512 * 1,
 }
 
 
@@ -114,7 +121,8 @@ def test_gpu_reads_token_major_caches_in_place(reports, target, name):
 
 
 # ... and on TPU, where the Mosaic kernel reads every one of them in place (float32 by
-# head, bfloat16 / 8-bit as words of 2 / 4 heads, the rest by the whole head axis).
+# head, bfloat16 / 8-bit as words of 2 / 4 heads, the rest by the whole head axis;
+# sparse lists by each listed token's packed heads).
 TPU_TOKEN_MAJOR_K_BYTES = dict(
     TOKEN_MAJOR_K_BYTES,
     **{"nhd-modifier-mask-paged16": (2 * 256 + 3) * 16 * 2 * 128 * 2,
@@ -126,14 +134,15 @@ TPU_TOKEN_MAJOR_K_BYTES = dict(
 def test_tpu_reads_token_major_caches_in_place(reports, target, name):
   """The Mosaic kernel reads a token-major cache in place (16- / 8-bit ones as words of
   2 / 4 heads or by the whole head axis): the compiled program runs the paged kernel, which reads token-major pages (a
-  contiguous cache as a pool; before, the contiguous kernel on a head-major view), and
+  contiguous cache as a pool; before, the contiguous kernel on a head-major view), or
+  the sparse kernel, which DMAs each listed token's heads (before, from a head-major copy), and
   copies nothing of a quarter of a cache (the largest left: the Flax step's 1024 x 1024
   bfloat16 projection weight, 1/8 of its cache; before, the other cases copied a whole
   cache)."""
   report = reports[target][name]
   assert report["ok"], report.get("error")
   names = {k["name"] for k in report["kernels"]}
-  assert names == {"fdecode_split_kv_mosaic_paged"}, names
+  assert names == {"fdecode_sparse_mosaic" if "sparse" in name else "fdecode_split_kv_mosaic_paged"}, names
   assert report["largest_copy_bytes"] < TPU_TOKEN_MAJOR_K_BYTES[name] / 4, (
       f"{name} on {target}: a {report['largest_copy_bytes']} B copy next to a "
       f"{TPU_TOKEN_MAJOR_K_BYTES[name]} B cache")
