@@ -292,3 +292,31 @@ def test_token_major_in_place(request, impl, kind):
     hm = fdecode.flash_decode(q, *args(dirty), lengths, **rest(dirty), **kw)
     for a, e, what in zip(tm, hm, ("out", "lse")):
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(e, np.float32), err_msg=what)
+
+
+@pytest.mark.parametrize("dtype,paged", [(jnp.bfloat16, False), (jnp.int8, True)], ids=["bf16-contiguous", "int8-pool"])
+def test_xla_path_gathers_token_major_rows_in_place(dtype, paged):
+  """The XLA path gathers the listed rows of a token-major cache where they lie: the
+  compiled call makes no array of a quarter of the cache. (It gathers from the
+  head-major view, whose transpose XLA fuses into the gather; this guards that.)"""
+  from test_layout import largest_new_array_bytes  # pylint: disable=g-import-not-at-top
+  b, s, hkv, d, kk = 2, 8192, 2, 64, 256
+  shape = (b * s // 16, 16, hkv, d) if paged else (b, s, hkv, d)
+  kw = dict(block_tables=jnp.arange(b * s // 16, dtype=jnp.int32).reshape(b, s // 16)) if paged else {}
+  x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
+  if dtype == jnp.int8:
+    k, kw["k_scale"] = quantize(x, jnp.int8)
+    v, kw["v_scale"] = quantize(-x, jnp.int8)
+  else:
+    k, v = x.astype(dtype), (-x).astype(dtype)
+  q = jax.random.normal(jax.random.key(1), (b, 2, 2 * hkv, d), jnp.bfloat16)
+  lengths, idx = jnp.array([s, 3000]), random_indices(2, (b, kk), s)
+  call = jax.jit(lambda q, k, v: fdecode.flash_decode(q, k, v, lengths, indices=idx, kv_layout="NHD",
+                                                      impl="xla", **kw))
+  cache_bytes = k.size * k.dtype.itemsize
+  biggest = largest_new_array_bytes(call.lower(q, k, v).compile().as_text())
+  assert biggest < cache_bytes / 4, f"an array of {biggest} B next to a {cache_bytes} B cache"
+  hm = lambda a: a.transpose(2, 0, 1, 3) if paged else a.swapaxes(1, 2)
+  want = fdecode.flash_decode(q, hm(k), hm(v), lengths, indices=idx, impl="xla",
+                              **{n: hm(a) if jnp.ndim(a) == 4 else a for n, a in kw.items()})
+  np.testing.assert_array_equal(np.asarray(call(q, k, v), np.float32), np.asarray(want, np.float32))
