@@ -170,9 +170,11 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       (token-major, as Flax / vLLM / JAX's ragged paged attention hold it): contiguous
       ``[B, S, Hkv, D]``, paged ``[P, page_size, Hkv, D]``; scales, offsets and k_rope
       follow the same layout. Every kernel reads a token-major cache in place (the Mosaic
-      kernels up to 128 kv heads, and a contiguous S with a power-of-two factor of 8 or
-      more; `fdecode.cache.layout`). float16 caches take the XLA path on TPU (Mosaic has
-      no float16 vectors).
+      kernels: all but a dense call on a contiguous S with no power-of-two factor of 8 or
+      more, and a whole-head-axis read (a packed Hkv that does not fill 32-bit words)
+      past 128 heads or its VMEM budget, which read a head-major copy;
+      `fdecode.cache.layout`). float16 caches take the XLA path on TPU (Mosaic has no
+      float16 vectors).
 
   Returns:
     ``out`` shaped like ``q`` with last dim Dv, dtype ``q.dtype``; with ``return_lse``

@@ -22,6 +22,7 @@ from fdecode.kernels import mosaic_tpu_sparse as mosaic_sparse
 from fdecode.kernels.mosaic_tpu import mosaic_partials, plan as mosaic_plan
 from fdecode.kernels.mosaic_tpu_token_major import contiguous_as_pool as mosaic_contiguous_as_pool
 from fdecode.kernels.mosaic_tpu_token_major import token_major_read as mosaic_token_major_read
+from fdecode.kernels import mosaic_tpu_plan as mosaic_plan_lib
 from fdecode.kernels.mosaic_tpu_plan import dma_unit as mosaic_dma_unit
 from fdecode.kernels.triton import triton_partials, triton_unsupported
 from fdecode.kernels.xla import window_tokens, xla_partials
@@ -187,46 +188,55 @@ def _as_read(k, v, cache, token_major):
 def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, token_major=None, **cache):
   b, hkv = q_rows.shape[:2]
   capacity = seq_capacity(k, cache["block_tables"])
+  sparse = "sparse" in cache
   how = None if token_major is None else mosaic_token_major_read(
-      *token_major, cache["k_scale"], cache["v_scale"], paged=cache["block_tables"] is not None,
-      sparse="sparse" in cache)
+      *token_major, cache["k_scale"], cache["v_scale"], paged=cache["block_tables"] is not None, sparse=sparse)
   # Mosaic has no float16 vectors (libtpu: "Invalid vector type for load"): a float16 cache
   # takes the XLA path, and a float16 query over an 8-bit cache computes in float32.
   float16_cache = any(x is not None and x.dtype == jnp.float16 for x in (k, v, cache["k_rope"]))
   if q_rows.dtype == jnp.float16 and not float16_cache:
     q_rows = q_rows.astype(jnp.float32)
+  kw = dict(num_tokens=num_tokens, softmax_scale=softmax_scale, interpret=interpret)
+  p = None
+  if how is not None:  # token-major caches read in place
+    k_tm, v_tm, rope_tm = token_major
+    if sparse:  # each listed token's heads DMA'd
+      unit = 1 if how.axis else mosaic_dma_unit(*token_major)
+      tm_cache = dict(cache, k_rope=rope_tm)
+      p = _sparse_plan(q_rows, _as_hnd(k_tm), _as_hnd(v_tm), cfg, unit, how.axis,
+                       dict(cache, k_rope=_as_hnd(rope_tm)))
+    else:  # by the paged kernel (`mosaic_partials`); a contiguous cache as the pool of whole pages
+      tm_cache = cache
+      if cache["block_tables"] is None:
+        k_tm, v_tm, rope_tm, quant, tables = mosaic_contiguous_as_pool(
+            k_tm, v_tm, rope_tm, tuple(cache[n] for n in _QUANT))
+        tm_cache = dict(cache, block_tables=tables, **dict(zip(_QUANT, quant)))
+      p = mosaic_plan(q_rows, _as_hnd(k_tm), _as_hnd(v_tm), block_k=cfg.block_k, kv_heads_per_program=how.heads,
+                      head_axis=how.axis, **dict(tm_cache, k_rope=_as_hnd(rope_tm)))
+      tm_cache = dict(tm_cache, k_rope=rope_tm)
+    if how.axis and p.vmem_bytes > mosaic_plan_lib.MAX_HEAD_AXIS_VMEM_BYTES:
+      how = p = None  # (many heads of large pages) a head-major copy instead
+    elif sparse:
+      return _mosaic_sparse(q_rows, k_tm, v_tm, ends, plan=p, cfg=cfg, kv_layout="NHD",
+                            head_axis=how.axis, **kw, **tm_cache)
+    else:
+      caches, layout, cache = (k_tm, v_tm), dict(kv_layout="NHD", read=how), tm_cache
   if how is None:
     unit = mosaic_dma_unit(k, v, cache["k_rope"])
-    if float16_cache or (("sparse" in cache or cache["block_tables"] is not None) and k.shape[2] % unit):
+    if float16_cache or ((sparse or cache["block_tables"] is not None) and k.shape[2] % unit):
       # (Or pages / sparse rows that split a 32-bit sublane: no DMA can address them.)
       return _xla(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
                   platform="tpu", token_major=token_major, **cache)
-    if "sparse" in cache:  # blocks of index-list slots, each token DMA'd on its own
-      return _mosaic_sparse(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
-                            interpret=interpret, unit=unit, **cache)
+    if sparse:  # blocks of index-list slots, each token DMA'd on its own
+      p = _sparse_plan(q_rows, k, v, cfg, unit, False, cache)
+      return _mosaic_sparse(q_rows, k, v, ends, plan=p, cfg=cfg, **kw, **cache)
     p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, **cache)
-    read, layout = (k, v), {}
-  elif "sparse" in cache:  # token-major caches, each listed token's heads DMA'd in place
-    k_tm, v_tm, rope_tm = token_major
-    return _mosaic_sparse(q_rows, k_tm, v_tm, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                          cfg=cfg, interpret=interpret, unit=1 if how.axis else mosaic_dma_unit(*token_major),
-                          kv_layout="NHD", head_axis=how.axis, **dict(cache, k_rope=rope_tm))
-  else:  # token-major caches read in place by the paged kernel (`mosaic_partials`)
-    k_tm, v_tm, rope_tm = token_major
-    if cache["block_tables"] is None:  # a contiguous cache as the pool of whole pages it is read as
-      k_tm, v_tm, rope_tm, quant, tables = mosaic_contiguous_as_pool(
-          k_tm, v_tm, rope_tm, tuple(cache[n] for n in _QUANT))
-      cache = dict(cache, block_tables=tables, **dict(zip(_QUANT, quant)))
-    p = mosaic_plan(q_rows, _as_hnd(k_tm), _as_hnd(v_tm), block_k=cfg.block_k, kv_heads_per_program=how.heads,
-                    head_axis=how.axis, **dict(cache, k_rope=_as_hnd(rope_tm)))
-    read, layout = (k_tm, v_tm), dict(kv_layout="NHD")
-    cache = dict(cache, k_rope=rope_tm)
+    caches, layout = (k, v), {}
   seen = window_tokens(capacity, num_tokens, cache["mods"])
   num_blocks = max(-(-seen // p.block), 1)
   splits = cfg.num_splits or config_lib.default_num_splits(
       b, hkv // (1 if how is None else how.heads), num_blocks, config_lib.num_parallel_units("tpu"))
-  return mosaic_partials(q_rows, ends, *read, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                         num_splits=splits, plan=p, interpret=interpret, **layout, **cache)
+  return mosaic_partials(q_rows, ends, *caches, num_splits=splits, plan=p, **kw, **layout, **cache)
 
 
 def _as_hnd(x):
@@ -234,22 +244,20 @@ def _as_hnd(x):
   return None if x is None else jax.ShapeDtypeStruct((x.shape[2], x.shape[0], x.shape[1], x.shape[3]), x.dtype)
 
 
-def _mosaic_sparse(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, unit, kv_layout="HND",
-                   head_axis=False, **cache):
-  """The sparse Mosaic kernel: blocks of index-list slots, ``unit`` cache rows a slot."""
-  b, hkv = q_rows.shape[:2]
-  slots = cache["indices"].shape[-1]
+def _sparse_plan(q_rows, k, v, cfg, unit, head_axis, cache):
+  """`mosaic_plan` of a sparse call (head-major shapes): blocks of index-list slots."""
   plan_args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
-  shapes = (k, v) if kv_layout == "HND" else (_as_hnd(k), _as_hnd(v))
-  if kv_layout == "NHD":
-    plan_args["k_rope"] = _as_hnd(plan_args["k_rope"])
-  p = mosaic_plan(q_rows, *shapes, block_k=cfg.block_k, num_slots=slots, slot_rows=unit, head_axis=head_axis,
-                  **plan_args)
+  return mosaic_plan(q_rows, k, v, block_k=cfg.block_k, num_slots=cache["indices"].shape[-1], slot_rows=unit,
+                     head_axis=head_axis, **plan_args)
+
+
+def _mosaic_sparse(q_rows, k, v, ends, *, plan, cfg, kv_layout="HND", head_axis=False, **kw):
+  """The sparse Mosaic kernel: blocks of index-list slots (``plan``)."""
+  b, hkv = q_rows.shape[:2]
   splits = cfg.num_splits or config_lib.default_num_splits(
-      b, hkv, max(-(-slots // p.block), 1), config_lib.num_parallel_units("tpu"))
-  return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                                              num_splits=splits, plan=p, interpret=interpret, kv_layout=kv_layout,
-                                              head_axis=head_axis, **cache)
+      b, hkv, max(-(-kw["indices"].shape[-1] // plan.block), 1), config_lib.num_parallel_units("tpu"))
+  return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, num_splits=splits, plan=plan,
+                                              kv_layout=kv_layout, head_axis=head_axis, **kw)
 
 
 def triton_supports(k, v, cache, v_head_dim=None) -> bool:

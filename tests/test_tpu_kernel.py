@@ -224,3 +224,24 @@ def test_flax_layer_exports_the_tpu_kernel():
   args = (jax.tree.map(lambda a: _sds(a.shape, a.dtype), state), _sds((2, 1, 64), jnp.float32))
   text = lower_for_tpu(step, *args)
   assert TPU_CALL in text
+
+
+@pytest.mark.parametrize("hkv,page_size,in_place", [(9, 16, True), (127, 128, False)])
+def test_whole_head_axis_read_stays_within_vmem(hkv, page_size, in_place):
+  """A token-major pool read by the whole head axis (here bfloat16 with an odd Hkv) takes
+  whole pages a step. 9 heads of 16-token pages are read in place (the kernel's operand
+  is the token-major pool); 127 heads of 128-token pages would count more than
+  `MAX_HEAD_AXIS_VMEM_BYTES` of VMEM, so that call reads a head-major copy."""
+  from fdecode.kernels.mosaic_tpu_plan import MAX_HEAD_AXIS_VMEM_BYTES, plan  # pylint: disable=g-import-not-at-top
+  pages = 17
+  pool = _sds((pages, page_size, hkv, 128), jnp.bfloat16)
+  tables = _sds((2, 8), jnp.int32)
+  counted = plan(_sds((2, hkv, 1, 128), jnp.bfloat16), _sds((hkv, pages, page_size, 128), jnp.bfloat16),
+                 _sds((hkv, pages, page_size, 128), jnp.bfloat16), block_tables=tables, head_axis=True,
+                 kv_heads_per_program=hkv).vmem_bytes
+  assert (counted <= MAX_HEAD_AXIS_VMEM_BYTES) == in_place, counted
+  fn = lambda q, k, v, n, t: fdecode.flash_decode(q, k, v, n, block_tables=t, kv_layout="NHD", impl="pallas")
+  text = lower_for_tpu(fn, _sds((2, hkv, 128), jnp.bfloat16), pool, pool, _sds((2,), jnp.int32), tables)
+  call = next(line for line in text.splitlines() if "tpu_custom_call" in line)
+  assert (f"{pages}x{page_size}x{hkv}x128xbf16" in call) == in_place
+  assert (f"{hkv}x{pages}x{page_size}x128xbf16" in call) == (not in_place)

@@ -24,9 +24,10 @@ How each path reads a token-major cache:
   other 16- / 8-bit cache up to 128 kv heads (one head: MQA, MLA latents; odd counts;
   fp8 with ``k_rope``) as windows of the whole head axis, one program for all heads.
   Its sparse kernel DMAs each listed token's heads (the 1 / 2 / 4 of a 32-bit sublane,
-  or the whole axis). More than 128 heads that do not fill words, and a contiguous S
-  with no power-of-two factor of 8 or more (dense calls), read a head-major copy;
-  float16 caches take the XLA path (Mosaic has no float16 vectors).
+  or the whole axis). More than 128 heads that do not fill words (or a whole-axis plan
+  past its VMEM budget: many heads of large pages), and a contiguous S with no
+  power-of-two factor of 8 or more (dense calls), read a head-major copy; float16
+  caches take the XLA path (Mosaic has no float16 vectors).
 * The float32 reference reads the head-major copy.
 
 `head_major` is the one conversion, a transpose inside the same jit-compiled program

@@ -45,7 +45,7 @@ from fdecode.kernels import block as blk
 from fdecode.modifiers import Modifiers, window_start
 
 from fdecode.kernels.mosaic_tpu_plan import Plan, per_token as _per_token, plan  # noqa: F401 (re-exported)
-from fdecode.kernels.mosaic_tpu_token_major import pack_heads, token_major_read, unpack_head, words as _words
+from fdecode.kernels.mosaic_tpu_token_major import TokenMajorRead, pack_heads, unpack_head, words as _words
 
 
 def _pieces(d, scale, limit=None):
@@ -401,13 +401,13 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
 
 
 def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, *, num_rows, num_tokens,
-                softmax_scale, num_splits, interpret, mods, v_head_dim, kv_layout="HND"):
+                softmax_scale, num_splits, interpret, mods, v_head_dim, read: TokenMajorRead | None = None):
   b, hkv, _, dq = q_rows.shape
   r = num_rows
-  token_major = kv_layout == "NHD"
+  token_major = read is not None
   if token_major:
     num_pages, page_size = k.shape[:2]
-    heads, head_words, head_axis = token_major_read(k, v, k_rope, quant[0], quant[2])
+    heads, head_words, head_axis = read
     word_dtypes = tuple(None if x is None else jnp.dtype(x.dtype).name for x in (k, v, k_rope))
     if head_words and interpret:
       k, v, k_rope = (None if x is None else pack_heads(x) for x in (k, v, k_rope))
@@ -490,7 +490,7 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
                     num_splits: int, plan: Plan, interpret,
                     block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
                     mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None,
-                    v_head_dim=None, k_rope=None, kv_layout="HND"):
+                    v_head_dim=None, k_rope=None, kv_layout="HND", read: TokenMajorRead | None = None):
   """Per-split partial states from the Mosaic (TPU) kernels.
 
   Args:
@@ -503,7 +503,8 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     k_rope: optional key-only columns laid out like k (float): a second key stream.
     kv_layout: ``"NHD"``: k, v and k_rope are token-major pools ``[P, page_size, Hkv, D]``
       (a contiguous ``[B, S, Hkv, D]`` cache as `contiguous_as_pool` makes it), read in
-      place by the paged kernel; only where `token_major_read` allows.
+      place by the paged kernel as ``read`` says (`token_major_read` of these caches;
+      only where it allows).
     plan: the launch's sizes, `fdecode.kernels.mosaic_tpu.plan` of these operands (with
       ``kv_heads_per_program`` and ``head_axis`` from `token_major_read` for NHD).
     interpret: False (compile for TPU) or a ``pltpu.InterpretParams`` (TPU semantics on
@@ -522,11 +523,12 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   mod_arrays = dict(mask=mask, bias=bias, alibi=alibi)
   ends = ends.astype(jnp.int32)
   if kv_layout == "NHD":
-    if block_tables is None:
-      raise ValueError("mosaic_partials: a contiguous token-major cache is read as a pool: "
-                       "pass contiguous_as_pool(...)'s pool and tables")
+    if block_tables is None or read is None:
+      raise ValueError("mosaic_partials: a token-major cache is read as a pool, as token_major_read says: "
+                       f"pass contiguous_as_pool(...)'s pool and tables and read=; got "
+                       f"block_tables={'None' if block_tables is None else 'given'}, {read=}")
     o, lse = _paged_call(q_rows, ends, k, v, k_rope, block_tables.astype(jnp.int32), quant, mod_arrays,
-                         p, kv_layout="NHD", **kw)
+                         p, read=read, **kw)
   elif block_tables is None:
     o, lse = _contiguous_call(q_rows, ends, k, v, k_rope, quant, mod_arrays, p, **kw)
   else:

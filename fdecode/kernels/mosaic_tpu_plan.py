@@ -22,9 +22,13 @@ _MAX_STEP_TOKENS = 2048
 _MAX_PAGES_PER_STEP = 64
 # Tokens per step of a whole-head-axis read of up to 8 kv heads (`plan`): its relayout
 # scratch is 4 KiB per token, head and 128 columns; more heads take proportionally fewer
-# tokens (at least `_HEAD_AXIS_MIN_TOKENS`), so a step moves about as many bytes.
+# tokens (at least `_HEAD_AXIS_MIN_TOKENS`; a paged step still takes a whole page).
 _HEAD_AXIS_STEP_TOKENS = 128
 _HEAD_AXIS_MIN_TOKENS = 16
+# Most VMEM a whole-head-axis plan may count (a paged step is whole pages, so many heads
+# of large pages can need more); past it the dispatch reads a head-major copy. 48 MiB
+# leaves headroom on the smallest TPU VMEM (64 MiB a TensorCore on v7x).
+MAX_HEAD_AXIS_VMEM_BYTES = 48 * 1024 * 1024
 _VREG_BYTES = 4096
 # Headroom above the computed footprint for Mosaic's internal scratch.
 _VMEM_HEADROOM = 4 * 1024 * 1024

@@ -74,8 +74,9 @@ class TokenMajorRead(NamedTuple):
 
 # Most kv heads read by the whole head axis. The paged kernel unrolls each head, with its
 # own online-softmax state, in one program; the sparse kernel selects its head from the
-# loaded rows. libtpu compiled 71 heads (Falcon-7B's bfloat16 MHA; 16-token steps) and
-# 30 int8 ones within VMEM on v5e.
+# loaded rows. libtpu compiled 71 and 127 bfloat16 heads (16-token steps) and 30 int8
+# ones on v5e; a plan past `mosaic_tpu_plan.MAX_HEAD_AXIS_VMEM_BYTES` (many heads of
+# large pages: a step is whole pages) reads a head-major copy instead.
 MAX_AXIS_HEADS = 128
 
 
@@ -88,8 +89,8 @@ def token_major_read(k, v=None, k_rope=None, k_scale=None, v_scale=None, *, page
   * bfloat16 with an even Hkv (k, v or MLA's none, k_rope), or 8-bit with Hkv a
     multiple of 4 (without MLA or k_rope): words of 2 / 4 heads (8-bit scales DMA'd per
     head).
-  * Any other 16- or 8-bit cache (one kv head: MQA, MLA latents; 8-bit with an Hkv of 2,
-    3, 5, 6, 7; bfloat16 with an odd Hkv; fp8 MLA with bfloat16 k_rope), up to
+  * Any other 16- or 8-bit cache (one kv head: MQA, MLA latents; 8-bit with Hkv not a
+    multiple of 4; bfloat16 with an odd Hkv; 8-bit MLA or k_rope), up to
     `MAX_AXIS_HEADS` heads: one program for all heads, each DMA ``[page_size, Hkv, D]``
     (the whole head axis: TPU tiles pack several head rows in one 32-bit sublane and
     libtpu rejects a window that splits one, or squeezes a tiled axis of size 1), each
