@@ -9,6 +9,7 @@ call this module.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 # Finite "minus infinity" for masked scores inside kernels, so that max / exp never see
@@ -50,7 +51,6 @@ def merge_segments(o: jnp.ndarray, lse: jnp.ndarray, segments: jnp.ndarray, num_
   propagates; +inf takes all the weight). ``segments``: int ``[n]``; a part whose id is
   outside ``[0, num_segments)`` is dropped (whatever it holds). The Triton kernel's
   balanced schedule merges its work items so (`fdecode.kernels.triton`)."""
-  import jax  # pylint: disable=g-import-not-at-top (combine.py stays import-light)
   if o.shape[:-1] != lse.shape or segments.shape != lse.shape[:1]:
     raise ValueError(f"merge_segments: need o [n, ..., D], lse [n, ...], segments [n]; got "
                      f"{o.shape=} {lse.shape=} {segments.shape=}")

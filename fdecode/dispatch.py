@@ -197,7 +197,6 @@ def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, to
   if q_rows.dtype == jnp.float16 and not float16_cache:
     q_rows = q_rows.astype(jnp.float32)
   kw = dict(num_tokens=num_tokens, softmax_scale=softmax_scale, interpret=interpret)
-  p = None
   if how is not None:  # token-major caches read in place
     k_tm, v_tm, rope_tm = token_major
     if sparse:  # each listed token's heads DMA'd

@@ -45,7 +45,7 @@ from fdecode.kernels import block as blk
 from fdecode.modifiers import Modifiers, window_start
 
 from fdecode.kernels.mosaic_tpu_plan import Plan, per_token as _per_token, plan  # noqa: F401 (re-exported)
-from fdecode.kernels.mosaic_tpu_token_major import TokenMajorRead, pack_heads, unpack_head, words as _words
+from fdecode.kernels.mosaic_tpu_token_major import TokenMajorRead, head_rows, pack_heads, unpack_head, words as _words
 
 
 def _pieces(d, scale, limit=None):
@@ -339,7 +339,7 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
           window = words.at[page, :, j if words.shape[2] > 1 else 0]
         elif heads > 1 and src.shape[0] > 1:  # a head-major scale of several heads: a page of each
           for hh in range(heads):
-            window = src.at[j * heads + hh if src.shape[0] > 1 else 0, page]
+            window = src.at[j * heads + hh, page]
             yield needed, pltpu.make_async_copy(window, bufs[n].at[slot, hh, rows], sems.at[n, slot])
           continue
         else:
@@ -375,7 +375,7 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
           if kinds[i] == "step" or (i >= 3 and x.ndim == 3):  # per head: [heads, ...]
             return x[hh]
           if head_axis and i < 3:  # [block, Hkv, D]: this head's rows
-            return x.reshape(x.shape[0], x.shape[2]) if x.shape[1] == 1 else x[:, hh, :]
+            return head_rows(x, hh)
           return unpack_head(x, hh, heads, word_dtypes[i]) if head_words and i < 3 else x
         if src is None:
           return None

@@ -41,6 +41,7 @@ from fdecode.kernels import block as blk
 from fdecode.kernels.mosaic_tpu import (_all_pieces, _block_kv, _mod_operands, _out_shape, _out_specs,
                                         _q_pieces, _store_out)
 from fdecode.kernels.mosaic_tpu_plan import Plan, dma_unit, per_token
+from fdecode.kernels.mosaic_tpu_token_major import head_rows
 from fdecode.modifiers import Modifiers, window_start
 from fdecode.sparse import Sparse, pad_slots, slot_range
 
@@ -129,7 +130,7 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
     kx, vx, rx, ks, ko, vs, vo = (buf_of[i][slot] if i in buf_of else None if src is None else src[...]
                                   for i, src in enumerate(srcs[:7]))
     if head_axis:  # [bk, Hkv, D] -> head h's rows
-      kx, vx, rx = (None if x is None else _head_of(x, h) for x in (kx, vx, rx))
+      kx, vx, rx = (None if x is None else head_rows(x, h) for x in (kx, vx, rx))
     kb, vb = _block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
     kb, bad = blk.guard_values(kb, vb, blk.rows_may_differ(num_tokens, mods))
     s = blk.block_scores(q_pieces, kb, softmax_scale)
@@ -148,17 +149,6 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
   state = lax.fori_loop(first, last, body, blk.init_state(rows_p, v_pieces))
   o_pieces, lse = blk.finalize(state)
   _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse)
-
-
-def _head_of(x, h):
-  """Head ``h`` (traced) of a loaded token-major block ``[bk, Hkv, D]`` -> ``[bk, D]``:
-  one kv head's is a reshape; of several, a select over the static heads."""
-  if x.shape[1] == 1:
-    return x.reshape(x.shape[0], x.shape[2])
-  out = x[:, 0, :]
-  for hh in range(1, x.shape[1]):
-    out = jnp.where(h == hh, x[:, hh, :], out)
-  return out
 
 
 def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse: Sparse, num_tokens: int,

@@ -65,6 +65,20 @@ def unpack_head(words, hh, heads, dtype_name):
   return blk.decode_fp8_bits(byte, dtype_name)
 
 
+def head_rows(block, h):
+  """Head ``h`` of a loaded whole-head-axis block ``[bk, Hkv, D]`` -> ``[bk, D]``: one kv
+  head's is a reshape; a static ``h`` a slice; a traced one (the sparse kernel's program
+  head) a select over the static heads."""
+  if block.shape[1] == 1:
+    return block.reshape(block.shape[0], block.shape[2])
+  if isinstance(h, int):
+    return block[:, h, :]
+  out = block[:, 0, :]
+  for hh in range(1, block.shape[1]):
+    out = jnp.where(h == hh, block[:, hh, :], out)
+  return out
+
+
 class TokenMajorRead(NamedTuple):
   """How the paged kernel reads a token-major pool (`token_major_read`)."""
   heads: int      # kv heads one program computes
