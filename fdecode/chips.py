@@ -51,9 +51,14 @@ class Gpu:
 
 H100 = Gpu(name="NVIDIA H100 80GB HBM3", arch="sm_90a", capability=(9, 0), sms=132,
            smem_per_block=232448, smem_per_sm=233472, bandwidth=3.35e12)
+# H200: the H100's SMs and shared memory, HBM3e at 4.8 TB/s (141 GB).
+H200 = Gpu(name="NVIDIA H200", arch="sm_90a", capability=(9, 0), sms=132,
+           smem_per_block=232448, smem_per_sm=233472, bandwidth=4.8e12)
 A100 = Gpu(name="NVIDIA A100-SXM4-80GB", arch="sm_80", capability=(8, 0), sms=108,
            smem_per_block=166912, smem_per_sm=167936, bandwidth=2.04e12)
 GPUS = {"h100": H100, "a100": A100}
+# Chips known by their device kind (the compile tier compiles for GPUS only).
+KNOWN_GPUS = (H100, H200, A100)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +105,7 @@ device_description_str: "{gpu.name}"
 
 
 def _known_gpu(kind: str) -> Gpu | None:
-  for gpu in GPUS.values():
+  for gpu in KNOWN_GPUS:
     if kind == gpu.name or kind.split()[:2] == gpu.name.split()[:2] or kind.startswith(gpu.name.split("-")[0]):
       return gpu
   return None

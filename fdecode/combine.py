@@ -41,7 +41,7 @@ def merge_states(o: jnp.ndarray, lse: jnp.ndarray, axis: int = 0):
   axis = axis % lse.ndim
   reduce = lambda fn, x: fn(x, axis=axis)
   back = lambda x: jnp.expand_dims(x, axis)
-  return _merge(o, lse, lambda x: reduce(jnp.max, x), lambda o, w: (reduce(jnp.sum, o), reduce(jnp.sum, w)),
+  return merge_by(o, lse, lambda x: reduce(jnp.max, x), lambda o, w: (reduce(jnp.sum, o), reduce(jnp.sum, w)),
                 lambda x: reduce(jnp.any, x), back)
 
 
@@ -61,12 +61,12 @@ def merge_segments(o: jnp.ndarray, lse: jnp.ndarray, segments: jnp.ndarray, num_
   def sums(o, w):  # one scatter for both (each scatter's zeroed buffer is a copy on GPU)
     both = jax.ops.segment_sum(jnp.concatenate([o, w[..., None]], axis=-1), **kw)
     return both[..., :-1], both[..., -1]
-  return _merge(o, lse, lambda x: jax.ops.segment_max(x, **kw), sums,
+  return merge_by(o, lse, lambda x: jax.ops.segment_max(x, **kw), sums,
                 lambda x: jax.ops.segment_max(x.astype(jnp.int32), **kw) > 0,
                 lambda x: x[jnp.minimum(seg, num_segments - 1)])
 
 
-def _merge(o, lse, reduce_max, reduce_sums, reduce_any, back):
+def merge_by(o, lse, reduce_max, reduce_sums, reduce_any, back):
   """The merge, over whatever grouping the reductions (parts -> merged; ``reduce_sums``:
   of the weighted outputs and of the weights) and ``back`` (merged -> parts) define."""
   lse = lse.astype(jnp.float32)
@@ -151,11 +151,29 @@ def combine_across(o: jnp.ndarray, lse: jnp.ndarray, axis_name):
   return merge_states(o_all, lse_all, axis=0)
 
 
+def add_sink(o: jnp.ndarray, lse: jnp.ndarray, sink: jnp.ndarray):
+  """`merge_states` of a state with a sink's (0, sink), elementwise: ``o`` ``[..., Dv]``,
+  ``lse`` and ``sink`` float32 ``[..., 1]`` (broadcasting) -> ``(o', lse' [..., 1])``, the
+  same arithmetic as merging the two stacked parts (the kernels call it on their tiles)."""
+  m = jnp.maximum(lse, sink)
+  top_inf = m == jnp.inf
+  ref = jnp.where(jnp.isfinite(m), m, 0.0)
+  weight = lambda x: jnp.where(top_inf, jnp.where(x == jnp.inf, 1.0, 0.0), jnp.exp(x - ref))
+  w_state, w_sink = weight(lse), weight(sink)
+  acc = jnp.where(lse != -jnp.inf, w_state * o.astype(jnp.float32), 0.0)
+  total = w_state + w_sink
+  out = acc / jnp.where(total > 0, total, 1.0)
+  out_lse = jnp.where(total > 0, ref + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
+  out_lse = jnp.where(top_inf, jnp.inf, out_lse)
+  nan = jnp.isnan(lse) | jnp.isnan(sink)
+  return jnp.where(nan, jnp.nan, out).astype(o.dtype), jnp.where(nan, jnp.nan, out_lse)
+
+
 def apply_sinks(o: jnp.ndarray, lse: jnp.ndarray, sinks: jnp.ndarray):
   """Adds attention sinks to a *merged* state: one extra logit per head with no value.
 
   A sink is the state (0, sink) of a virtual key whose value is 0, so this is
-  `merge_states` of the two: ``o' = o * exp(lse - lse')`` with
+  `merge_states` of the two (`add_sink`): ``o' = o * exp(lse - lse')`` with
   ``lse' = logaddexp(lse, sink)``. Apply it exactly once, after every split and device
   has been merged (gpt-oss; FlashAttention 3 / FlashInfer ``sinks``): states that already
   include a sink must not be merged with each other (the sink would count twice). A row
@@ -169,5 +187,5 @@ def apply_sinks(o: jnp.ndarray, lse: jnp.ndarray, sinks: jnp.ndarray):
     ``(o, lse)``: o in ``o.dtype``, lse float32 including the sink.
   """
   sink = jnp.broadcast_to(sinks.astype(jnp.float32), lse.shape)
-  stacked_o = jnp.stack([o, jnp.zeros_like(o)], axis=0)
-  return merge_states(stacked_o, jnp.stack([lse.astype(jnp.float32), sink], axis=0), axis=0)
+  out, out_lse = add_sink(o, lse.astype(jnp.float32)[..., None], sink[..., None])
+  return out, out_lse[..., 0]

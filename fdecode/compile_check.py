@@ -11,8 +11,10 @@ mesh). ``target.mesh(n)`` gives an n-device mesh for sharded cases.
 
 What a compile reports (`compile_one`): for CUDA, every fdecode kernel's launch grid,
 threads and shared memory (from XLA's thunk sequence) and its registers and spills
-(``ptxas -v`` on the PTX XLA produced, for the target's architecture); for TPU, success
-(Mosaic rejects kernels that do not fit VMEM or its tiling).
+(``ptxas -v`` on the PTX XLA produced, for the target's architecture), and the launches of
+the whole program (every kernel of the thunk sequence); for TPU, success (Mosaic rejects
+kernels that do not fit VMEM or its tiling) and the launches of the optimized HLO's entry
+computation.
 """
 
 from __future__ import annotations
@@ -111,6 +113,28 @@ def ptxas_path() -> str:
 _THUNK = re.compile(r"(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
 
 
+def gpu_launches(dump_dir: str) -> int:
+  """Kernel launches in a GPU dump's thunk sequence (every kernel, fdecode's or XLA's)."""
+  return sum(1 for path in glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt"))
+             for line in open(path) if _THUNK.search(line))
+
+
+_NOT_LAUNCHES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+                 "partition-id", "replica-id", "opt-barrier"}
+
+
+def entry_launches(hlo_text: str) -> int:
+  """Launches of an optimized HLO module: the entry computation's instructions that run
+  on the device (fusions, custom calls, copies, collectives), not its plumbing."""
+  entry = re.search(r"\nENTRY [^\n]*\{\n(.*?)\n\}", hlo_text, re.S)
+  count = 0
+  for line in (entry.group(1).splitlines() if entry else []):
+    m = re.search(r"=\s.*?\s([a-z][\w-]*)\(", line)
+    if m and m.group(1) not in _NOT_LAUNCHES:
+      count += 1
+  return count
+
+
 def _gpu_kernels(dump_dir: str, arch: str) -> list[dict]:
   """fdecode kernels in a GPU dump: grid / threads / shared memory, registers / spills."""
   kernels = []
@@ -154,7 +178,9 @@ def compile_one(target: Target, build) -> dict:
     report = dict(ok=True, seconds=round(time.time() - start, 2))
     if target.is_gpu:
       report["kernels"] = _gpu_kernels(dump, target.gpu.arch)
+      report["launches"] = gpu_launches(dump)
     else:
+      report["launches"] = entry_launches(compiled.as_text())
       text = lowered.as_text()
       report["kernels"] = [dict(name=n) for n in sorted(set(re.findall(r'(fdecode_\w+)', text)))]
     report["largest_copy_bytes"] = largest_copy_bytes(compiled.as_text())

@@ -24,7 +24,7 @@ from fdecode.kernels.mosaic_tpu_token_major import contiguous_as_pool as mosaic_
 from fdecode.kernels.mosaic_tpu_token_major import token_major_read as mosaic_token_major_read
 from fdecode.kernels import mosaic_tpu_plan as mosaic_plan_lib
 from fdecode.kernels.mosaic_tpu_plan import dma_unit as mosaic_dma_unit
-from fdecode.kernels.triton import triton_partials, triton_unsupported
+from fdecode.kernels.triton import make_plan as triton_plan, run as triton_run, triton_unsupported
 from fdecode.kernels.xla import window_tokens, xla_partials
 from fdecode.kernels.xla_sparse import sparse_partials
 from fdecode.quant import dequantize, is_quantized
@@ -98,46 +98,51 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
         alibi_slopes=None if alibi is None else alibi.reshape(-1), window=mods.window,
         logits_soft_cap=mods.soft_cap, sinks=sinks)
     return out.astype(q.dtype), lse
-  # Rows of one kv head: r = t * G + g, in the compute dtype.
   rope = cache["k_rope"]
   cd = compute_dtype(q.dtype, k.dtype, None if v is None else v.dtype, None if rope is None else rope.dtype)
-  q_rows = q.reshape(b, t, hkv, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dk).astype(cd)
   kw = dict(num_tokens=t, softmax_scale=softmax_scale, cfg=cfg, mods=mods, v_head_dim=v_head_dim,
             **cache, **mod_arrays)
   if sparse is not None:
     kw["sparse"] = sparse
 
-  # Each path yields per-split states, merged in-branch (the branches' split counts differ).
-  merged = lambda states: merge_states(*states, axis=2)  # [B, Hkv, R, Dv], [B, Hkv, R]
-  xla = lambda platform: merged(_xla(q_rows, k, v, ends, platform=platform, token_major=token_major, **kw))
-  triton = lambda platform, interp: merged(
-      _triton(q_rows, k, v, ends, platform=platform, interpret=interp, token_major=token_major, **kw))
-  mosaic = lambda interp: merged(_mosaic(q_rows, k, v, ends, interpret=interp, token_major=token_major, **kw))
-  if impl == "xla":  # explicitly asked for, on whatever host traces it
-    o, lse = xla(jax.default_backend())
-  elif isinstance(interpret, pltpu.InterpretParams):
-    o, lse = mosaic(interpret)
-  elif impl == "pallas" and interpret:
-    o, lse = triton("cpu", True)
-  else:
-    # platform_dependent traces every branch and lowers only the target's. A shape Triton
-    # cannot tile gets the XLA path on GPU, except that impl="pallas" traced on a GPU host
-    # raises (triton_partials names the shape) rather than silently not using Pallas.
-    if triton_supports(k, v, cache, v_head_dim) or (impl == "pallas" and jax.default_backend() == "gpu"):
-      gpu = lambda: triton("gpu", False)
+  def q_rows():  # rows of one kv head, r = t * G + g, in the compute dtype (XLA and Mosaic)
+    return q.reshape(b, t, hkv, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dk).astype(cd)
+
+  def finish(states):  # a path's per-split states -> the output (the branches' split counts differ)
+    if states[1].shape[2] == 1:  # one split: its state is the merge (merge_states of one part is exact)
+      o, lse = states[0][:, :, 0], states[1][:, :, 0]
     else:
-      gpu = lambda: xla("gpu")
-    if impl == "pallas":  # compiled for the lowering platform; CPU has only the interpreter
-      cpu = lambda: triton("cpu", True)
-    else:  # impl=None: XLA on CPU, Triton on GPU, Mosaic on TPU
-      cpu = lambda: xla("cpu")
-    o, lse = lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, tpu=lambda: mosaic(False))
-  dv = o.shape[-1]
-  out = o.reshape(b, hkv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, dv)
-  lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
-  if sinks is not None:  # once, after every split is merged
-    out, lse = apply_sinks(out, lse, sinks)
-  return out.astype(q.dtype), lse
+      o, lse = merge_states(*states, axis=2)  # [B, Hkv, R, Dv], [B, Hkv, R]
+    dv = o.shape[-1]
+    out = o.reshape(b, hkv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, dv)
+    lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
+    if sinks is not None:  # once, after every split is merged
+      out, lse = apply_sinks(out, lse, sinks)
+    return out.astype(q.dtype), lse
+
+  xla = lambda platform: finish(_xla(q_rows(), k, v, ends, platform=platform, token_major=token_major, **kw))
+  # The Triton kernels finish the output themselves (split kernel, then combine).
+  triton = lambda interp: _triton(q, k, v, ends, interpret=interp, token_major=token_major, compute=cd,
+                                  sinks=sinks, **kw)
+  mosaic = lambda interp: finish(_mosaic(q_rows(), k, v, ends, interpret=interp, token_major=token_major, **kw))
+  if impl == "xla":  # explicitly asked for, on whatever host traces it
+    return xla(jax.default_backend())
+  if isinstance(interpret, pltpu.InterpretParams):
+    return mosaic(interpret)
+  if impl == "pallas" and interpret:
+    return triton(True)
+  # platform_dependent traces every branch and lowers only the target's. A shape Triton
+  # cannot tile gets the XLA path on GPU, except that impl="pallas" traced on a GPU host
+  # raises (the Triton plan names the shape) rather than silently not using Pallas.
+  if triton_supports(k, v, cache, v_head_dim) or (impl == "pallas" and jax.default_backend() == "gpu"):
+    gpu = lambda: triton(False)
+  else:
+    gpu = lambda: xla("gpu")
+  if impl == "pallas":  # compiled for the lowering platform; CPU has only the interpreter
+    cpu = lambda: triton(True)
+  else:  # impl=None: XLA on CPU, Triton on GPU, Mosaic on TPU
+    cpu = lambda: xla("cpu")
+  return lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, tpu=lambda: mosaic(False))
 
 
 _QUANT = ("k_scale", "k_offset", "v_scale", "v_offset")
@@ -164,14 +169,22 @@ def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
                       num_splits=splits, mods=mods, kv_layout=layout, **cache)
 
 
-def _triton(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, interpret, token_major,
-            **cache):
-  # The kernel sizes its block and splits to the GPU lowered for (`triton.launch_plan`).
-  # Token-major caches are read in place.
+def _triton(q, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, token_major, compute, sinks, mods,
+            v_head_dim, sparse=None, mask=None, bias=None, alibi=None, **cache):
+  """The Triton path: its plan (`fdecode.kernels.triton.plan`: sized to the GPU lowered
+  for; interpreted, the same plan), then its kernels. Token-major caches are read in place."""
+  del num_tokens  # q's shape carries it
   k, v, cache, layout = _as_read(k, v, cache, token_major)
-  return triton_partials(q_rows, ends, k, v, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                         num_splits=cfg.num_splits, block_k=cfg.block_k or config_lib.DEFAULT_BLOCK_K,
-                         interpret=interpret, kv_layout=layout, balance=cfg.balance, **cache)
+  indices = cache.get("indices")
+  p = triton_plan(q.shape, k, v, compute_dtype=compute, out_dtype=q.dtype, kv_layout=layout,
+                  block_tables=cache["block_tables"], k_rope=cache["k_rope"],
+                  **{n: cache[n] for n in _QUANT}, v_head_dim=v_head_dim, mods=mods,
+                  has_mask_or_bias=mask is not None or bias is not None, has_sinks=sinks is not None,
+                  index_slots=None if sparse is None else indices.shape[-1],
+                  sparse_fold=1 if sparse is None else sparse.fold, num_splits=cfg.num_splits,
+                  block_k=cfg.block_k or config_lib.DEFAULT_BLOCK_K, balance=cfg.balance, interpret=interpret)
+  return triton_run(p, q, ends, k, v, softmax_scale=softmax_scale, mask=mask, bias=bias, alibi=alibi,
+                    sinks=sinks, sparse=sparse, **cache)
 
 
 def _as_read(k, v, cache, token_major):

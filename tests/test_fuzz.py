@@ -68,6 +68,9 @@ PAGES = [(1, 9), (4, 5), (5, 3), (16, 2)]         # (page_size, pages per sequen
 SPLITS = [None, 1, 2, 3, 64]                      # 64: more splits than blocks
 BLOCK_K = [None, 8, 16]
 ROPE = 8
+# The shape sets a valid call draws from (tests/test_gpu_fuzz.py passes wider ones).
+SHAPES = dict(b=[1, 3], t=[None, 1, 3], heads=HEADS, head_dims=HEAD_DIMS, contiguous_s=CONTIGUOUS_S,
+              pages=PAGES, splits=SPLITS, block_k=BLOCK_K)
 
 
 def _call(impl, *args, **kw):
@@ -233,13 +236,15 @@ def _quantized(rng, name, shape):
 
 
 @st.composite
-def valid_cases(draw, nan_at_visible=False):
-  """A random valid call: ``dict(q, k, v, lengths, kw, ...)`` with its oracle inputs."""
+def valid_cases(draw, nan_at_visible=False, shapes=None):
+  """A random valid call: ``dict(q, k, v, lengths, kw, ...)`` with its oracle inputs;
+  ``shapes``: the sets to draw shapes from (default `SHAPES`)."""
+  shapes = SHAPES if shapes is None else shapes
   rng = np.random.default_rng(draw(st.integers(0, 2 ** 32 - 1)))
-  b = draw(st.sampled_from([1, 3]))
-  t = draw(st.sampled_from([None, 1, 3]))
-  hq, hkv = draw(st.sampled_from(HEADS))
-  dk, dv = draw(st.sampled_from(HEAD_DIMS))
+  b = draw(st.sampled_from(shapes["b"]))
+  t = draw(st.sampled_from(shapes["t"]))
+  hq, hkv = draw(st.sampled_from(shapes["heads"]))
+  dk, dv = draw(st.sampled_from(shapes["head_dims"]))
   dtype = draw(st.sampled_from(["float32", "bfloat16"]))
   cache_form = draw(st.sampled_from(["float", "other-float", "int8", "e4m3", "e5m2"]))
   paged = draw(st.booleans())
@@ -247,16 +252,17 @@ def valid_cases(draw, nan_at_visible=False):
   rope = draw(st.integers(0, 5)) == 5
   qdt = F32 if dtype == "float32" else BF16
   cdt = {"float": qdt, "other-float": BF16 if qdt == F32 else F32}.get(cache_form)
-  kdk = dk - ROPE if rope else dk
+  rope_dim = shapes.get("rope", ROPE)
+  kdk = dk - rope_dim if rope else dk
   kw = {}
   if paged:
-    ps, n = draw(st.sampled_from(PAGES))
+    ps, n = draw(st.sampled_from(shapes["pages"]))
     s = ps * n
     num_pages = b * n + 2
     lead = (hkv, num_pages, ps)
     tables = rng.permutation(num_pages)[: b * n].reshape(b, n).astype(np.int32)
   else:
-    s = draw(st.sampled_from(CONTIGUOUS_S))
+    s = draw(st.sampled_from(shapes["contiguous_s"]))
     lead = (b, hkv, s)
     tables = None
   tt = 1 if t is None else t
@@ -297,7 +303,7 @@ def valid_cases(draw, nan_at_visible=False):
       if draw(st.integers(0, 3)) == 3:
         kw[f"{name}_offset"] = rng.uniform(-2, 2, size=np.shape(sc)).astype(np.float32)
   if rope:
-    kw["k_rope"] = rng.normal(size=lead + (ROPE,)).astype(qdt)
+    kw["k_rope"] = rng.normal(size=lead + (rope_dim,)).astype(qdt)
   q = rng.normal(size=(b, hq, dk) if t is None else (b, t, hq, dk)).astype(qdt)
 
   # Modifiers.
@@ -334,8 +340,8 @@ def valid_cases(draw, nan_at_visible=False):
       kw["bias"] = rng.normal(size=form).astype(np.float32)
   if paged:
     kw["block_tables"] = tables
-  ns = draw(st.sampled_from(SPLITS))
-  bk = draw(st.sampled_from(BLOCK_K))
+  ns = draw(st.sampled_from(shapes["splits"]))
+  bk = draw(st.sampled_from(shapes["block_k"]))
   if ns is not None:
     kw["num_splits"] = ns
   if bk is not None:

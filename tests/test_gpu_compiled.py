@@ -253,7 +253,39 @@ def test_score_modifiers(case, dtype):
   assert_close(lse, ref_lse, atol=tl["lse"], rtol=tl["lse"], what="lse")
 
 
+# Issue 31: row counts R = T * G that are not powers of two (48, 80, 96, 35, ...): the
+# shapes that crashed the Triton lowering, each contiguous, paged and token-major.
+ROW_SHAPES = {"t5-g7": (5, 14, 2), "t5-g8": (5, 16, 2), "t12-g4": (12, 8, 2), "t9-g4": (9, 8, 2),
+              "t3-g12": (3, 24, 2), "mqa40": (1, 40, 1), "mqa48": (1, 48, 1), "t1-g3": (1, 6, 2),
+              "t7-g5-r35": (7, 10, 2), "t20-g8-r160": (20, 8, 1)}
+
+
+@pytest.mark.parametrize("shape", list(ROW_SHAPES))
+@pytest.mark.parametrize("form", ["contiguous", "paged16", "nhd-paged16", "int8"])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_any_row_count(shape, form, splits):
+  t, hq, hkv = ROW_SHAPES[shape]
+  dtype = jnp.bfloat16
+  q, k, v = make_problem(3, b=len(LENGTHS), t=t, hq=hq, hkv=hkv, s=S_TAIL, dk=128, dtype=dtype)
+  lengths = [max(n, t) for n in LENGTHS]
+  kw, kr, vr = {}, k, v
+  if form == "int8":
+    (k, kw["k_scale"]), (v, kw["v_scale"]) = quantize(k, jnp.int8), quantize(v, jnp.int8)
+    kr, vr = dequantize(k, kw["k_scale"]), dequantize(v, kw["v_scale"])
+  elif form != "contiguous":
+    cap, _, tables, pool = paged_setup(5, 16, n=-(-S_TAIL // 16), lengths=lengths)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, cap - S_TAIL), (0, 0)])
+    k, v = pool(pad(k)), pool(pad(v))
+    kw["block_tables"] = jnp.asarray(tables)
+    if form.startswith("nhd"):
+      k, v = k.transpose(1, 2, 0, 3), v.transpose(1, 2, 0, 3)
+      kw["kv_layout"] = "NHD"
+  got = compiled(q, k, v, lengths, num_splits=splits, **kw)
+  check(got, reference(q, kr, vr, lengths), "8bit" if form == "int8" else dtype)
+
+
 RAGGED_MIXES = {"mixed": ([1, 7, 64, 1, 0, 30], [5, 40, 100, 128, 3, 30]),
+                "chunk40": ([40, 1, 1], [40, 90, 7]),
                 "long": ([300, 1, 2], [333, 17, 2]),
                 "decodes": ([1, 1, 1, 1, 1], [1, 17, 64, 65, 333])}
 

@@ -12,7 +12,7 @@ import pytest
 from jax import export
 
 import fdecode
-from fdecode.kernels.triton import triton_partials
+from fdecode.kernels.triton import make_plan
 from test_tpu_kernel import MODIFIER_CASES, modifier_call
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -97,11 +97,7 @@ def test_untileable_shapes(dk, tiles):
   dtype = jnp.int8 if tiles > 1 else jnp.bfloat16
   args, opts = _problem(dk=dk, dv=dk, dtype=dtype, tiles=tiles)
   q, k, v, n = args
-  b, t, hq, _ = q.shape
-  q_rows = _sds((b, k.shape[1], t * hq // k.shape[1], dk), q.dtype)
-  kernel = lambda q, k, v, n, opts: triton_partials(q, n, k, v, num_tokens=t, softmax_scale=0.1,
-                                                    num_splits=2, block_k=64, interpret=False, **opts)
   with pytest.raises(ValueError, match=rf"Dk={dk} with {tiles} scale tile\(s\).*multiples of 16"):
-    lower_for_cuda(kernel, q_rows, k, v, n, opts)  # contiguous scales are already rank 4
+    make_plan(q.shape, k, v, compute_dtype=q.dtype, out_dtype=q.dtype, interpret=False, **opts)
   for impl in (None, "pallas"):
     assert TRITON_CALL not in lower_for_cuda(_decode_fn(impl=impl), *args, opts)

@@ -72,3 +72,80 @@ def test_residency_counts_every_limit():
   assert h100.resident_programs(threads=128, regs=255, smem=0) == 2      # registers
   assert h100.resident_programs(threads=128, regs=32, smem=100_000) == 2  # shared memory
   assert h100.resident_programs(threads=1024, regs=32, smem=0) == 2      # threads
+
+
+# --- issue 31: any row count, and the interpreter runs the compiled plan -------------------
+
+import dataclasses
+
+import fdecode
+from fdecode.kernels.triton import make_plan, row_tiling
+from conftest import assert_close, make_problem, tol
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 576])
+def test_row_tiles_are_powers_of_two(d):
+  """Every row count: blocks of a power of two >= 16 that cover the rows; one block
+  (the next power of two) while it fits the register budget, never a block that pads a
+  whole extra block of rows."""
+  for rows in range(1, 600):
+    block_r, blocks = row_tiling(rows, d, d)
+    assert block_r >= 16 and block_r & (block_r - 1) == 0, (rows, block_r)
+    assert block_r * blocks >= rows > block_r * (blocks - 1)
+    if blocks == 1:
+      assert block_r < 2 * max(rows, 16)
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@pytest.mark.parametrize("t,hq,hkv,paged,dtype", [
+    (5, 14, 2, None, jnp.bfloat16), (1, 48, 1, None, jnp.bfloat16), (12, 8, 2, 16, jnp.float32),
+    (5, 16, 2, None, jnp.int8), (3, 24, 2, 1, jnp.bfloat16), (64, 8, 2, 16, jnp.bfloat16)])
+@pytest.mark.parametrize("gpu", list(chips.GPUS.values()), ids=list(chips.GPUS))
+def test_interpreter_runs_the_compiled_plan(t, hq, hkv, paged, dtype, gpu):
+  """`make_plan` with ``interpret=True`` is the compiled plan for the same GPU (rows,
+  pieces, block, warps, float8 bit decode); only the flag differs when the splits are given."""
+  b, s, d = 2, 1000, 128
+  if paged:
+    lead, tables = (hkv, b * -(-s // paged), paged), _sds((b, -(-s // paged)), jnp.int32)
+  else:
+    lead, tables = (b, hkv, s), None
+  k = v = _sds(lead + (d,), dtype)
+  scales = dict(k_scale=_sds(lead + (1,), jnp.float32), v_scale=_sds(lead + (1,), jnp.float32)) if dtype == jnp.int8 else {}
+  plan = lambda interpret: make_plan((b, t, hq, d), k, v, compute_dtype=jnp.bfloat16 if dtype == jnp.int8 else dtype,
+                                     out_dtype=jnp.bfloat16, block_tables=tables, num_splits=3,
+                                     interpret=interpret, gpu=gpu, **scales)
+  assert plan(True) == dataclasses.replace(plan(False), interpret=True)
+
+
+ISSUE31 = {"t5-g7": (5, 14, 2, None), "t5-g8": (5, 16, 2, None), "t12-g4-paged16": (12, 8, 2, 16),
+           "t9-g4-nhd": (9, 8, 2, "nhd"), "t3-g12": (3, 24, 2, None), "mqa48": (1, 48, 1, None),
+           "mqa40-paged1": (1, 40, 1, 1), "t20-g8-two-row-blocks": (20, 8, 1, None)}
+
+
+@pytest.mark.parametrize("name", list(ISSUE31))
+@pytest.mark.parametrize("splits", [None, 4])
+def test_issue31_row_counts_match_the_reference(name, splits):
+  """The shapes that crashed the GPU (T x G rows of 35-160), interpreted with the H100
+  plan the GPU compiles: bf16 against the float32 reference."""
+  t, hq, hkv, form = ISSUE31[name]
+  s, lengths = 70, jnp.array([70, 9], jnp.int32)
+  q, k, v = make_problem(1, b=2, t=t, hq=hq, hkv=hkv, s=s, dk=64, dtype=jnp.bfloat16)
+  want = fdecode.flash_decode(q, k, v, lengths, impl="reference", return_lse=True)
+  kw = {}
+  if isinstance(form, int):  # paged: sequence b's pages in order, then a garbage page
+    n = -(-s // form)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, n * form - s), (0, 0)])
+    pool = lambda x: jnp.concatenate([pad(x).reshape(2, hkv, n, form, 64).transpose(1, 0, 2, 3, 4).reshape(
+        hkv, 2 * n, form, 64), jnp.full((hkv, 1, form, 64), jnp.nan, x.dtype)], axis=1)
+    k, v = pool(k), pool(v)
+    kw["block_tables"] = jnp.arange(2 * n, dtype=jnp.int32).reshape(2, n)
+  elif form == "nhd":
+    k, v, kw["kv_layout"] = k.swapaxes(1, 2), v.swapaxes(1, 2), "NHD"
+  got = fdecode.flash_decode(q, k, v, lengths, impl="pallas", interpret=True, num_splits=splits,
+                             return_lse=True, **kw)
+  t_ = tol(jnp.bfloat16)
+  assert_close(got[0], want[0], atol=t_["atol"], rtol=t_["rtol"])
+  assert_close(got[1], want[1], atol=t_["lse"], rtol=t_["lse"], what="lse")

@@ -312,11 +312,11 @@ def test_balanced_schedule_matches_reference(request, impl, dtype, page_size, t,
 
 
 def test_balanced_schedule_covers_every_block_once():
-  """`triton_plan.balanced_schedule`: every live block of every sequence belongs to exactly
+  """`fdecode.kernels.triton.balanced_schedule`: every live block of every sequence belongs to exactly
   one used item, no item exceeds ceil(blocks / (items - live)) blocks, and the items
   needed never exceed the grid, for random lengths with many empty rows."""
   from fdecode.kernels import block as blk
-  from fdecode.kernels.triton_plan import balanced_schedule as _balanced_schedule
+  from fdecode.kernels.triton import balanced_schedule as _balanced_schedule
   from fdecode.modifiers import Modifiers
   bk, s = 16, 1024
 

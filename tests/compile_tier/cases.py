@@ -16,7 +16,18 @@ from jax.sharding import PartitionSpec as P
 import fdecode
 from fdecode import chips
 
-CASES = {}
+import fuzz  # tests/compile_tier/fuzz.py: this folder is on sys.path (compile_check, pytest)
+
+class _Cases(dict):
+  """name -> build; a ``fuzz:...`` name (tests/compile_tier/fuzz.py) builds its own case."""
+
+  def __missing__(self, name):
+    if name.startswith("fuzz:"):
+      return fuzz.build(name)
+    raise KeyError(name)
+
+
+CASES = _Cases()
 B, HKV, S = 2, 2, 4096
 
 
@@ -98,6 +109,16 @@ CASES["paged64-float8_e4m3fn-tiles"] = functools.partial(_contiguous, dk=128, dt
 CASES["t4-f32-d128"] = functools.partial(_contiguous, dk=128, dtype=jnp.float32, t=4)
 CASES["t8-bf16-d128-g8"] = functools.partial(_contiguous, dk=128, t=8, g=8)
 CASES["t8-bf16-d256-g8-paged16"] = functools.partial(_contiguous, dk=256, t=8, g=8, paged=16)
+# Issue 31: row counts T * G that are not powers of two (the Triton lowering crashed on the
+# 48, 80, 96, ... rows they padded to): speculative decoding, MQA with many heads, 8-bit,
+# paged and token-major.
+for _t, _g, _hkv in ((5, 7, 2), (5, 8, 2), (12, 4, 2), (9, 4, 2), (3, 12, 2), (1, 40, 1), (1, 48, 1)):
+  CASES[f"rows-t{_t}-g{_g}-hkv{_hkv}"] = functools.partial(_contiguous, dk=128, t=_t, g=_g, hkv=_hkv)
+CASES["rows-t5-g8-int8"] = functools.partial(_contiguous, dk=128, t=5, g=8, dtype=jnp.int8)
+CASES["rows-t5-g8-paged16"] = functools.partial(_contiguous, dk=128, t=5, g=8, paged=16)
+CASES["rows-t5-g8-nhd-paged16"] = functools.partial(_contiguous, dk=128, t=5, g=8, paged=16, kv_layout="NHD")
+CASES["rows-t5-g7-nhd"] = functools.partial(_contiguous, dk=128, t=5, g=7, kv_layout="NHD")
+CASES["rows-mqa40-d256"] = functools.partial(_contiguous, dk=256, t=1, g=40, hkv=1)
 # Token-major caches: the Triton kernel reads them in place (no cache-sized copy).
 CASES["nhd-bf16-d128"] = functools.partial(_contiguous, dk=128, kv_layout="NHD")
 CASES["nhd-paged16-int8-token"] = functools.partial(_contiguous, dk=128, dtype=jnp.int8, paged=16,
@@ -239,6 +260,8 @@ def _ragged(target, layout, write):
 
 
 CASES["ragged-paged16-write"] = functools.partial(_ragged, layout="HND", write=True)
+# A 40-token prefill chunk beside a decode at G = 4 (prefill rows 4 * 41, not a power of two).
+CASES["ragged-chunk40-g4"] = fuzz.build("fuzz:kind=ragged,m=2,n=41,g=4,hkv=2,layout=HND,ps=16,write=1")
 CASES["ragged-nhd-paged16"] = functools.partial(_ragged, layout="NHD", write=False)
 
 

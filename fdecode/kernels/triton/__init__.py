@@ -1,0 +1,171 @@
+"""The GPU backend (Pallas Triton): plan, then run.
+
+`make_plan` (`fdecode.kernels.triton.plan`) decides a call: rows per program, pieces, block,
+warps, splits or the balanced schedule, and whether one kernel finishes the output.
+`run` takes that plan as it is and launches the split kernel
+(`fdecode.kernels.triton.kernel`) and, with several splits, the combine kernel
+(`fdecode.kernels.triton.combine`): at most two kernels a call, nothing around them but
+free reshapes (a contiguous cache shorter than one block is padded). ``interpret=True`` runs the same plan in Pallas'
+interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fdecode.cache.layout import token_axis
+from fdecode.combine import apply_sinks, merge_segments
+from fdecode.kernels import block as blk
+from fdecode.kernels.block import decode_fp8_bits
+from fdecode.kernels.triton.combine import combine
+from fdecode.kernels.triton.kernel import split_kernel
+from fdecode.kernels.triton.plan import (Launch, TritonPlan, block_size, launch_plan, make_plan, row_tiling,
+                                         triton_unsupported)
+from fdecode.kernels.triton.schedule import balanced_schedule
+from fdecode.sparse import Sparse, pad_slots
+
+__all__ = ["Launch", "TritonPlan", "balanced_schedule", "block_size", "decode_fp8_bits", "launch_plan",
+           "make_plan", "row_tiling", "run", "triton_unsupported"]
+
+
+def _cache_operands(p: TritonPlan, k, v, k_rope, quant_arrays):
+  """The caches as the kernel reads them: a pool's (page, slot) axes merged into one row
+  axis (a free reshape); a contiguous cache shorter than one block padded to it; float8
+  passed as bytes where the plan decodes bits. Returns (caches, quant arrays, the cache's
+  BlockSpec maker)."""
+  ax = token_axis(p.kv_layout)
+  k, v = (x if bits is None or x is None else lax.bitcast_convert_type(x, jnp.uint8)
+          for x, bits in zip((k, v), p.fp8_bits))
+  if p.paged:
+    lead = (p.cache_rows, k.shape[ax + 1]) if p.kv_layout == "NHD" else (k.shape[0], p.cache_rows)
+    k, v, k_rope = (None if x is None else x.reshape(lead + (x.shape[-1],)) for x in (k, v, k_rope))
+    if p.kv_layout == "NHD":
+      return (k, v, k_rope), quant_arrays, lambda d: pl.BlockSpec((p.cache_rows, None, d), lambda i, h, j: (0, h, 0))
+    return (k, v, k_rope), quant_arrays, lambda d: pl.BlockSpec((None, p.cache_rows, d), lambda i, h, j: (h, 0, 0))
+  s = k.shape[ax]
+  if s < p.cache_rows:  # a cache shorter than one block: pad it (cheap: < bk tokens)
+    pad = lambda axis: [(0, p.cache_rows - s) if i == axis else (0, 0) for i in range(4)]
+    k, v, k_rope = (None if x is None else jnp.pad(x, pad(ax)) for x in (k, v, k_rope))
+    quant_arrays = tuple(a if a is None or a.shape[2] == 1 else jnp.pad(a, pad(2)) for a in quant_arrays)
+  fold = p.sparse_fold
+  if p.kv_layout == "NHD":
+    spec = lambda d: pl.BlockSpec((None, p.cache_rows, None, d), lambda i, h, j: (i // fold, 0, h, 0))
+  else:
+    spec = lambda d: pl.BlockSpec((None, None, p.cache_rows, d), lambda i, h, j: (i // fold, h, 0, 0))
+  return (k, v, k_rope), quant_arrays, spec
+
+
+def _quant_spec(p: TritonPlan, x):
+  """A canonical rank-4 scale / offset -> (operand, its BlockSpec)."""
+  d0, d1, d2, nt = x.shape
+  if p.paged:  # [Hkv|1, P|1, ps|1, nt] -> [Hkv|1, P|1 * ps|1, nt]
+    return x.reshape(d0, d1 * d2, nt), pl.BlockSpec((None, d1 * d2, nt), lambda i, h, j: (h if d0 > 1 else 0, 0, 0))
+  fold = p.sparse_fold
+  return x, pl.BlockSpec((None, None, d2, nt), lambda i, h, j: (i // fold if d0 > 1 else 0, h if d1 > 1 else 0, 0, 0))
+
+
+def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_arrays, mask, bias, alibi, sinks,
+              indices, index_bounds, work):
+  """Every operand of the split kernel and its BlockSpec over grid ``(i, h, j)`` (h the kv
+  head; the row block is folded in by `run`), in `fdecode.kernels.triton.kernel._take`'s order."""
+  operands, specs = [ends.astype(jnp.int32)], [pl.BlockSpec((1,), lambda i, h, j: (i,))]
+  add = lambda x, spec: (operands.append(x), specs.append(spec))
+  if p.balanced:
+    add(work, pl.BlockSpec((None, 2), lambda i, h, j: (i, 0)))
+  if p.paged:
+    add(block_tables.astype(jnp.int32), pl.BlockSpec((None, p.table_len), lambda i, h, j: (i, 0)))
+  if p.sparse:
+    idx = pad_slots(indices, p.block, p.seq_len)
+    per_head = lambda h: h if idx.shape[1] > 1 else 0
+    add(idx, pl.BlockSpec((None, None, idx.shape[2]), lambda i, h, j: (i, per_head(h), 0)))
+    add(index_bounds.astype(jnp.int32), pl.BlockSpec((None, None, 2), lambda i, h, j: (i, per_head(h), 0)))
+  tq = p.num_tokens * p.hq
+  add(q.reshape(q.shape[0], tq, q.shape[-1]), pl.BlockSpec((None, tq, q.shape[-1]), lambda i, h, j: (i, 0, 0)))
+  caches, quant_arrays, cache_spec = _cache_operands(p, k, v, k_rope, quant_arrays)
+  for x in caches:  # MLA: no v operand, the values are read from k
+    if x is not None:
+      add(x, cache_spec(x.shape[-1]))
+  for a in quant_arrays:
+    if a is not None:
+      add(*_quant_spec(p, a))
+  for x in (mask, bias):  # [Bm, Hm, Tm * Gm, S] in place (a bool mask is read as it is)
+    if x is not None:
+      bm, hm, tm, gm, s = x.shape
+      add(x.reshape(bm, hm, tm * gm, s), pl.BlockSpec((None, None, tm * gm, s), lambda i, h, j, bm=bm, hm=hm: (
+          i if bm > 1 else 0, h if hm > 1 else 0, 0, 0)))
+  for x in (alibi, sinks if p.final else None):  # per query head, f32 [Hq]
+    if x is not None:
+      add(x.reshape(p.hq), pl.BlockSpec((p.hq,), lambda i, h, j: (0,)))
+  return operands, specs, [x for x in caches if x is not None]
+
+
+def run(p: TritonPlan, q, ends, k, v, *, softmax_scale: float, block_tables=None, k_scale=None, v_scale=None,
+        k_offset=None, v_offset=None, mask=None, bias=None, alibi=None, sinks=None, k_rope=None, indices=None,
+        index_bounds=None, sparse: Sparse | None = None):
+  """Runs plan ``p``: q ``[B, T, Hq, Dq]`` (any float dtype: cast in the kernel), ``ends``
+  int32 ``[B]`` (each sequence's end relative to the cache's first token), the caches and
+  their canonical scales / modifier arrays (`fdecode.dispatch`) -> ``(out [B, T, Hq, Dv] in
+  p.out_dtype, lse f32 [B, T, Hq])``. ``sparse``: a sparse call's fold (q row b' reads
+  cache row ``b' // fold``)."""
+  b, t, hq, _ = q.shape
+  work = None
+  if p.balanced:  # a fixed grid of work items, each a run of one sequence's live blocks
+    item_seq, work, ends = balanced_schedule(ends.astype(jnp.int32), p.items, p.block, p.num_tokens,
+                                             p.seq_len, p.mods)
+    src = jnp.minimum(item_seq, b - 1)
+    q, block_tables = q[src], block_tables[src]
+  operands, specs, caches = _operands(
+      p, q, ends, k, v, block_tables=block_tables, k_rope=k_rope,
+      quant_arrays=(k_scale, k_offset, v_scale, v_offset), mask=mask, bias=bias, alibi=alibi, sinks=sinks,
+      indices=indices, index_bounds=index_bounds, work=work)
+  n = p.items
+  hkv = hq // p.group
+  rb = p.row_blocks
+  specs = [pl.BlockSpec(s.block_shape, lambda i, hr, j, f=s.index_map: f(i, hr // rb, j)) for s in specs]
+  dv = p.dv
+  if p.final:
+    out_specs = [pl.BlockSpec((None, t * hq, dv), lambda i, hr, j: (i, 0, 0)),
+                 pl.BlockSpec((None, t * hq), lambda i, hr, j: (i, 0))]
+    out_shape = [blk.out_struct((n, t * hq, dv), jnp.dtype(p.out_dtype), *operands),
+                 blk.out_struct((n, t * hq), jnp.float32, *operands)]
+  else:
+    rows = lambda i, hr, j: (i, hr // rb, hr % rb, j)
+    out_specs = [pl.BlockSpec((None, None, p.block_r, None, dv), lambda i, hr, j: rows(i, hr, j) + (0,)),
+                 pl.BlockSpec((None, None, p.block_r, None), rows)]
+    out_shape = [blk.out_struct((n, hkv, p.rows_padded, p.num_splits, dv), jnp.float32, *operands),
+                 blk.out_struct((n, hkv, p.rows_padded, p.num_splits), jnp.float32, *operands)]
+  keys = p.seq_len if not p.sparse else indices.shape[-1]
+  cost = blk.cost_estimate(b=n, hkv=hkv, rows=p.num_rows, keys=keys, dk=q.shape[-1], dv=dv, caches=caches,
+                           operands=operands, outputs=out_shape, sparse=p.sparse)
+  compiler_params = None if p.interpret else plgpu.CompilerParams(num_warps=p.warps, num_stages=p.stages)
+  o, lse = pl.pallas_call(
+      functools.partial(split_kernel, plan=p, softmax_scale=softmax_scale),
+      grid=(n, hkv * rb, p.num_splits), in_specs=specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=compiler_params, cost_estimate=cost, interpret=p.interpret,
+      name="fdecode_split_kv_triton",
+  )(*operands)
+  if p.final:
+    return o.reshape(b, t, hq, dv), lse.reshape(b, t, hq)
+  if p.balanced:  # each sequence's items merged (XLA), then laid out as the output
+    o, lse = merge_segments(o[:, :, :, 0], lse[:, :, :, 0], item_seq, b)
+    return _finish(p, o, lse, sinks)
+  out, out_lse = combine(p, o, lse, sinks)
+  return out.reshape(b, t, hq, dv), out_lse.reshape(b, t, hq)
+
+
+def _finish(p: TritonPlan, o, lse, sinks):
+  """Merged states ``[B, Hkv, R_p, Dv]`` / ``[B, Hkv, R_p]`` -> the output layout, sinks
+  joined, cast (the balanced schedule's path, in XLA)."""
+  b, hkv = o.shape[:2]
+  t, g, dv = p.num_tokens, p.group, o.shape[-1]
+  o, lse = o[:, :, :p.num_rows], lse[:, :, :p.num_rows]
+  out = o.reshape(b, hkv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, hkv * g, dv)
+  lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hkv * g)
+  if sinks is not None:
+    out, lse = apply_sinks(out, lse, sinks)
+  return out.astype(jnp.dtype(p.out_dtype)), lse

@@ -1,0 +1,78 @@
+"""The Triton combine kernel: a split call's partial states -> the finished output.
+
+Grid ``(B, Hkv * R, Dv / width)``: one program merges one query row's ``n_splits``
+states over ``width`` of its columns (`fdecode.combine.merge_by`, the same math as
+`fdecode.combine.merge_states`), joins the sink, casts, and stores the row at its place
+in ``out [B, T * Hq, Dv]`` (and its lse in ``[B, T * Hq]``). With the split kernel, a call
+launches two kernels and XLA adds nothing around them.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fdecode.combine import add_sink, merge_by
+from fdecode.kernels import block as blk
+from fdecode.kernels.triton.plan import TritonPlan, pow2_at_least
+
+
+def _kernel(lse_ref, o_ref, *refs, plan: TritonPlan):
+  # lse_ref f32[n_splits], o_ref f32[n_splits, Dv] (this row's partial states),
+  # [sinks f32[Hq]], out [T * Hq, Dv], out_lse f32[T * Hq]
+  sinks_ref, out_ref, out_lse_ref = refs if len(refs) == 3 else (None, *refs)
+  n, w = plan.num_splits, plan.combine_width
+  sp = pow2_at_least(n)
+  row = pl.program_id(1) % plan.num_rows
+  h = pl.program_id(1) // plan.num_rows
+  c = pl.program_id(2) * w
+  live = lax.iota(jnp.int32, sp) < n
+  lse = plgpu.load(lse_ref.at[pl.ds(0, sp)], mask=live, other=-jnp.inf)
+  o = plgpu.load(o_ref.at[pl.ds(0, sp), pl.ds(c, w)], mask=live[:, None], other=0.0)
+  axis0 = lambda fn: (lambda x: fn(x, axis=0))
+  out, out_lse = merge_by(
+      o, lse, axis0(jnp.max), lambda o, w: (jnp.sum(o, axis=0), jnp.sum(w, axis=0)),
+      lambda x: jnp.max(jnp.where(x, 1.0, 0.0), axis=0) > 0, lambda x: x)
+  out, out_lse = out.reshape(1, w), out_lse.reshape(1, 1)
+  head = h * plan.group + row % plan.group
+  if sinks_ref is not None:
+    out, out_lse = add_sink(out, out_lse, sinks_ref[pl.ds(head, 1)].reshape(1, 1).astype(jnp.float32))
+  dst = (row // plan.group) * plan.hq + head
+  out_ref[pl.ds(dst, 1), pl.ds(c, w)] = out.astype(out_ref.dtype)
+
+  @pl.when(pl.program_id(2) == 0)
+  def _():
+    out_lse_ref[pl.ds(dst, 1)] = out_lse.reshape(1)
+
+
+def combine(plan: TritonPlan, o, lse, sinks=None):
+  """Partial states ``o`` f32 ``[B, Hkv, R_p, n_splits, Dv]``, ``lse`` ``[B, Hkv, R_p,
+  n_splits]`` -> ``(out [B, T * Hq, Dv] in plan.out_dtype, lse f32 [B, T * Hq])``;
+  ``sinks``: f32 ``[Hq]`` or None."""
+  b, hkv = o.shape[:2]
+  dv, w, rows = plan.dv, plan.combine_width, plan.num_rows
+  n = plan.num_splits
+  row_of = lambda hr: (hr // rows, hr % rows)
+  in_specs = [pl.BlockSpec((None, None, None, n), lambda i, hr, c: (i, *row_of(hr), 0)),
+              pl.BlockSpec((None, None, None, n, dv), lambda i, hr, c: (i, *row_of(hr), 0, 0))]
+  operands = [lse, o]
+  if sinks is not None:
+    operands.append(sinks.astype(jnp.float32))
+    in_specs.append(pl.BlockSpec((plan.hq,), lambda i, hr, c: (0,)))
+  tq = plan.num_tokens * plan.hq
+  out_shape = [blk.out_struct((b, tq, dv), jnp.dtype(plan.out_dtype), *operands),
+               blk.out_struct((b, tq), jnp.float32, *operands)]
+  compiler_params = None if plan.interpret else plgpu.CompilerParams(num_warps=4, num_stages=1)
+  return pl.pallas_call(
+      lambda *refs: _kernel(*refs, plan=plan),
+      grid=(b, hkv * rows, dv // w),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, tq, dv), lambda i, hr, c: (i, 0, 0)),
+                 pl.BlockSpec((None, tq), lambda i, hr, c: (i, 0))],
+      out_shape=out_shape,
+      compiler_params=compiler_params,
+      interpret=plan.interpret,
+      name="fdecode_combine_triton",
+  )(*operands)

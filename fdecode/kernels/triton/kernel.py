@@ -1,0 +1,217 @@
+"""FlashDecode split-KV kernel for GPUs (Pallas Triton), run as its `TritonPlan` says.
+
+Grid ``(B, Hkv * row_blocks, n_splits)``. One program owns one kv head of one sequence,
+one block of its query rows and one contiguous range of ``bk``-token blocks; the R = T*G
+query rows of that kv head are the rows of its matmuls (heads packed into the row
+dimension, as in Tenstorrent's sdpa_decode), so every cache byte is read once per row
+block. Inside a split the program runs an online softmax over blocks
+(`fdecode.kernels.block`). The loop runs only over blocks below the sequence's end:
+splits and blocks past it do no work and load nothing.
+
+Queries are read in place from ``q [B, T * Hq, Dq]`` (row r = t * G + g of kv head h is
+q row ``t * Hq + h * G + g``), cast to the compute dtype in the kernel; rows past R load a
+real row and see nothing. Outputs: with one split (``plan.final``) the kernel writes the
+finished output ``[B, T * Hq, Dv]`` in the output dtype and the lse ``[B, T * Hq]``
+(sinks applied), its stores masked to the real rows; otherwise partial states
+``[B, Hkv, R_p, n_splits, Dv]`` / ``[B, Hkv, R_p, n_splits]`` for the combine kernel.
+
+How blocks are read (always in place: no per-call copy or transpose of the cache):
+
+* contiguous ``[B, Hkv, S, D]``: block j covers tokens ``[j*bk, (j+1)*bk)`` but is loaded
+  from ``min(j*bk, S - bk)``; slots before ``j*bk`` are masked, so a tail needs no padding.
+* paged ``[Hkv, P, page_size, D]``: the pool is viewed as ``[Hkv, P*page_size, D]`` (a free
+  reshape) and a block *gathers* its ``bk`` token rows through the block table (ids
+  clipped into the pool). A block spans several pages of any size, page size 1 included.
+* token-major caches (``NHD``): a program's block spec takes its kv head's rows at the
+  cache's own strides; the body is the same.
+* head dims in power-of-two column pieces (`fdecode.kernels.block.head_pieces`).
+* 8-bit caches: each piece is dequantized right after its load with its tile's scale;
+  below sm_89 a float8 cache arrives as bytes and is decoded with integer ops.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fdecode.combine import add_sink
+from fdecode.kernels import block as blk
+from fdecode.kernels.block import decode_fp8_bits
+from fdecode.kernels.triton.plan import TritonPlan
+from fdecode.modifiers import window_start
+from fdecode.sparse import slot_range
+
+
+def _take(refs, plan: TritonPlan):
+  """The kernel's refs by name, in the operand order of `fdecode.kernels.triton.run`."""
+  refs, mods = list(refs), plan.mods
+  pop = lambda cond=True: refs.pop(0) if cond else None
+  r = types.SimpleNamespace()
+  r.end, r.work, r.table = pop(), pop(plan.balanced), pop(plan.paged)
+  r.idx, r.bounds = pop(plan.sparse), pop(plan.sparse)
+  r.q, r.k, r.v, r.rope = pop(), pop(), pop(not plan.v_from_k), pop(bool(plan.r_pieces))
+  r.quant = [pop(dims is not None) for dims in plan.quant]
+  r.mask, r.bias, r.alibi = pop(bool(mods.mask)), pop(bool(mods.bias)), pop(bool(mods.alibi))
+  r.sinks = pop(plan.final and plan.has_sinks)
+  r.o, r.lse = refs
+  return r
+
+
+def row_ids(plan: TritonPlan, h, first_row, shape):
+  """For a program's rows (int32 iota of ``shape``, leading dim ``block_r``): ``(valid,
+  head_col, q_row)``: the row is real (r < R); its query head ``h * G + g``; its row of
+  ``q [T * Hq, Dq]``, ``t * Hq + h * G + g`` (a padding row: row 0 of the head's group)."""
+  r = first_row + lax.broadcasted_iota(jnp.int32, shape, 0)
+  valid = r < plan.num_rows
+  head = h * plan.group + r % plan.group
+  q_row = jnp.where(valid, (r // plan.group) * plan.hq + head, h * plan.group)
+  return valid, jnp.where(valid, head, h * plan.group), q_row
+
+
+def _cols(offset: int, width: int):
+  return offset + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+
+
+def _load_piece(ref, index, piece, quant_refs, quant_index, dtype, fp8_bits=None):
+  """Loads one column piece ``[bk, w]`` of a cache block and dequantizes it (``fp8_bits``:
+  the ref holds the bytes of that float8 dtype)."""
+  x = ref[index, pl.ds(piece.offset, piece.width)]
+  if fp8_bits is not None:
+    x = decode_fp8_bits(x, fp8_bits)
+  scale_ref, offset_ref = quant_refs
+  if scale_ref is None:
+    return x.astype(dtype)
+  col = pl.ds(piece.tile, 1)
+  scale = scale_ref[quant_index[0], col]
+  offset = None if offset_ref is None else offset_ref[quant_index[1], col]
+  return blk.dequantize_piece(x, scale, offset, dtype)
+
+
+def _quant_index(plan: TritonPlan, dims, start, page, slot):
+  """Row index into a scale / offset ref for this block."""
+  if dims is None:
+    return None
+  if plan.sparse and not plan.paged:  # per-token scales: the gathered rows
+    return pl.ds(0, 1) if dims[0] == 1 else start
+  if plan.paged:
+    pages, slots = dims
+    if pages == 1 and slots == 1:
+      return pl.ds(0, 1)
+    return (page if pages > 1 else 0) * slots + (slot if slots > 1 else 0)
+  return pl.ds(0, 1) if dims[0] == 1 else pl.ds(start, plan.block)
+
+
+def _block_index(plan: TritonPlan, r, start, live_end):
+  """Where block ``start`` is loaded from: ``(pos [bk] | None, load_start | None, index,
+  page, slot)`` (sparse: the listed positions; paged: rows gathered through the table)."""
+  bk = plan.block
+  if plan.sparse:  # slot j holds the key at position idx[j]: gather its row
+    pos = r.idx[pl.ds(start, bk)]
+    if plan.paged:
+      page = jnp.clip(r.table[jnp.clip(pos // plan.page_size, 0, plan.table_len - 1)], 0, plan.num_pages - 1)
+      slot = pos % plan.page_size
+      return pos, None, page * plan.page_size + slot, page, slot
+    index = jnp.clip(pos, 0, plan.cache_rows - 1)
+    return pos, index, index, None, None
+  if plan.paged:
+    pos = start + lax.iota(jnp.int32, bk)
+    page = jnp.clip(r.table[jnp.minimum(pos // plan.page_size, plan.table_len - 1)], 0, plan.num_pages - 1)
+    slot = pos % plan.page_size
+    return None, start, page * plan.page_size + slot, page, slot
+  load_start = jnp.minimum(start, plan.cache_rows - bk)
+  return None, load_start, pl.ds(load_start, bk), None, None
+
+
+def _load_block(plan: TritonPlan, r, index, qi, dtype):
+  """(k pieces + k_rope pieces, v pieces) of one block, dequantized to ``dtype``."""
+  k_bits, v_bits = plan.fp8_bits
+  k_pieces = [_load_piece(r.k, index, p, r.quant[0:2], qi[0:2], dtype, k_bits) for p in plan.k_pieces]
+  if plan.v_from_k:  # MLA: a value piece is the loaded key piece itself (one read)
+    loaded = dict(zip(plan.k_pieces, k_pieces))
+    v_pieces = [loaded[p] if p in loaded else _load_piece(r.k, index, p, r.quant[0:2], qi[0:2], dtype, k_bits)
+                for p in plan.v_pieces]
+  else:
+    v_pieces = [_load_piece(r.v, index, p, r.quant[2:4], qi[2:4], dtype, v_bits) for p in plan.v_pieces]
+  k_pieces += [_load_piece(r.rope, index, p, (None, None), None, dtype) for p in plan.r_pieces]
+  return k_pieces, v_pieces
+
+
+def split_kernel(*refs, plan: TritonPlan, softmax_scale: float):
+  """One program: its rows' state over its split's blocks, stored final or partial."""
+  r = _take(refs, plan)
+  mods, bk, rows_p = plan.mods, plan.block, plan.block_r
+  h = pl.program_id(1) // plan.row_blocks
+  first_row = (pl.program_id(1) % plan.row_blocks) * rows_p
+  dtype = jnp.dtype(plan.compute_dtype)
+  end = r.end[0]
+  live_end = jnp.clip(end, 0, plan.seq_len)
+  rows = blk.row_geometry(end, plan.num_rows, rows_p, plan.group, plan.num_tokens, plan.seq_len, mods, first_row)
+  first_visible = window_start(end, plan.num_tokens, plan.seq_len, mods)
+  valid, head, q_row = row_ids(plan, h, first_row, (rows_p, 1))
+  dk_own = plan.k_pieces[-1].offset + plan.k_pieces[-1].width
+  q_pieces = ([r.q[q_row, _cols(p.offset, p.width)].astype(dtype) for p in plan.k_pieces]
+              + [r.q[q_row, _cols(dk_own + p.offset, p.width)].astype(dtype) for p in plan.r_pieces])
+  slopes = None if r.alibi is None else r.alibi[head].astype(jnp.float32)
+  if plan.sparse:
+    first, last = slot_range((r.bounds[0], r.bounds[1]), pl.program_id(2), plan.num_splits, bk)
+  elif plan.balanced:
+    first, last = blk.split_range(end, r.work[0], r.work[1], plan.num_tokens, plan.seq_len, bk, mods)
+  else:
+    first, last = blk.split_range(end, pl.program_id(2), plan.num_splits, plan.num_tokens, plan.seq_len, bk, mods)
+
+  def by_rows(ref, form, load_start):
+    """A mask / bias block for the rows: ``[R_p | 1, bk]``, gathered by row; columns past
+    the array (a tail block's positions past S, never visible) read its last column."""
+    cols = jnp.minimum(load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1), ref.shape[-1] - 1)
+    if form == (1, 1):
+      return ref[jnp.zeros((1, 1), jnp.int32), cols]
+    return ref[blk.row_source(rows_p, plan.group, plan.num_tokens, form, (rows_p, 1), first_row), cols]
+
+  guard = blk.rows_may_differ(plan.num_tokens, mods)
+
+  def body(j, state):
+    start = j * bk
+    pos, load_start, index, page, slot = _block_index(plan, r, start, live_end)
+    qi = [_quant_index(plan, d, load_start, page, slot) for d in plan.quant]
+    k_pieces, v_pieces = _load_block(plan, r, index, qi, dtype)
+    s = blk.block_scores(q_pieces, k_pieces, softmax_scale)
+    if plan.sparse:
+      s = blk.modify_scores(s, mods, rows, pos[None, :], slopes)
+      visible, live = blk.sorted_slot_masks(rows, pos[None, :], live_end, first_visible, bk)
+      return blk.online_update(state, s, visible, live, v_pieces, guard=guard)
+    pos_row = load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    bias = None if r.bias is None else by_rows(r.bias, mods.bias, load_start).astype(jnp.float32)
+    s = blk.modify_scores(s, mods, rows, pos_row, slopes, bias)
+    mask = None if r.mask is None else by_rows(r.mask, mods.mask, load_start) != 0
+    visible, live = blk.block_masks(rows, load_start, start, live_end, bk, first_visible=first_visible, mask=mask)
+    return blk.online_update(state, s, visible, live, v_pieces, guard=guard)
+
+  state = lax.fori_loop(first, last, body, blk.init_state(rows_p, plan.v_pieces))
+  o_pieces, lse = blk.finalize(state)
+  if plan.final:
+    _store_final(plan, r, o_pieces, lse, valid, head, q_row)
+  else:
+    for p, o in zip(plan.v_pieces, o_pieces):
+      r.o[:, pl.ds(p.offset, p.width)] = o
+    r.lse[...] = lse[:, 0]
+
+
+def _store_final(plan: TritonPlan, r, o_pieces, lse, valid, head, q_row):
+  """The finished rows: sinks joined, cast, stored at their ``[T * Hq]`` rows; padding
+  rows are masked off (their address, one past the end, is never written)."""
+  if r.sinks is not None:
+    sink = r.sinks[head].astype(jnp.float32)
+    merged = [add_sink(o, lse, sink) for o in o_pieces]
+    o_pieces, lse = [m[0] for m in merged], (merged[0][1] if merged else lse)
+  dst = jnp.where(valid, q_row, plan.num_tokens * plan.hq)
+  out_dtype = jnp.dtype(plan.out_dtype)
+  for p, o in zip(plan.v_pieces, o_pieces):
+    plgpu.store(r.o.at[dst, _cols(p.offset, p.width)], o.astype(out_dtype), mask=valid)
+  valid1, _, q_row1 = row_ids(plan, pl.program_id(1) // plan.row_blocks,
+                              (pl.program_id(1) % plan.row_blocks) * plan.block_r, (plan.block_r,))
+  plgpu.store(r.lse.at[jnp.where(valid1, q_row1, plan.num_tokens * plan.hq)], lse.reshape(plan.block_r),
+              mask=valid1)

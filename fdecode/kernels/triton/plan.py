@@ -1,0 +1,338 @@
+"""The Triton kernel's plan: every decision about a call, made once, before it runs.
+
+`make_plan` returns a frozen `TritonPlan` for the GPU compiled for (`fdecode.chips.Gpu`): the
+column pieces of each head dim, the query rows a program holds, the key block and warps
+that fit the registers and shared memory (`launch_plan`, calibrated on ptxas), the split
+count (`fdecode.config.gpu_num_splits`) or the balanced schedule's work items, and
+whether the split kernel writes the final output itself (one split) or partial states
+that the combine kernel merges (`fdecode.kernels.triton.combine`). The kernels take the
+plan as it is. ``interpret=True`` runs the *same* plan in Pallas' interpreter (the same
+row tiles, pieces and block; a target GPU's plan, an H100's unless a mesh or a local GPU
+names another), so the CPU tests exercise what the GPU runs. One difference: with
+``num_splits=None`` the interpreter keeps the CPU's split count
+(`fdecode.config.default_num_splits`): the count changes no tile shape, and a GPU's
+wave of splits would multiply the interpreter's per-program copies.
+
+Rows. A kv head's R = T * G query rows are the rows of its matmuls. Triton tensors have
+power-of-two sizes, so a program holds ``block_r`` rows, a power of two >= 16: R rounded
+up to the next power of two while that fits `ROW_BUDGET`, else the largest power of two
+that fits, in ``ceil(R / block_r)`` row blocks (each re-reads the cache, from L2 after
+the first). Padding to a power of two (48 -> 64, 80 -> 128) costs only matmul rows,
+which a memory-bound decode has to spare; tiling into smaller blocks instead (48 = 32 +
+16) would read the cache once per block. The rows past R are *masked*: their queries
+load a real row (never out of bounds), they see no key, and their stores are masked off,
+so nothing is padded in memory and no q copy is made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from fdecode import chips
+from fdecode import config as config_lib
+from fdecode.cache.layout import kv_heads, token_axis
+from fdecode.kernels import block as blk
+from fdecode.modifiers import Modifiers
+
+# tl.dot needs every dimension >= 16: row blocks, key blocks and pieces reach it.
+MIN_DOT = 16
+# Elements of q (and of the float32 accumulator) one program holds: with 4 warps about
+# 64-128 registers a thread. Wider rows (MLA's 576 / 512) get fewer rows per program
+# (sglang's Triton MLA decode: 16 heads a program).
+ROW_BUDGET = 16 * 1024
+# Bytes of tiles and row state one thread may hold: about 150 of its 255 registers (the
+# rest hold addresses, masks and the load pipeline). Calibrated on ptxas -v for H100 and
+# A100 (benchmarks/RESULTS.md, compile report): past it ptxas spills.
+THREAD_BYTES = 540
+PIECE_COLS = 64                 # a piece costs at least this many columns (dot, masks, acc)
+STAGES = 2                      # Triton software-pipeline stages (one block in flight)
+WARPS = (4, 8)
+# Shared memory the compiler really allocates came to about 0.8 of `Launch.smem`
+# (measured): the upper residency estimate counts 0.75 of it.
+SMEM_MEASURED = 0.75
+# Registers ptxas allocates came to 0.41-0.94 of `Launch.regs` over the compile report's
+# grid (H100 and A100): the upper residency estimate counts this fraction.
+REGS_MEASURED = 0.4
+# Widest piece of a float32 computation (FMA dots hold a contraction row a thread).
+F32_PIECE = 128
+# float32 elements one combine program loads at once (splits x columns): 32 a thread.
+COMBINE_ELEMENTS = 4096
+# Work items of the balanced schedule past the batch, interpreted (compiled: one wave).
+INTERPRET_EXTRA_ITEMS = 8
+
+
+def pow2_at_least(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def row_tiling(rows: int, dq: int, dv: int) -> tuple[int, int]:
+  """``(block_r, row_blocks)`` for R = ``rows`` query rows of widths ``dq`` / ``dv``: the
+  rows rounded up to a power of two >= 16 while ``block_r * max(dq, dv)`` fits
+  `ROW_BUDGET`, else the largest power of two that fits; ``ceil(R / block_r)`` blocks."""
+  per = max(MIN_DOT, 1 << ((ROW_BUDGET // max(dq, dv, 1)).bit_length() - 1))
+  block_r = min(max(MIN_DOT, pow2_at_least(rows)), per)
+  return block_r, -(-max(rows, 1) // block_r)
+
+
+def block_size(block_k: int) -> int:
+  """The kernel's ``bk`` cap: ``block_k`` rounded up to a power of two, at least 16."""
+  return max(MIN_DOT, pow2_at_least(block_k))
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """How one program runs on the target GPU."""
+  block: int                  # bk
+  warps: int
+  stages: int
+  smem: int                   # upper estimate of its shared memory (bytes)
+  regs: int                   # estimate of its registers per thread
+
+  def residency(self, gpu: chips.Gpu) -> tuple[int, int]:
+    """Programs an SM may hold at once, (lower, upper): at the estimated registers and
+    shared memory, and at `REGS_MEASURED` of those registers and `SMEM_MEASURED` of
+    that memory. Registers are ptxas' choice, so splits are judged at every residency between."""
+    threads = 32 * self.warps
+    hi = max(1, gpu.resident_programs(threads=threads, regs=int(self.regs * REGS_MEASURED),
+                                      smem=int(self.smem * SMEM_MEASURED)))
+    lo = max(1, gpu.resident_programs(threads=threads, regs=self.regs, smem=self.smem))
+    return min(lo, hi), hi
+
+
+def launch_plan(gpu: chips.Gpu, *, block_r: int, dq: int, dv: int, cols: int, raw_bytes: int,
+                compute_bytes: int, block_k: int, convert_bytes: int = 0) -> Launch:
+  """Warps and block for ``gpu``: the largest power-of-two ``bk <= block_size(block_k)``
+  whose tiles fit `THREAD_BYTES` a thread and whose pipelined loads fit the chip's shared
+  memory per block, on 4 warps if that keeps ``bk >= 64`` (or the cap), else on 8.
+
+  ``cols``: cache columns one block loads (k's, v's unless MLA, k_rope's); ``raw_bytes``:
+  their bytes in memory; ``compute_bytes``: after the cast / dequantization;
+  ``convert_bytes``: what a loaded element holds on the way there (its raw bytes for a
+  cast or a dequantization, plus 4 for the int32 of a float8 bit decode; 0 when loads feed
+  the dots as they are).
+  """
+  cap = block_size(block_k)
+
+  def fits(bk, warps):
+    tiles = (bk * cols * (compute_bytes + convert_bytes) + block_r * (dq * compute_bytes + dv * 4)
+             + 2 * block_r * bk * 4)
+    smem = bk * cols * (raw_bytes * (STAGES - 1) + compute_bytes) + block_r * bk * compute_bytes
+    per_thread = tiles / (32 * warps)
+    ok = per_thread <= THREAD_BYTES and smem <= gpu.smem_per_block
+    return ok, Launch(bk, warps, STAGES, smem, math.ceil(per_thread / 4) + 64)
+
+  best = None
+  for warps in WARPS:
+    bk = cap
+    while bk >= MIN_DOT:
+      ok, launch = fits(bk, warps)
+      if ok:
+        if warps == WARPS[-1] or bk >= min(cap, 64):
+          return launch
+        best = best or launch
+        break
+      bk //= 2
+  if best is not None:
+    return best
+  # Nothing fits (float32 MLA: q and acc alone take ~70 registers a thread): the smallest
+  # tiles on 8 warps, which ptxas takes without spills once float32 pieces are at most
+  # F32_PIECE wide (16 warps would cap it at 128 registers and spill).
+  return fits(MIN_DOT, WARPS[-1])[1]
+
+
+def column_pieces(dk, dv, k_tiles, v_tiles, v_from_k, rope_dim, max_width=None):
+  """(k, v, k_rope) power-of-two column pieces; MLA values (``v_from_k``) are k's leading pieces."""
+  pieces = lambda d, tiles, **kw: blk.head_pieces(d, tiles, pow2=True, max_width=max_width, **kw)
+  k_pieces = pieces(dk, k_tiles)
+  v_pieces = pieces(dk, k_tiles, limit=dv) if v_from_k else pieces(dv, v_tiles)
+  return k_pieces, v_pieces, pieces(rope_dim, 1) if rope_dim else ()
+
+
+def triton_unsupported(dk: int, dv: int, k_tiles: int = 1, v_tiles: int = 1, *, v_from_k: bool = False,
+                       rope_dim: int = 0) -> str | None:
+  """Why the Triton kernel cannot take these head dims / scale tiles, or None.
+  ``dk``: k's own columns (without ``rope_dim`` k_rope columns)."""
+  pieces = column_pieces(dk, dv, k_tiles, v_tiles, v_from_k, rope_dim)
+  for name, d, nt, ps in (("Dk", dk, k_tiles, pieces[0]), ("Dv", dv, k_tiles if v_from_k else v_tiles, pieces[1]),
+                          ("k_rope's Dr", rope_dim, 1, pieces[2])):
+    narrow = [p.width for p in ps if p.width < MIN_DOT]
+    if narrow:
+      return (f"{name}={d} with {nt} scale tile(s) has a column piece {narrow[0]} wide; "
+              f"Triton's dot needs head dims and scale tiles that are multiples of {MIN_DOT}")
+  return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonPlan:
+  """One call of the Triton kernels, decided (`make_plan`). Hashable: a static argument.
+
+  Rows: ``num_tokens`` T, ``group`` G, ``hq`` Hq; R = T * G rows per kv head, in
+  ``row_blocks`` blocks of ``block_r`` (`row_tiling`). Cache: ``paged`` (pool rows
+  ``cache_rows = P * page_size``) or contiguous (``cache_rows`` >= ``block``), in
+  ``kv_layout``; ``seq_len`` S tokens addressable per sequence. ``quant``: per stream
+  (k_scale, k_offset, v_scale, v_offset), None or its static dims. ``fp8_bits``: (k, v)
+  float8 dtype name when passed as raw bytes (below sm_89). Launch: ``block`` keys a
+  loop step, ``warps``, ``stages``; ``num_splits`` splits of each sequence's blocks, or
+  ``balanced`` work items (``items`` programs on grid axis 0). ``final``: one split, the
+  split kernel writes the output itself; otherwise the combine kernel merges
+  ``num_splits`` partial states ``combine_width`` columns a program.
+  """
+  gpu: str
+  interpret: bool
+  num_tokens: int
+  group: int
+  hq: int
+  block_r: int
+  row_blocks: int
+  paged: bool
+  kv_layout: str
+  seq_len: int
+  cache_rows: int
+  page_size: int
+  num_pages: int
+  table_len: int
+  k_pieces: tuple
+  v_pieces: tuple
+  r_pieces: tuple
+  quant: tuple
+  fp8_bits: tuple
+  v_from_k: bool
+  sparse: bool
+  mods: Modifiers
+  compute_dtype: str
+  out_dtype: str
+  block: int
+  warps: int
+  stages: int
+  num_splits: int
+  balanced: bool
+  items: int
+  combine_width: int
+  sparse_fold: int = 1
+  has_sinks: bool = False
+
+  @property
+  def num_rows(self) -> int:
+    return self.num_tokens * self.group
+
+  @property
+  def rows_padded(self) -> int:
+    return self.block_r * self.row_blocks
+
+  @property
+  def final(self) -> bool:
+    return self.num_splits == 1 and not self.balanced
+
+  @property
+  def dv(self) -> int:
+    p = self.v_pieces[-1]
+    return p.offset + p.width
+
+
+def _cache_geometry(k, block_tables, kv_layout):
+  """(seq_len, cache_rows, page_size, num_pages, table_len) of a cache in ``kv_layout``."""
+  ax = token_axis(kv_layout)
+  if block_tables is not None:
+    num_pages, page_size = k.shape[ax - 1], k.shape[ax]
+    table_len = block_tables.shape[1]
+    return table_len * page_size, num_pages * page_size, page_size, num_pages, table_len
+  return k.shape[ax], k.shape[ax], 0, 0, 0
+
+
+def _convert_bytes(raw_bytes, compute_bytes, quantized, fp8_bits, small_pages):
+  """What a loaded element holds on its way to the dots (`launch_plan`'s ``convert_bytes``).
+  A float cache cast up (bf16 -> f32) holds both; a dequantized one its bytes and a float32
+  product; a bit decode two more 32-bit words (at 4 bytes ptxas spilled 8 B of the A100
+  e4m3 tile-scale kernel); pages smaller than a dot tile a 64-bit address per element
+  (f32 page size 1 spilled 308 B at 255 registers without it)."""
+  b = (raw_bytes + 4 if quantized or raw_bytes != compute_bytes else 0) + (8 if any(fp8_bits) else 0)
+  return b + (8 if small_pages else 0)
+
+
+def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block_tables=None, k_rope=None,
+         k_scale=None, v_scale=None, k_offset=None, v_offset=None, v_head_dim=None, mods=Modifiers(),
+         has_mask_or_bias=False, has_sinks=False, index_slots=None, sparse_fold=1, num_splits=None, block_k=config_lib.DEFAULT_BLOCK_K,
+         balance=False, interpret=False, gpu: chips.Gpu | None = None) -> TritonPlan:
+  """The plan of one call (arguments canonical, `fdecode.dispatch`; arrays or
+  `jax.ShapeDtypeStruct` s: only shapes and dtypes are read).
+
+  ``q_shape``: ``[B, T, Hq, Dq]``; ``k`` / ``v`` / ``k_rope`` in ``kv_layout``, ``v`` None for
+  MLA (values are ``k[..., :v_head_dim]``); scales canonical rank 4; ``index_slots``: K of a
+  sparse call's index lists (None: dense), ``sparse_fold`` its `fdecode.sparse.Sparse` fold. ``num_splits`` None: compiled, the least
+  predicted time among counts that fill a wave of ``gpu`` (`fdecode.config.gpu_num_splits`);
+  interpreted, `fdecode.config.default_num_splits` (see the module doc). ``balance`` with
+  ``num_splits`` None on a paged cache with no mask, bias or index list: the balanced schedule.
+  ``gpu``: the target (None: `fdecode.chips.lowering_gpu`).
+
+  Raises ValueError, compiled, for shapes `triton_unsupported` names. The interpreter
+  runs them with pieces narrower than a dot tile (no compiled plan exists to mirror)."""
+  gpu = gpu or chips.lowering_gpu()
+  b, t, hq, dq = q_shape
+  paged = block_tables is not None
+  hkv = kv_heads(k.shape, kv_layout, paged)
+  dk = k.shape[-1]
+  v_from_k = v is None
+  dv = v_head_dim if v_from_k else v.shape[-1]
+  rope_dim = 0 if k_rope is None else k_rope.shape[-1]
+  k_tiles = 1 if k_scale is None else k_scale.shape[-1]
+  v_tiles = 1 if v_scale is None else v_scale.shape[-1]
+  reason = triton_unsupported(dk, dv, k_tiles, v_tiles, v_from_k=v_from_k, rope_dim=rope_dim)
+  if reason and not interpret:
+    raise ValueError(f"flash_decode: impl='pallas' on GPU cannot take this shape: {reason}. "
+                     "Use impl='xla' (impl=None picks it for such shapes)")
+  fp8_bits = tuple(jnp.dtype(x.dtype).name if x is not None and not gpu.native_fp8
+                   and jnp.dtype(x.dtype).name.startswith("float8") else None for x in (k, v))
+  rows = t * (hq // hkv)
+  block_r, row_blocks = row_tiling(rows, dq, dv)
+  compute_bytes = jnp.dtype(compute_dtype).itemsize
+  k_pieces, v_pieces, r_pieces = column_pieces(dk, dv, k_tiles, v_tiles, v_from_k, rope_dim,
+                                               F32_PIECE if compute_bytes == 4 else None)
+  cols = sum(max(p.width, PIECE_COLS) for p in k_pieces + r_pieces + (() if v_from_k else v_pieces))
+  caches = [x for x in (k, v, k_rope) if x is not None]
+  raw_bytes = max(jnp.dtype(x.dtype).itemsize for x in caches)
+  seq_len, cache_rows, page_size, num_pages, table_len = _cache_geometry(k, block_tables, kv_layout)
+  convert = _convert_bytes(raw_bytes, compute_bytes, k_scale is not None or v_scale is not None, fp8_bits,
+                           paged and page_size < MIN_DOT)
+  launch = launch_plan(gpu, block_r=block_r, dq=dq, dv=dv, cols=cols, raw_bytes=raw_bytes,
+                       compute_bytes=compute_bytes, block_k=block_k, convert_bytes=convert)
+  bk = launch.block
+  if not paged:
+    cache_rows = max(cache_rows, bk)  # a cache shorter than one block is padded to it
+  balanced = balance and num_splits is None and paged and index_slots is None and not has_mask_or_bias
+  items = b
+  if balanced:
+    extra = INTERPRET_EXTRA_ITEMS if interpret else -(-gpu.sms * launch.residency(gpu)[1] // (hkv * row_blocks))
+    items, num_splits = b + extra, 1
+  elif num_splits is None:
+    from fdecode.kernels.xla import window_tokens  # pylint: disable=g-import-not-at-top
+    slots = index_slots if index_slots is not None else window_tokens(seq_len, t, mods)
+    blocks = max(-(-slots // bk), 1)
+    if interpret:
+      num_splits = config_lib.default_num_splits(b, hkv, blocks, config_lib.num_parallel_units("cpu"))
+    else:
+      cols_bytes = sum(x.shape[-1] * jnp.dtype(x.dtype).itemsize for x in caches)
+      num_splits = config_lib.gpu_num_splits(
+          gpu.sms, launch.residency(gpu), b * hkv * row_blocks, blocks,
+          cache_bytes=b * hkv * slots * cols_bytes, split_bytes=2 * 4 * b * hkv * block_r * row_blocks * (dv + 1))
+  quant = tuple(None if a is None else ((a.shape[1], a.shape[2]) if paged else (a.shape[2],))
+                for a in (k_scale, k_offset, v_scale, v_offset))
+  return TritonPlan(
+      gpu=gpu.name, interpret=bool(interpret), num_tokens=t, group=hq // hkv, hq=hq, block_r=block_r,
+      row_blocks=row_blocks, paged=paged, kv_layout=kv_layout, seq_len=seq_len, cache_rows=cache_rows,
+      page_size=page_size, num_pages=num_pages, table_len=table_len, k_pieces=k_pieces, v_pieces=v_pieces,
+      r_pieces=r_pieces, quant=quant, fp8_bits=fp8_bits, v_from_k=v_from_k, sparse=index_slots is not None,
+      mods=mods, compute_dtype=jnp.dtype(compute_dtype).name, out_dtype=jnp.dtype(out_dtype).name, block=bk,
+      warps=launch.warps, stages=launch.stages, num_splits=int(num_splits), balanced=balanced, items=items,
+      combine_width=combine_width(int(num_splits), dv), sparse_fold=sparse_fold, has_sinks=bool(has_sinks))
+
+
+def combine_width(num_splits: int, dv: int) -> int:
+  """Columns of one combine program: the largest power of two dividing Dv with
+  ``pow2(splits) * width <= COMBINE_ELEMENTS`` (at least 1)."""
+  width = dv & -dv  # largest power of two dividing Dv
+  while width > 1 and pow2_at_least(num_splits) * width > COMBINE_ELEMENTS:
+    width //= 2
+  return width

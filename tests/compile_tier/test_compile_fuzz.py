@@ -1,0 +1,66 @@
+"""The randomized leg of the compile tier (issue 31): shapes drawn by hypothesis
+(tests/compile_tier/fuzz.py), each compiled deviceless for H100, A100 and TPU v5e like the
+fixed cases (`fdecode.compile_check`, one worker process per target).
+
+CI: a fixed seed and ``FDECODE_COMPILE_FUZZ_EXAMPLES`` shapes (default 12: 8 decodes, 2 MLA, 2 ragged steps; each compiles
+for every target). ``FDECODE_COMPILE_FUZZ=long``: random seeds, 60 shapes. A failing
+case's name is the case: add it to `fuzz.FOUND` to keep it as a fixed case. Asserts, per
+shape and chip: it compiles; on GPU every fdecode kernel has no register spills and fits
+the chip's shared memory, and a decode launches at most two fdecode kernels.
+"""
+
+import concurrent.futures
+import os
+
+import pytest
+from hypothesis import given, settings
+
+from fdecode import chips
+from fdecode.compile_check import run_cases
+
+import fuzz
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LONG = os.environ.get("FDECODE_COMPILE_FUZZ") == "long"
+EXAMPLES = int(os.environ.get("FDECODE_COMPILE_FUZZ_EXAMPLES", 60 if LONG else 12))
+TARGETS = [t for t in os.environ.get("FDECODE_COMPILE_TARGETS", "h100,a100,v5e,v6e").split(",")
+           if t in ("h100", "a100", "v5e")]
+
+
+def drawn_names() -> list[str]:
+  """The leg's shapes: hypothesis draws (derandomized unless long), named by `fuzz.name_of`:
+  two thirds flash_decode calls, a sixth each MLA and ragged_decode steps."""
+  names = []
+  for kind, share in (("decode", 4), ("mla", 1), ("ragged", 1)):
+    @settings(max_examples=max(1, EXAMPLES * share // 6), derandomize=not LONG, database=None, deadline=None)
+    @given(spec=fuzz.specs(kind))
+    def collect(spec):
+      names.append(fuzz.name_of(spec))
+    collect()
+  return list(dict.fromkeys(fuzz.FOUND + names))
+
+
+NAMES = drawn_names()
+
+
+@pytest.fixture(scope="session")
+def fuzz_reports():
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    futures = {t: pool.submit(run_cases, t, os.path.join(HERE, "cases.py"), NAMES) for t in TARGETS}
+    return {t: f.result() for t, f in futures.items()}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("name", NAMES)
+def test_drawn_shape_compiles(fuzz_reports, target, name):
+  report = fuzz_reports[target][name]
+  assert report["ok"], f"{name} on {target}: {report.get('error')}"
+  if target not in chips.GPUS:
+    return
+  gpu = chips.GPUS[target]
+  kernels = report["kernels"]
+  for k in kernels:
+    assert k.get("spill_stores") == 0 and k.get("spill_loads") == 0, f"{name} on {target}: {k} spills"
+    assert k["smem"] <= gpu.smem_per_block, f"{name} on {target}: {k['smem']} B shared memory"
+  if "kind=decode" in name or "kind=mla" in name:
+    assert len(kernels) <= 2, f"{name} on {target}: {[k['name'] for k in kernels]}"
