@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 
 import fdecode
+import _device
 from _records import machine_line, record, write  # benchmarks/ is on sys.path when a script here runs
 from _timing import timeit
 
@@ -59,10 +60,14 @@ NEEDS_GPU = "n/a (needs GPU)"
 FORMATS = ("contiguous", "paged16", "paged64", "int8", "fp8")
 FLOOR_BF16 = "floor: read K, V (bf16)"
 FDECODE = "fdecode pallas"
+FDECODE_DEVICE = "fdecode pallas (device time)"
+TORCH = "torch sdpa"
+TORCH_GRAPH = "torch sdpa (cuda graph)"
 GQA_KERNEL = "jax pallas gqa kernel (head-major)"
 TARGETS = ("fdecode >= 0.8 of the floor at S >= 32k", "fdecode >= 1.2x JAX Pallas gqa",
            "paged within 1.1x of contiguous", "int8 >= 1.6x faster than bf16",
-           "fp8 >= 1.6x faster than bf16")
+           "fp8 >= 1.6x faster than bf16", "device time at or below torch SDPA's (CUDA graph)",
+           ">= 0.85 of spec bandwidth where K+V >= 256 MB (device time)", "<= 2 kernels per decode call")
 
 
 @dataclasses.dataclass
@@ -74,6 +79,7 @@ class Row:
   seconds: float | None = None
   compile_s: float | None = None
   note: str = ""
+  kernels: int | None = None      # launches per call (compiled HLO's entry computation)
 
 
 def reason(e: BaseException) -> str:
@@ -81,10 +87,12 @@ def reason(e: BaseException) -> str:
   return f"{type(e).__name__}: {msg}"[:200].replace("|", "/")
 
 
-def measure(rows, fmt, name, fn, args, nbytes, floor, *, iters, inner, skip=None, note="", expect=None):
+def measure(rows, fmt, name, fn, args, nbytes, floor, *, iters, inner, skip=None, note="", expect=None,
+            count_kernels=False):
   """Times ``jit(fn)(*args)`` into a new Row; a failure (a peer refusing a shape, out of
   memory) becomes the row's note instead of ending the run. ``expect``: an output to
-  compare with (the max abs difference goes in the note)."""
+  compare with (the max abs difference goes in the note). ``count_kernels``: the
+  launches of one call (`_device.kernels_per_call`)."""
   row = Row(fmt, name, nbytes, floor, note=note)
   rows.append(row)
   if skip:
@@ -93,6 +101,8 @@ def measure(rows, fmt, name, fn, args, nbytes, floor, *, iters, inner, skip=None
   try:
     f = jax.jit(fn)
     row.seconds, row.compile_s = timeit(f, *args, iters=iters, inner=inner)
+    if count_kernels:
+      row.kernels = _device.kernels_per_call(fn, args)
     if expect is not None:
       diff = float(jnp.max(jnp.abs(f(*args).astype(jnp.float32) - expect.astype(jnp.float32))))
       row.note = "; ".join(filter(None, [row.note, f"max abs diff vs fdecode {diff:.1e}"]))
@@ -160,8 +170,11 @@ def config_rows(b, s, hq, hkv, d, *, formats, iters, inner, on_gpu):
   k, v = random_cache(kk, dims, jnp.bfloat16), random_cache(kv, dims, jnp.bfloat16)
   m("contiguous", FLOOR_BF16, floor_fn, (k, v), bf16_bytes, None)
   contiguous = lambda q, k, v, n: fdecode.flash_decode(q, k, v, n, **fd)
-  m("contiguous", FDECODE, contiguous, (q, k, v, lengths), bf16_bytes, FLOOR_BF16, note=fd_note)
+  m("contiguous", FDECODE, contiguous, (q, k, v, lengths), bf16_bytes, FLOOR_BF16, note=fd_note,
+    count_kernels=True)
   expect = jax.jit(contiguous)(q, k, v, lengths) if rows[-1].seconds else None
+  if True:  # Dv == Dk: a call's output feeds the next one's query
+    device_rows(rows, q, k, v, lengths, contiguous, bf16_bytes, on_gpu, iters, expect)
   m("contiguous", GQA_KERNEL, jax_gqa_head_major, (q, k, v, lengths), bf16_bytes, FLOOR_BF16,
     skip=gpu_only, expect=expect)
   del k, v
@@ -207,16 +220,47 @@ def config_rows(b, s, hq, hkv, d, *, formats, iters, inner, on_gpu):
   return rows
 
 
+def device_rows(rows, q, k, v, lengths, contiguous, nbytes, on_gpu, iters, expect):
+  """fdecode's device time (dependent calls unrolled in one program) and torch SDPA's
+  (per call, and as a CUDA graph) on the same arrays."""
+  row = Row("contiguous", FDECODE_DEVICE, nbytes, FLOOR_BF16, note="dependent calls in one program")
+  rows.append(row)
+  try:
+    row.seconds, row.compile_s = _device.device_seconds(contiguous, (q, k, v, lengths), iters=iters)
+  except Exception as e:  # noqa: BLE001
+    row.note = "n/a: " + reason(e)
+  why = NEEDS_GPU if not on_gpu else _device.torch_available()
+  eager, graph = Row("contiguous", TORCH, nbytes, FLOOR_BF16), Row("contiguous", TORCH_GRAPH, nbytes, FLOOR_BF16)
+  rows += [eager, graph]
+  if why:
+    eager.note = graph.note = why
+    return
+  try:
+    eager.seconds, graph.seconds, out = _device.torch_sdpa(q, k, v, iters=iters)
+    if expect is not None:
+      graph.note = f"max abs diff vs fdecode {float(jnp.max(jnp.abs(out - expect.astype(jnp.float32)))):.1e}"
+  except Exception as e:  # noqa: BLE001
+    eager.note = graph.note = "n/a: " + reason(e)
+
+
 def summarize(results):
   """Per-config ratios, {(B, S): {column: value or None}}, from {(B, S): rows}."""
   out = {}
-  for (b, s), rows in results.items():
+  spec = _device.spec_bandwidth()
+  for key, rows in results.items():
     t = {r.name: r.seconds for r in rows}
+    kern = {r.name: r.kernels for r in rows}
     nbytes = {r.name: r.nbytes for r in rows}
     ratio = lambda num, den: num / den if num and den else None
     fd = t.get(FDECODE)
     paged = [ratio(t.get(f"fdecode pallas, paged (page {ps})"), fd) for ps in (16, 64)]
-    out[(b, s)] = {
+    dev = t.get(FDECODE_DEVICE)
+    out[key] = {
+        "device ms": dev and dev * 1e3,
+        "torch graph ms": t.get(TORCH_GRAPH) and t[TORCH_GRAPH] * 1e3,
+        "vs torch (device)": ratio(t.get(TORCH_GRAPH), dev),
+        "spec fraction": ratio(nbytes.get(FDECODE_DEVICE), dev and spec and dev * spec),
+        "kernels": kern.get(FDECODE),
         "floor GB/s": ratio(nbytes.get(FLOOR_BF16), t.get(FLOOR_BF16) and t[FLOOR_BF16] * 1e9),
         "fdecode GB/s": ratio(nbytes.get(FDECODE), fd and fd * 1e9),
         "fdecode / floor": ratio(t.get(FLOOR_BF16), fd),
@@ -228,7 +272,7 @@ def summarize(results):
         "int8 speed-up": ratio(fd, t.get("fdecode pallas, int8 cache")),
         "fp8 speed-up": ratio(fd, t.get("fdecode pallas, fp8 cache")),
     }
-    out[(b, s)]["paged / contig"] = max(filter(None, paged), default=None)
+    out[key]["paged / contig"] = max(filter(None, paged), default=None)
   return out
 
 
@@ -240,18 +284,27 @@ def target_rows(summary, on_gpu=True):
             if v[column] is not None and (configs is None or c in configs)]
     if not vals:
       return target, "not measured", "-"
-    value, (b, s) = (max if at_most else min)(vals)
+    value, key = (max if at_most else min)(vals)
     met = value <= threshold if at_most else value >= threshold
     spread = f"; median {statistics.median(v for v, _ in vals):.2f} over {len(vals)} configs" if len(vals) > 1 else ""
     verdict = ("met" if met else "**missed**") if on_gpu else "n/a (not on GPU)"
-    return target, f"worst {value:.2f} (B={b} S={s}){spread}", verdict
+    return target, f"worst {value:.2f} ({config_name(key)}){spread}", verdict
+  big = [c for c in summary if 2 * c[0] * c[3] * c[1] * c[4] * 2 >= 256 * 2 ** 20]  # K+V >= 256 MB
   return [
+      judge(TARGETS[5], "vs torch (device)", 1.0),
+      judge(TARGETS[6], "spec fraction", 0.85, configs=big),
+      judge(TARGETS[7], "kernels", 2, at_most=True),
       judge(TARGETS[0], "fdecode / floor", 0.8, configs=[c for c in summary if c[1] >= 32768]),
       judge(TARGETS[1], "vs gqa kernel", 1.2),
       judge(TARGETS[2], "paged / contig", 1.1, at_most=True),
       judge(TARGETS[3], "int8 speed-up", 1.6),
       judge(TARGETS[4], "fp8 speed-up", 1.6),
   ]
+
+
+def config_name(key):
+  b, s, hq, hkv, d = key
+  return f"B={b} S={s} Hq={hq} Hkv={hkv} D={d}"
 
 
 def fmt(x, spec=".2f", suffix=""):
@@ -263,28 +316,33 @@ def markdown(results, meta):
   lines = [f"# fdecode decode attention on {meta['device']}", "",
            f"{meta['date']}; backend {meta['backend']}, jax {meta['jax']}, jaxlib {meta['jaxlib']}; "
            f"`{meta['command']}`", "",
-           f"Hq={meta['hq']} Hkv={meta['hkv']} D={meta['d']}, T=1, lengths = S, bf16 queries. "
+           f"T=1, lengths = S, bf16 queries. "
            f"Median of {meta['iters']} samples of {meta['inner']} back-to-back calls; compile apart. "
-           "GB/s = K/V(/scale) bytes read / time; fraction of floor = floor time / time.", "",
+           "GB/s = K/V(/scale) bytes read / time; fraction of floor = floor time / time. "
+           "Device time: 10 dependent calls unrolled in one program; torch SDPA as a CUDA graph of "
+           f"50 calls; spec fraction = bytes / device time / {meta.get('spec_bandwidth')} B/s.", "",
            "## Targets (recorded, not asserted)", "",
            "| target | measured in this run | verdict |", "|---|---|---|"]
   lines += [f"| {t} | {m} | {v} |" for t, m, v in target_rows(summary, meta["backend"] == "gpu")]
   cols = list(next(iter(summary.values()), {}))
   cols.remove("paged / contig")
   lines += ["", "## Summary (ratios > 1 under \"vs\" and \"speed-up\": fdecode faster)", "",
-            "| B | S | " + " | ".join(cols) + " |", "|---:|---:|" + "---:|" * len(cols)]
-  for (b, s), v in summary.items():
-    lines.append(f"| {b} | {s} | " + " | ".join(fmt(v[c], ".0f" if "GB/s" in c else ".2f") for c in cols) + " |")
-  for (b, s), rows in results.items():
-    lines += ["", f"## B={b} S={s} (K+V bf16: {2 * b * meta['hkv'] * s * meta['d'] * 2 / 2**20:.0f} MiB)", "",
-              "| cache | contender | median ms | compile s | GB/s | fraction of floor | note |",
-              "|---|---|---:|---:|---:|---:|---|"]
+            "| B | S | Hq | Hkv | D | " + " | ".join(cols) + " |", "|---:|---:|---:|---:|---:|" + "---:|" * len(cols)]
+  for key, v in summary.items():
+    lines.append("| " + " | ".join(map(str, key)) + " | "
+                 + " | ".join(fmt(v[c], ".0f" if "GB/s" in c or c == "kernels" else ".3f" if " ms" in c else ".2f")
+                              for c in cols) + " |")
+  for key, rows in results.items():
+    b, s, _, hkv, d = key
+    lines += ["", f"## {config_name(key)} (K+V bf16: {2 * b * hkv * s * d * 2 / 2**20:.0f} MiB)", "",
+              "| cache | contender | median ms | compile s | GB/s | fraction of floor | kernels | note |",
+              "|---|---|---:|---:|---:|---:|---:|---|"]
     times = {r.name: r.seconds for r in rows}
     for r in rows:
       floor = times.get(r.floor) if r.floor else r.seconds
       lines.append(f"| {r.fmt} | {r.name} | {fmt(r.seconds and r.seconds * 1e3, '.3f')} | "
                    f"{fmt(r.compile_s)} | {fmt(r.seconds and r.nbytes / r.seconds / 1e9, '.1f')} | "
-                   f"{fmt(floor and r.seconds and floor / r.seconds)} | {r.note} |")
+                   f"{fmt(floor and r.seconds and floor / r.seconds)} | {fmt(r.kernels, 'd')} | {r.note} |")
   lines += ["", "## Notes", "",
             "* Floor: a jitted sum (f32 accumulation) over the very K/V (and scale) arrays, one "
             "streaming read; paged rows use the bf16 floor (the pool holds the same bytes).",
@@ -303,14 +361,88 @@ def records_of(results, meta, machine):
   """The rows as records (benchmarks/_records.py): one per (B, S) and contender."""
   dtypes = {"int8": "int8", "fp8": "float8_e4m3fn"}
   out = []
-  for (b, s), rows in results.items():
+  for (b, s, hq, hkv, d), rows in results.items():
     times = {r.name: r.seconds for r in rows}
     for r in rows:
-      out.append(record("bench_gpu", r.name, shape=dict(B=b, S=s, Hq=meta["hq"], Hkv=meta["hkv"], D=meta["d"]),
+      out.append(record("bench_gpu", r.name, shape=dict(B=b, S=s, Hq=hq, Hkv=hkv, D=d),
                         dtype=dtypes.get(r.fmt, "bfloat16"), seconds=r.seconds, nbytes=r.nbytes,
                         floor_seconds=times.get(r.floor) if r.floor else r.seconds, machine=machine,
-                        format=r.fmt, compile_s=r.compile_s, note=r.note))
+                        format=r.fmt, compile_s=r.compile_s, note=r.note, kernels=r.kernels))
   return out
+
+
+HEADLINE = "1x8192x32x8x128,1x32768x32x8x128,16x8192x8x1x128,64x4096x32x8x128,4x131072x32x8x128,8x8192x16x8x256"
+
+
+def parse_shapes(text):
+  """``"BxSxHqxHkvxD,..."`` -> [(B, S, Hq, Hkv, D), ...]."""
+  return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]
+
+
+def split_sweep(key, *, iters, on_gpu, splits=(8, 16, 32, 64, 99, 132, 198, 264, None)):
+  """Device time of one config at several split counts (None: fdecode's own choice)."""
+  b, s, hq, hkv, d = key
+  kq, kk, kv = jax.random.split(jax.random.key(7), 3)
+  q = jax.random.normal(kq, (b, hq, d), jnp.bfloat16)
+  k, v = random_cache(kk, (b, hkv, s, d), jnp.bfloat16), random_cache(kv, (b, hkv, s, d), jnp.bfloat16)
+  lengths = jnp.full((b,), s, jnp.int32)
+  out = []
+  for n in splits:
+    fn = lambda q, k, v, l, n=n: fdecode.flash_decode(q, k, v, l, impl="pallas", interpret=not on_gpu, num_splits=n)
+    row = dict(section="split sweep", config=config_name(key), contender=f"num_splits={n or 'default'}",
+               nbytes=2 * b * hkv * s * d * 2)
+    try:
+      row["seconds"], row["compile_s"] = _device.device_seconds(fn, (q, k, v, lengths), iters=iters)
+    except Exception as e:  # noqa: BLE001
+      row["note"] = "n/a: " + reason(e)
+    out.append(row)
+  return out
+
+
+def mla_rows(*, iters, on_gpu, configs=((64, 4096, 16), (64, 4096, 128), (8, 32768, 16), (8, 32768, 128))):
+  """MLA decode (DeepSeek: Dk 576 = 512 latent + 64 rope, Dv 512, one latent head, v=None),
+  bf16: fdecode's Triton kernel (and the Mosaic GPU kernel where the package has it), device
+  time, TFLOP/s and bytes against the spec bandwidth."""
+  out = []
+  for b, s, g in configs:
+    kq, kk = jax.random.split(jax.random.key(11), 2)
+    q = jax.random.normal(kq, (b, g, 576), jnp.bfloat16)
+    k = random_cache(kk, (b, 1, s, 576), jnp.bfloat16)
+    lengths = jnp.full((b,), s, jnp.int32)
+    flops = 2 * b * g * s * (576 + 512)
+    feed = lambda o: jnp.pad(o, [(0, 0), (0, 0), (0, 64)])  # [B, G, 512] -> the next call's q
+    contenders = [("fdecode triton", lambda q, k, l: feed(fdecode.flash_decode(
+        q, k, None, l, v_head_dim=512, impl="pallas", interpret=not on_gpu)))]
+    try:
+      from fdecode.kernels import mosaic_gpu  # pylint: disable=g-import-not-at-top
+      contenders.append(("fdecode mosaic gpu", lambda q, k, l: feed(mosaic_gpu.mla_decode(q, k, l))))
+    except Exception as e:  # noqa: BLE001 - not in this checkout, or does not build here
+      out.append(dict(section="mla", config=f"B={b} S={s} G={g}", contender="fdecode mosaic gpu",
+                      note="n/a: " + reason(e)))
+    for name, fn in contenders:
+      row = dict(section="mla", config=f"B={b} S={s} G={g}", contender=name, nbytes=b * s * 576 * 2, flops=flops)
+      if not on_gpu and name != "fdecode triton":
+        row["note"] = NEEDS_GPU
+      else:
+        try:
+          row["seconds"], row["compile_s"] = _device.device_seconds(fn, (q, k, lengths), iters=iters)
+        except Exception as e:  # noqa: BLE001
+          row["note"] = "n/a: " + reason(e)
+      out.append(row)
+  return out
+
+
+def extra_table(rows):
+  spec = _device.spec_bandwidth()
+  lines = ["| section | config | contender | device ms | compile s | GB/s | spec fraction | TFLOP/s | note |",
+           "|---|---|---|---:|---:|---:|---:|---:|---|"]
+  for r in rows:
+    sec = r.get("seconds")
+    gbs = sec and r.get("nbytes") and r["nbytes"] / sec / 1e9
+    lines.append(f"| {r['section']} | {r['config']} | {r['contender']} | {fmt(sec and sec * 1e3, '.4f')} | "
+                 f"{fmt(r.get('compile_s'))} | {fmt(gbs, '.0f')} | {fmt(gbs and spec and gbs * 1e9 / spec)} | "
+                 f"{fmt(sec and r.get('flops') and r['flops'] / sec / 1e12, '.1f')} | {r.get('note', '')} |")
+  return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
@@ -322,6 +454,11 @@ def main(argv=None):
   p.add_argument("--heads", default="32,8", help="Hq,Hkv")
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--formats", default=",".join(FORMATS), help=f"subset of {','.join(FORMATS)}")
+  p.add_argument("--shapes", default=None,
+                 help="configs as BxSxHqxHkvxD, comma-separated (\"headline\": issue 34's six); replaces the grid")
+  p.add_argument("--split-sweep", default=None,
+                 help="configs BxSxHqxHkvxD to time at several split counts (device time), comma-separated")
+  p.add_argument("--mla", action="store_true", help="also MLA decode (576/512, one latent head) at G 16 and 128")
   p.add_argument("--iters", type=int, default=None, help="samples per row (default 20, quick 5)")
   p.add_argument("--inner", type=int, default=None,
                  help="calls per sample (default 10; quick: 10 on a GPU, 3 elsewhere)")
@@ -341,22 +478,33 @@ def main(argv=None):
               date=datetime.datetime.now().isoformat(timespec="minutes"),
               command="python benchmarks/bench_gpu.py " + " ".join(sys.argv[1:] if argv is None else argv),
               hq=hq, hkv=hkv, d=a.head_dim, iters=iters, inner=inner)
+  meta["spec_bandwidth"] = _device.spec_bandwidth()
+  if a.shapes:
+    configs = parse_shapes(HEADLINE if a.shapes == "headline" else a.shapes)
+  else:
+    configs = [(b, s, hq, hkv, a.head_dim) for b in batches for s in seqs]
   results = {}
-  for b in batches:
-    for s in seqs:
-      print(f"[bench_gpu] B={b} S={s}", file=sys.stderr, flush=True)
-      try:
-        results[(b, s)] = config_rows(b, s, hq, hkv, a.head_dim, formats=formats, iters=iters,
-                                      inner=inner, on_gpu=on_gpu)
-      except Exception as e:  # noqa: BLE001 - e.g. out of memory making the data: the next config
-        results[(b, s)] = [Row("-", "all", 0, None, note="failed: " + reason(e))]
+  for key in configs:
+    print(f"[bench_gpu] {config_name(key)}", file=sys.stderr, flush=True)
+    try:
+      results[key] = config_rows(*key, formats=formats, iters=iters, inner=inner, on_gpu=on_gpu)
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory making the data: the next config
+      results[key] = [Row("-", "all", 0, None, note="failed: " + reason(e))]
   out = pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
   text = markdown(results, meta)
+  extra = []
+  for key in parse_shapes(a.split_sweep or ""):
+    extra += split_sweep(key, iters=iters, on_gpu=on_gpu)
+  if a.mla:
+    extra += mla_rows(iters=iters, on_gpu=on_gpu)
+  if extra:
+    text += "\n## Split sweep and MLA (device time)\n\n" + extra_table(extra)
   (out / "bench_gpu.md").write_text(text)
   machine = machine_line()
   write(out / "bench_gpu.json", "bench_gpu", records_of(results, meta, machine), machine=machine, argv=argv,
-        meta=meta, rows=[dict(b=b, s=s, **dataclasses.asdict(r)) for (b, s), rows in results.items() for r in rows])
+        meta=meta, rows=[dict(b=k[0], s=k[1], hq=k[2], hkv=k[3], d=k[4], **dataclasses.asdict(r))
+                         for k, rows in results.items() for r in rows], extra=extra)
   print(text)
   return 0
 
