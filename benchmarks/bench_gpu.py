@@ -379,7 +379,7 @@ def parse_shapes(text):
   return [tuple(int(x) for x in item.split("x")) for item in text.split(",") if item]
 
 
-def split_sweep(key, *, iters, on_gpu, splits=(8, 16, 32, 64, 99, 132, 198, 264, None)):
+def split_sweep(key, *, iters, on_gpu, splits=(8, 16, 33, 66, 132, None)):
   """Device time of one config at several split counts (None: fdecode's own choice)."""
   b, s, hq, hkv, d = key
   kq, kk, kv = jax.random.split(jax.random.key(7), 3)
@@ -483,28 +483,35 @@ def main(argv=None):
     configs = parse_shapes(HEADLINE if a.shapes == "headline" else a.shapes)
   else:
     configs = [(b, s, hq, hkv, a.head_dim) for b in batches for s in seqs]
-  results = {}
+  results, extra = {}, []
+  out = pathlib.Path(a.out)
+  out.mkdir(parents=True, exist_ok=True)
+  machine = machine_line()
+
+  def save():  # after every config: a run cut short keeps what it measured
+    text = markdown(results, meta)
+    if extra:
+      text += "\n## Split sweep and MLA (device time)\n\n" + extra_table(extra)
+    (out / "bench_gpu.md").write_text(text)
+    write(out / "bench_gpu.json", "bench_gpu", records_of(results, meta, machine), machine=machine, argv=argv,
+          meta=meta, rows=[dict(b=k[0], s=k[1], hq=k[2], hkv=k[3], d=k[4], **dataclasses.asdict(r))
+                           for k, rows in results.items() for r in rows], extra=extra)
+    return text
+
   for key in configs:
     print(f"[bench_gpu] {config_name(key)}", file=sys.stderr, flush=True)
     try:
       results[key] = config_rows(*key, formats=formats, iters=iters, inner=inner, on_gpu=on_gpu)
     except Exception as e:  # noqa: BLE001 - e.g. out of memory making the data: the next config
       results[key] = [Row("-", "all", 0, None, note="failed: " + reason(e))]
-  out = pathlib.Path(a.out)
-  out.mkdir(parents=True, exist_ok=True)
-  text = markdown(results, meta)
-  extra = []
+    save()
   for key in parse_shapes(a.split_sweep or ""):
+    print(f"[bench_gpu] split sweep {config_name(key)}", file=sys.stderr, flush=True)
     extra += split_sweep(key, iters=iters, on_gpu=on_gpu)
+    save()
   if a.mla:
     extra += mla_rows(iters=iters, on_gpu=on_gpu)
-  if extra:
-    text += "\n## Split sweep and MLA (device time)\n\n" + extra_table(extra)
-  (out / "bench_gpu.md").write_text(text)
-  machine = machine_line()
-  write(out / "bench_gpu.json", "bench_gpu", records_of(results, meta, machine), machine=machine, argv=argv,
-        meta=meta, rows=[dict(b=k[0], s=k[1], hq=k[2], hkv=k[3], d=k[4], **dataclasses.asdict(r))
-                         for k, rows in results.items() for r in rows], extra=extra)
+  text = save()
   print(text)
   return 0
 
