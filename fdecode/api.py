@@ -70,8 +70,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       real number, compiled into the kernel (a traced value raises ValueError); as a
       float32, 0 or of magnitude in ``[2**-126, float32 max]``.
     num_splits: chunks of the token axis processed in parallel, each yielding a partial
-      state merged by `merge_states`. ``None``: compiled Triton fills one wave of the GPU's
-      SMs (`fdecode.config.gpu_num_splits`); elsewhere `fdecode.config.default_num_splits`.
+      state merged by `merge_states`. ``None``: compiled Triton gives every SM of the GPU two
+      programs (`fdecode.config.gpu_num_splits`); elsewhere `fdecode.config.default_num_splits`.
       Any positive value gives the same result within float tolerance. ``"balance"``:
       on a paged cache without mask, bias or index list, the Triton kernel runs a fixed
       grid of work items sized to fill the GPU, each a run of one sequence's live

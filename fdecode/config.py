@@ -134,21 +134,29 @@ def gpu_busy(programs: int, sms: int, resident: int) -> float:
   return min(balance, waves / math.ceil(waves) if waves >= 1 else 1.0)
 
 
+# Programs per SM a GPU split count aims for: two keep an SM's loads in flight. Measured
+# (benchmarks/RESULTS.md, 2026-11-25): B=1 S=32k Hq=32 Hkv=8 on an H100, device time,
+# 8 / 16 / 32 / 198 splits (64 .. 1584 programs): 0.111 / 0.0728 / 0.0632 / 0.0706 ms;
+# on an H200, 33 splits (2 a SM) 13% faster than the 198 that "a full wave at the upper
+# residency" (4 a SM x 3 residency) gave, B=8 S=32k 3% faster, B=8 S=4k 6% slower.
+PROGRAMS_PER_SM = 2
+
+
 def gpu_num_splits(sms: int, residency: tuple[int, int], work: int, num_blocks: int,
                    cache_bytes: float, split_bytes: float) -> int:
   """GPU split count: the one with the least predicted time, ``(cache_bytes + splits *
-  split_bytes) / gpu_busy``, among those that launch at least one full wave.
+  split_bytes) / gpu_busy``, among those that give every SM `PROGRAMS_PER_SM` programs.
 
   ``residency``: programs per SM at once, ``(lower, upper)`` estimate (ptxas chooses the
   registers after this choice; `fdecode.kernels.triton.plan.Launch.residency`); every
   candidate is judged at the worst of them. ``work``: programs per split (batch x kv
   heads x row blocks). ``cache_bytes``: the bytes the launch streams; ``split_bytes``:
   what one more split adds (its partial outputs and LSEs, written, then read by the merge).
-  Candidates: from the fewest splits with ``work * splits >= SMs x upper`` to four times
-  that, and at most one split per block. No fixed cap: a long sequence on few heads
-  (B=1, S=1M) gets the splits it needs."""
+  Candidates: from the fewest splits with ``work * splits >= SMs x min(upper,
+  PROGRAMS_PER_SM)`` to four times that, and at most one split per block. No fixed cap: a
+  long sequence on few heads (B=1, S=1M) gets the splits it needs."""
   lo, hi = residency
-  first = max(1, min(-(-sms * hi // max(work, 1)), num_blocks))
+  first = max(1, min(-(-sms * min(hi, PROGRAMS_PER_SM) // max(work, 1)), num_blocks))
   candidates = range(first, max(first, min(num_blocks, 4 * first)) + 1)
 
   def time(splits):
