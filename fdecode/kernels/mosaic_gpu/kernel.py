@@ -145,15 +145,17 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
   def compute(half):
     plgpu.set_max_registers(plan.compute_registers, action="increase")
     scores = half == 0
-    rows = row_block * BLOCK_ROWS + ops.iota((BLOCK_ROWS, bk), 0)
-    # Row r (token t = r // G at position end - T + t) sees positions < hi (causal).
-    if plan.num_tokens == 1:
-      hi = jnp.where(rows < plan.rows, live_end, 0)
-    else:
+
+    def row_limits():
+      """int32 ``[64, bk]``: row r (token t = r // G at position end - T + t) sees
+      positions < hi (causal; padding rows none). Built inside the loop: iotas cost
+      nothing to rebuild, and carried they would hold registers."""
+      rows = row_block * BLOCK_ROWS + ops.iota((BLOCK_ROWS, bk), 0)
+      if plan.num_tokens == 1:
+        return jnp.where(rows < plan.rows, live_end, 0)
       qpos = jnp.maximum(end, jnp.iinfo(jnp.int32).min + plan.num_tokens) - plan.num_tokens + rows // plan.group
-      hi = jnp.where(rows < plan.rows, jnp.clip(qpos + 1, 0, plan.seq_len), 0)
-    cols = ops.iota((BLOCK_ROWS, bk), 1)
-    v_rows = ops.iota((bk, _TILE_COLS), 0)
+      return jnp.where(rows < plan.rows, jnp.clip(qpos + 1, 0, plan.seq_len), 0)
+
     m0 = ops.rows(jnp.full((BLOCK_ROWS,), MASK_VALUE, jnp.float32))
     l0 = ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32))
     acc0 = ops.tile(jnp.zeros((BLOCK_ROWS, HALF_DV), jnp.float32))
@@ -171,8 +173,8 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
       v_ref = k_smem.at[slot, :, pl.ds(half * HALF_DV, HALF_DV)]
       if scores:
         s = ops.qk(q_smem, k_smem.at[slot])
-        pos = ld + cols
-        visible = (pos >= start) & (pos < hi)
+        pos = ld + ops.iota((BLOCK_ROWS, bk), 1)
+        visible = (pos >= start) & (pos < row_limits())
         s = jnp.where(visible, s * (plan.softmax_scale * _LOG2E), MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)
@@ -183,10 +185,12 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
         # Dead value rows (before the block's start, at or past the end) to 0 in place.
         @pl.when((ld < start) | (ld + bk > live_end))
         def _():
-          keep = (ld + v_rows >= start) & (ld + v_rows < live_end)
+          v_pos = ld + ops.iota((bk, _TILE_COLS), 0)
+          keep = (v_pos >= start) & (v_pos < live_end)
           for c in range(DV // _TILE_COLS):
             tile = k_smem.at[slot, :, pl.ds(c * _TILE_COLS, _TILE_COLS)]
-            tile[...] = jnp.where(keep, tile[...], jnp.zeros_like(tile[...]))
+            v = tile[...]
+            tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
 
         @pl.when(step > 0)  # warpgroup 1 is done with the previous P
         def _():
@@ -252,7 +256,7 @@ def mla_partials(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
                      f"{q_rows.shape=} {k.shape=}")
   q = jnp.pad(q_rows[:, 0], [(0, 0), (0, plan.rows_padded - r), (0, 0)])
   k = k[:, 0]
-  if plan.cache_rows != plan.seq_len:  # a cache shorter than one block (cheap: < bk rows)
+  if plan.cache_rows != plan.seq_len:  # S < bk or S % 8 != 0: a padded copy (see MlaPlan)
     k = jnp.pad(k, [(0, 0), (0, plan.cache_rows - plan.seq_len), (0, 0)])
   tiled = (plgpu.TilingTransform((8, _TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE))
   scratch = [

@@ -40,7 +40,9 @@ class MlaPlan:
     rows: R = T * G real query rows.
     row_blocks: programs along the rows, each `BLOCK_ROWS` rows (the last padded).
     seq_len: S, the cache rows a sequence addresses.
-    cache_rows: rows of the cache operand (S, or ``block`` when S < block: padded).
+    cache_rows: rows of the cache operand: S rounded up to a multiple of 8 and to at
+      least ``block`` (a TMA tiled copy needs the global row count to be a multiple of
+      the shared-memory tile's 8 rows; a cache of another S is copied padded, per call).
     block: bk, tokens per pipeline step (one TMA copy of ``bk x 576``).
     stages: K tiles in flight (TMA ring depth).
     num_splits: programs along each sequence's blocks (partial states merged after).
@@ -165,7 +167,7 @@ def mla_plan(*, batch: int, num_tokens: int, group: int, seq_len: int, softmax_s
     raise ValueError(f"mla_plan: num_splits must be a positive int or None, got {num_splits!r}")
   num_splits = min(num_splits, blocks)
   plan = MlaPlan(batch=batch, num_tokens=num_tokens, group=group, rows=rows, row_blocks=row_blocks,
-                 seq_len=seq_len, cache_rows=max(seq_len, block_k), block=block_k, stages=stages,
+                 seq_len=seq_len, cache_rows=max(-(-seq_len // 8) * 8, block_k), block=block_k, stages=stages,
                  num_splits=num_splits, softmax_scale=float(softmax_scale))
   if plan.smem_bytes() > gpu.smem_per_block:
     raise ValueError(f"mla_plan: block_k={block_k} with stages={stages} needs {plan.smem_bytes()} B of "
