@@ -217,7 +217,7 @@ def timing(rows, configs, *, chain, iters):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", help="write the rows as JSON to this path")
-  parser.add_argument("--chain", type=int, default=10)
+  parser.add_argument("--chain", type=int, default=4)
   parser.add_argument("--iters", type=int, default=7)
   parser.add_argument("--interpret", action="store_true", help="CPU: tiny shapes under the interpreter, no timing")
   args = parser.parse_args(argv)

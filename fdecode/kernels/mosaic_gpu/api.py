@@ -63,7 +63,10 @@ def mla_decode(q, k, lengths, *, softmax_scale=None, num_splits=None, return_lse
   plan = mla_plan(batch=b, num_tokens=t, group=g, seq_len=s, softmax_scale=scale, num_splits=num_splits)
   q_rows = q4.reshape(b, 1, t * g, DK)  # rows r = t * G + g
   o, lse = mla_partials(q_rows, to_int32(lengths), k, plan=plan, interpret=interpret)
-  o, lse = merge_states(o, lse, axis=2)  # [B, 1, R, 512], [B, 1, R]
+  if plan.num_splits == 1:  # one split's state is already the final one
+    o, lse = o[:, :, 0], lse[:, :, 0]
+  else:
+    o, lse = merge_states(o, lse, axis=2)  # [B, 1, R, 512], [B, 1, R]
   out = o.reshape(b, t, g, DV).astype(q.dtype)
   lse = lse.reshape(b, t, g)
   if single:

@@ -146,16 +146,6 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
     plgpu.set_max_registers(plan.compute_registers, action="increase")
     scores = half == 0
 
-    def row_limits():
-      """int32 ``[64, bk]``: row r (token t = r // G at position end - T + t) sees
-      positions < hi (causal; padding rows none). Built inside the loop: iotas cost
-      nothing to rebuild, and carried they would hold registers."""
-      rows = row_block * BLOCK_ROWS + ops.iota((BLOCK_ROWS, bk), 0)
-      if plan.num_tokens == 1:
-        return jnp.where(rows < plan.rows, live_end, 0)
-      qpos = jnp.maximum(end, jnp.iinfo(jnp.int32).min + plan.num_tokens) - plan.num_tokens + rows // plan.group
-      return jnp.where(rows < plan.rows, jnp.clip(qpos + 1, 0, plan.seq_len), 0)
-
     m0 = ops.rows(jnp.full((BLOCK_ROWS,), MASK_VALUE, jnp.float32))
     l0 = ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32))
     acc0 = ops.tile(jnp.zeros((BLOCK_ROWS, HALF_DV), jnp.float32))
@@ -173,8 +163,10 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
       v_ref = k_smem.at[slot, :, pl.ds(half * HALF_DV, HALF_DV)]
       if scores:
         s = ops.qk(q_smem, k_smem.at[slot])
+        # T = 1: every row sees the same keys (padding rows too; their outputs are
+        # dropped), so the mask is a function of the column alone.
         pos = ld + ops.iota((BLOCK_ROWS, bk), 1)
-        visible = (pos >= start) & (pos < row_limits())
+        visible = (pos >= start) & (pos < live_end)
         s = jnp.where(visible, s * (plan.softmax_scale * _LOG2E), MASK_VALUE)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp2(m - m_new)

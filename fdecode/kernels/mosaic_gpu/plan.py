@@ -35,7 +35,7 @@ class MlaPlan:
 
   Attributes:
     batch: B.
-    num_tokens: T (T > 1: causal rows, ``row t sees positions < end - T + t + 1``).
+    num_tokens: T, 1 (one new token per sequence; `unsupported` says why).
     group: G query heads.
     rows: R = T * G real query rows.
     row_blocks: programs along the rows, each `BLOCK_ROWS` rows (the last padded).
@@ -90,11 +90,10 @@ class MlaPlan:
 
 
 def unsupported(*, q_shape, q_dtype, k_shape, k_dtype, v_is_none: bool, v_head_dim,
-                paged: bool = False, quantized: bool = False, modifiers: bool = False,
-                max_tokens: int = 64) -> str | None:
+                paged: bool = False, quantized: bool = False, modifiers: bool = False) -> str | None:
   """Why these arguments cannot take the Hopper MLA kernel, or None.
 
-  It takes: q bf16 ``[B, T, G, 576]`` (or ``[B, G, 576]``), one contiguous latent kv head
+  It takes: q bf16 ``[B, G, 576]`` (or ``[B, 1, G, 576]``), one contiguous latent kv head
   ``k`` bf16 ``[B, 1, S, 576]``, ``v=None`` with ``v_head_dim=512``, G a multiple of 16,
   no 8-bit scales, paging, score modifiers, sinks or index lists.
   """
@@ -116,8 +115,9 @@ def unsupported(*, q_shape, q_dtype, k_shape, k_dtype, v_is_none: bool, v_head_d
   if g % 16 or g <= 0:
     return f"needs G (query heads) a positive multiple of 16, got G={g}"
   t = 1 if len(q_shape) == 3 else q_shape[1]
-  if t > max_tokens:
-    return f"needs T <= {max_tokens} new tokens, got T={t}"
+  if t != 1:
+    return (f"one new token per sequence only (T=1), got T={t}: with causal rows a value one row sees "
+            "and another does not would need the per-row NaN guard of the other kernels")
   return None
 
 
@@ -158,6 +158,8 @@ def mla_plan(*, batch: int, num_tokens: int, group: int, seq_len: int, softmax_s
     raise ValueError(f"mla_plan: block_k must be a positive multiple of 64, got block_k={block_k}")
   if stages < 2:
     raise ValueError(f"mla_plan: stages must be >= 2, got stages={stages}")
+  if num_tokens != 1:
+    raise ValueError(f"mla_plan: num_tokens must be 1 (T=1 decode), got num_tokens={num_tokens}")
   rows = num_tokens * group
   row_blocks = -(-rows // BLOCK_ROWS)
   blocks = max(1, -(-seq_len // block_k))
