@@ -11,8 +11,9 @@ mesh). ``target.mesh(n)`` gives an n-device mesh for sharded cases.
 
 What a compile reports (`compile_one`): for CUDA, every fdecode kernel's launch grid,
 threads and shared memory (from XLA's thunk sequence) and its registers and spills
-(``ptxas -v`` on the PTX XLA produced, for the target's architecture); for TPU, success
-(Mosaic rejects kernels that do not fit VMEM or its tiling).
+(``ptxas -v`` on the PTX XLA produced, for the target's architecture) and the Mosaic GPU
+kernels it embeds as custom calls (lowered, not yet assembled: that happens on a GPU);
+for TPU, success (Mosaic rejects kernels that do not fit VMEM or its tiling).
 """
 
 from __future__ import annotations
@@ -157,7 +158,14 @@ def compile_one(target: Target, build) -> dict:
     else:
       text = lowered.as_text()
       report["kernels"] = [dict(name=n) for n in sorted(set(re.findall(r'(fdecode_\w+)', text)))]
-    report["largest_copy_bytes"] = largest_copy_bytes(compiled.as_text())
+    compiled_text = compiled.as_text()
+    report["largest_copy_bytes"] = largest_copy_bytes(compiled_text)
+    # Custom calls XLA does not launch as named kernels, e.g. Mosaic GPU's (their PTX is
+    # built when the program loads on a GPU): the targets, and the fdecode kernels they carry.
+    report["custom_calls"] = sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled_text)))
+    report["mosaic_gpu_kernels"] = sorted(
+        n for n in set(re.findall(r"\b(fdecode_\w+)", compiled_text))
+        if n.endswith("_mosaic_gpu") and not n.endswith("_mosaic_gpu_mosaic_gpu"))
     cost = compiled.cost_analysis()
     if isinstance(cost, list):
       cost = cost[0] if cost else None

@@ -31,6 +31,23 @@ substitutions that jax 0.10.2's interpreter needs (`_Ops`): layout casts are no-
 is a dot of the two smem tiles (its wgmma takes no transposed operand), and the PV wgmma
 accumulates into a fresh accumulator added to ``alpha * O`` instead of into ``alpha * O``
 itself (``pl.run_state``, which that interpreter cannot run).
+
+JAX versions: written against jax 0.10.2 (CI) and run on an H200 with jax 0.11.2 (the GPU
+machines'), with only APIs present in both with the same meaning: ``plgpu.kernel(body,
+out_type=, scratch_types=, grid=, grid_names=, num_threads=, thread_name=,
+compiler_params=, interpret=, kernel_name=)``, ``plgpu.SMEM`` with Tiling / Swizzle
+transforms, ``plgpu.Barrier``, ``copy_gmem_to_smem``, ``barrier_wait`` / ``_arrive``,
+``wgmma``, ``ACC`` / ``ACC.init`` with ``pl.run_state``, ``set_max_registers``,
+``commit_smem``, ``layout_cast`` / ``broadcasted_iota`` / ``load`` with
+``Layout.WGMMA(.reduce(1))`` and ``CompilerParams(approx_math, reduction_scratch_bytes)``.
+What differs: 0.11.2 deprecates ``plgpu.transpose_ref`` (``ref.transpose`` is used: the
+same transform in both) and drops ``plgpu.transform_ref`` and ``kernel``'s
+``out_shape`` / ``scratch_shapes`` aliases; it exports ``InterpretGPUParams`` as
+``plgpu.InterpretGPUParams`` (0.10.2: only ``jax._src.pallas.mosaic_gpu.interpret.params``,
+which 0.11.2 keeps); its ``plgpu.kernel`` lowers through ``mpmd_map`` instead of
+``core_map`` (the same ``mosaic_gpu_v2`` custom call); its interpreter runs layout casts
+(no-ops) but still not ``pl.run_state``; ``copy_gmem_to_smem`` gains ``oob_mode`` /
+``predicate`` (unused here).
 """
 
 from __future__ import annotations
