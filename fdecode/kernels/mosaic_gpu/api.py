@@ -20,25 +20,26 @@ def mla_decode(q, k, lengths, *, softmax_scale=None, num_splits=None, return_lse
 
   The same result as ``flash_decode(q, k, None, lengths, v_head_dim=512)`` (within
   bfloat16 tolerance): the values are the first 512 columns of each cache row, read once
-  for both. Legend: B batch, T new tokens, G query heads, S cache capacity.
+  for both. Legend: B batch, G query heads, S cache capacity.
 
   Args:
-    q: bf16 ``[B, G, 576]`` (one new token) or ``[B, T, G, 576]`` (the last T positions
-      of each sequence, causal among themselves: token t sees positions
-      ``< lengths - T + t + 1``); G a multiple of 16.
+    q: bf16 ``[B, G, 576]`` or ``[B, 1, G, 576]``: one new token per sequence (T > 1 is
+      refused, `fdecode.kernels.mosaic_gpu.plan.unsupported` says why); G a multiple
+      of 16.
     k: bf16 ``[B, 1, S, 576]`` contiguous latent cache (512 latent + 64 RoPE columns).
     lengths: int ``[B]`` valid tokens per sequence, new ones included, in ``[0, S]``
       (concrete values outside raise ValueError; traced ones are clipped).
     softmax_scale: static float, default ``1 / sqrt(576)``.
     num_splits: None (fill the GPU's SMs, `fdecode.kernels.mosaic_gpu.plan.split_count`)
       or a positive int.
-    return_lse: also return the natural-log LSE, float32 ``[B, G]`` / ``[B, T, G]``.
+    return_lse: also return the natural-log LSE, float32 ``[B, (1,) G]``.
     interpret: None / False: compiled for the GPU; a Mosaic GPU ``InterpretGPUParams``:
       the kernel on CPU under jax's Mosaic GPU interpreter.
 
   Returns:
-    out ``[B, (T,) G, 512]`` in q.dtype (and lse): a row with no visible key gives 0
-    (lse -inf).
+    out ``[B, (1,) G, 512]`` in q.dtype (and lse): a row with no visible key gives 0
+    (lse -inf). NaN in a key or value a sequence sees makes its rows NaN; slots at or
+    past its length never reach the output, whatever they hold.
 
   Raises:
     ValueError: shapes or dtypes the kernel does not take (`unsupported` names why), or
