@@ -197,7 +197,8 @@ def timing(rows, configs, *, chain, iters):
         ("floor (f32 sum of the cache)", floor_read),
         ("mosaic (mla_decode)", lambda q, k, n: mosaic_gpu.mla_decode(q, k, n)),
         ("mosaic kernel only (partials)", partials_only),
-        ("triton (flash_decode pallas)", lambda q, k, n: fdecode.flash_decode(q, k, None, n, v_head_dim=DV, impl="pallas")),
+        ("triton (flash_decode pallas)",
+         lambda q, k, n: fdecode.flash_decode(q, k, None, n, v_head_dim=DV, impl="pallas")),
     ]
     floor = None
     for name, fn in contenders:

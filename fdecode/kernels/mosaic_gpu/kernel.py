@@ -121,7 +121,8 @@ class _Ops:
     return pl.run_state(accumulate)(plgpu.ACC.init(scaled))
 
 
-def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows_smem, barriers, *, plan: MlaPlan, ops: _Ops):
+def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows_smem, barriers, *,
+            plan: MlaPlan, ops: _Ops):
   # ends_ref i32[B]; q_ref bf16[B, R_p, 576]; k_ref bf16[B, S_c, 576];
   # o_ref f32[B, n_splits, R_p, 512]; lse_ref f32[B, n_splits, R_p];
   # q_smem [64, 576]; k_smem [stages, bk, 576]; p_smem bf16[64, bk]; rows_smem f32[3, 64]:
