@@ -11,10 +11,11 @@ mesh). ``target.mesh(n)`` gives an n-device mesh for sharded cases.
 
 What a compile reports (`compile_one`): for CUDA, every fdecode kernel's launch grid,
 threads and shared memory (from XLA's thunk sequence) and its registers and spills
-(``ptxas -v`` on the PTX XLA produced, for the target's architecture), and the launches of
-the whole program (every kernel of the thunk sequence); for TPU, success (Mosaic rejects
-kernels that do not fit VMEM or its tiling) and the launches of the optimized HLO's entry
-computation.
+(``ptxas -v`` on the PTX XLA produced, for the target's architecture), the Mosaic GPU
+kernels it embeds as custom calls (lowered, not yet assembled: that happens on a GPU) and
+the launches of the whole program (every kernel of the thunk sequence); for TPU, success
+(Mosaic rejects kernels that do not fit VMEM or its tiling) and the launches of the
+optimized HLO's entry computation.
 """
 
 from __future__ import annotations
@@ -175,15 +176,22 @@ def compile_one(target: Target, build) -> dict:
     lowered = jax.jit(fn).lower(*args)
     options = {"xla_dump_to": dump} if target.is_gpu else {}
     compiled = lowered.compile(compiler_options=options)
+    compiled_text = compiled.as_text()
     report = dict(ok=True, seconds=round(time.time() - start, 2))
     if target.is_gpu:
       report["kernels"] = _gpu_kernels(dump, target.gpu.arch)
       report["launches"] = gpu_launches(dump)
     else:
-      report["launches"] = entry_launches(compiled.as_text())
+      report["launches"] = entry_launches(compiled_text)
       text = lowered.as_text()
       report["kernels"] = [dict(name=n) for n in sorted(set(re.findall(r'(fdecode_\w+)', text)))]
-    report["largest_copy_bytes"] = largest_copy_bytes(compiled.as_text())
+    report["largest_copy_bytes"] = largest_copy_bytes(compiled_text)
+    # Custom calls XLA does not launch as named kernels, e.g. Mosaic GPU's (their PTX is
+    # built when the program loads on a GPU): the targets, and the fdecode kernels they carry.
+    report["custom_calls"] = sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled_text)))
+    report["mosaic_gpu_kernels"] = sorted(
+        n for n in set(re.findall(r"\b(fdecode_\w+)", compiled_text))
+        if n.endswith("_mosaic_gpu") and not n.endswith("_mosaic_gpu_mosaic_gpu"))
     cost = compiled.cost_analysis()
     if isinstance(cost, list):
       cost = cost[0] if cost else None

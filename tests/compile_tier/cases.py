@@ -178,6 +178,17 @@ CASES["mla-bf16-g128"] = functools.partial(_mla, g=128)
 CASES["mla-fp8-g128"] = functools.partial(_mla, g=128, dtype=jnp.float8_e4m3fn)
 CASES["mla-fp8-g16-paged16"] = functools.partial(_mla, g=16, dtype=jnp.float8_e4m3fn, paged=True)
 CASES["mla-bf16-g128-t2"] = functools.partial(_mla, g=128, t=2)
+
+
+@case("mla-bf16-g128-mosaic-gpu")
+def _mla_mosaic_gpu(target):
+  """The Hopper MLA kernel (opt-in: `fdecode.kernels.mosaic_gpu.mla_decode`), G=128, one
+  token: Pallas lowers it to a Mosaic GPU custom call (its PTX and ptxas run when the
+  program loads on a GPU, so this proves the lowering, not the registers)."""
+  from fdecode.kernels import mosaic_gpu  # pylint: disable=g-import-not-at-top
+  sd = target.spec
+  fn = lambda q, k, n: mosaic_gpu.mla_decode(q, k, n)
+  return fn, (sd((B, 128, 576), jnp.bfloat16), sd((B, 1, S, 576), jnp.bfloat16), sd((B,), jnp.int32))
 # One kv head, token-major (MQA as Gemma 3 270M holds it, MLA latents): the head-major
 # view is a free reshape on CPU / GPU; Mosaic DMAs [page_size, 1, D] windows in place.
 CASES["nhd-mla-fp8-g16-paged16"] = functools.partial(_mla, g=16, dtype=jnp.float8_e4m3fn, paged=True,
@@ -282,6 +293,8 @@ def _sharded(target, n_dev, head, seq, pod=None):
 
 CASES["sharded-4dev"] = functools.partial(_sharded, n_dev=4, head=2, seq=2)
 TPU_ONLY = {"sharded-pod-v5e-4x4"}  # a 16-chip, 4-host slice (TPU topology only)
+# Mosaic GPU (Hopper: TMA, wgmma, setmaxnreg) cases: sm_90 targets only.
+SM90_ONLY = {"mla-bf16-g128-mosaic-gpu"}
 # Cases whose documented TPU path is XLA, not a kernel: bf16 pages of one token split a
 # 32-bit sublane, which no Mosaic DMA addresses (`fdecode.kernels.mosaic_tpu_plan.dma_unit`);
 # float16 caches, which Mosaic cannot load.
@@ -361,9 +374,11 @@ def _gemma_step(target):
 
 
 def names_for(target_name: str) -> list[str]:
-  """The cases a target compiles: all of them (the pod slice on TPU only)."""
+  """The cases a target compiles: all of them (the pod slice on TPU only, the Mosaic GPU
+  kernels on sm_90 only)."""
   is_gpu = target_name in chips.GPUS
-  return [n for n in CASES if not (is_gpu and n in TPU_ONLY)]
+  sm90 = is_gpu and chips.GPUS[target_name].capability == (9, 0)
+  return [n for n in CASES if not (is_gpu and n in TPU_ONLY) and (sm90 or n not in SM90_ONLY)]
 
 
 # The benchmark grid (benchmarks/bench_gpu.py, benchmarks/compile_report.py): Hq=32,

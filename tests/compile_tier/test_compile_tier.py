@@ -20,7 +20,7 @@ import pytest
 from fdecode import chips
 from fdecode.compile_check import run_cases
 
-from cases import BENCH, CASES, TPU_XLA, names_for
+from cases import BENCH, CASES, SM90_ONLY, TPU_XLA, names_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS = os.environ.get("FDECODE_COMPILE_TARGETS", "h100,a100,v5e,v6e").split(",")
@@ -52,6 +52,9 @@ def test_compiles(reports, target, name):
   report = reports[target][name]
   assert report["ok"], f"{name} on {target}: {report.get('error')}"
   kernels = report["kernels"]
+  if name in SM90_ONLY:  # a Mosaic GPU custom call (test_mla_lowers_to_mosaic_gpu_on_sm90), no Triton kernel
+    assert not kernels and report["mosaic_gpu_kernels"], f"{name} on {target}: {report}"
+    return
   if target in chips.TPUS and name in TPU_XLA:  # the dispatch's documented XLA path
     assert not kernels, f"{name} on {target}: expected the XLA path, got {kernels}"
     return
@@ -216,3 +219,15 @@ def test_tpu_decode_launches(reports, target, name):
   report = reports[target][name]
   assert report["ok"], report.get("error")
   assert report["launches"] <= TPU_LAUNCHES[name], f"{name} on {target}: {report['launches']} launches"
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS and chips.GPUS[t].capability == (9, 0)])
+def test_mla_lowers_to_mosaic_gpu_on_sm90(reports, target):
+  """The MLA G=128 decode of `fdecode.kernels.mosaic_gpu.mla_decode` compiled for sm_90
+  holds the Hopper kernel as a Mosaic GPU custom call (TMA + wgmma; its PTX is assembled
+  when the program loads on a GPU, so this proves the lowering) and no Triton kernel."""
+  report = reports[target]["mla-bf16-g128-mosaic-gpu"]
+  assert report["ok"], report.get("error")
+  assert any(c.startswith("mosaic_gpu") for c in report["custom_calls"]), report["custom_calls"]
+  assert report["mosaic_gpu_kernels"] == ["fdecode_mla_mosaic_gpu"], report["mosaic_gpu_kernels"]
+  assert not report["kernels"], report["kernels"]

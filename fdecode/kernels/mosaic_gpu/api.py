@@ -1,0 +1,75 @@
+"""`mla_decode`: the opt-in entry point of the Hopper MLA kernel (not in the default
+dispatch: `fdecode.flash_decode` keeps the Triton kernel on GPU until a GPU measures this
+path faster)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from fdecode.combine import merge_states
+from fdecode.kernels.mosaic_gpu.kernel import mla_partials
+from fdecode.kernels.mosaic_gpu.plan import DK, DV, mla_plan, unsupported
+from fdecode.validation import as_array, check_concrete_lengths, static_scale, to_int32
+
+_CALLER = "mla_decode"
+
+
+def mla_decode(q, k, lengths, *, softmax_scale=None, num_splits=None, return_lse=False, interpret=None):
+  """DeepSeek MLA decode over one latent kv head on Hopper (TMA + wgmma, Mosaic GPU).
+
+  The same result as ``flash_decode(q, k, None, lengths, v_head_dim=512)`` (within
+  bfloat16 tolerance): the values are the first 512 columns of each cache row, read once
+  for both. Legend: B batch, G query heads, S cache capacity.
+
+  Args:
+    q: bf16 ``[B, G, 576]`` or ``[B, 1, G, 576]``: one new token per sequence (T > 1 is
+      refused, `fdecode.kernels.mosaic_gpu.plan.unsupported` says why); G a multiple
+      of 16.
+    k: bf16 ``[B, 1, S, 576]`` contiguous latent cache (512 latent + 64 RoPE columns).
+    lengths: int ``[B]`` valid tokens per sequence, new ones included, in ``[0, S]``
+      (concrete values outside raise ValueError; traced ones are clipped).
+    softmax_scale: static float, default ``1 / sqrt(576)``.
+    num_splits: None (fill the GPU's SMs, `fdecode.kernels.mosaic_gpu.plan.split_count`)
+      or a positive int.
+    return_lse: also return the natural-log LSE, float32 ``[B, (1,) G]``.
+    interpret: None / False: compiled for the GPU; a Mosaic GPU ``InterpretGPUParams``:
+      the kernel on CPU under jax's Mosaic GPU interpreter.
+
+  Returns:
+    out ``[B, (1,) G, 512]`` in q.dtype (and lse): a row with no visible key gives 0
+    (lse -inf). NaN in a key or value a sequence sees makes its rows NaN; slots at or
+    past its length never reach the output, whatever they hold.
+
+  Raises:
+    ValueError: shapes or dtypes the kernel does not take (`unsupported` names why), or
+      concrete lengths outside ``[0, S]``.
+  """
+  q, k, lengths = (as_array(n, x, _CALLER) for n, x in (("q", q), ("k", k), ("lengths", lengths)))
+  reason = unsupported(q_shape=q.shape, q_dtype=q.dtype, k_shape=k.shape, k_dtype=k.dtype,
+                       v_is_none=True, v_head_dim=DV)
+  if reason:
+    raise ValueError(f"{_CALLER}: {reason}")
+  single = q.ndim == 3
+  q4 = q[:, None] if single else q
+  b, t, g, _ = q4.shape
+  if k.shape[0] != b or np.shape(lengths) != (b,):
+    raise ValueError(f"{_CALLER}: need k [B, 1, S, {DK}] and lengths [B] with B={b} (q.shape={q.shape}); "
+                     f"got k.shape={k.shape}, lengths.shape={np.shape(lengths)}")
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"{_CALLER}: lengths must be integer, got dtype {lengths.dtype}")
+  s = k.shape[2]
+  check_concrete_lengths(lengths, s, _CALLER)
+  scale = static_scale(softmax_scale, DK, _CALLER)
+  plan = mla_plan(batch=b, num_tokens=t, group=g, seq_len=s, softmax_scale=scale, num_splits=num_splits)
+  q_rows = q4.reshape(b, 1, t * g, DK)  # rows r = t * G + g
+  o, lse = mla_partials(q_rows, to_int32(lengths), k, plan=plan, interpret=interpret)
+  if plan.num_splits == 1:  # one split's state is already the final one
+    o, lse = o[:, :, 0], lse[:, :, 0]
+  else:
+    o, lse = merge_states(o, lse, axis=2)  # [B, 1, R, 512], [B, 1, R]
+  out = o.reshape(b, t, g, DV).astype(q.dtype)
+  lse = lse.reshape(b, t, g)
+  if single:
+    out, lse = out[:, 0], lse[:, 0]
+  return (out, lse) if return_lse else out

@@ -1,0 +1,301 @@
+"""Hopper (sm_90) MLA decode kernel in Pallas' Mosaic GPU backend: TMA + wgmma.
+
+FlashMLA's shape of work. One program owns 64 query rows (``row r = t*G + g``, one wgmma
+M tile) of one sequence and one contiguous range of ``bk``-token blocks (a split), and
+runs three warpgroups:
+
+* warpgroup 2 (memory, 40 registers): TMA copies of Q (64 x 576) once and of each K block
+  (bk x 576, the latent row: keys *and* values) into a ring of ``stages`` swizzled shared
+  memory tiles, refilling a slot when both compute warpgroups released it;
+* warpgroup 0 (scores): S = Q K^T by wgmma (K = 576), the mask, the online softmax in the
+  exp2 domain, P (bf16) and the per-row rescale ``alpha`` into shared memory for both,
+  then O[:, :256] = alpha * O + P V[:, :256] by wgmma;
+* warpgroup 1: waits for P, then O[:, 256:] = alpha * O + P V[:, 256:] by wgmma.
+
+The 512 value columns are the first 512 of the same K tile (one read of each cache byte),
+and the two output halves keep each compute warpgroup's accumulator at 64 x 256 float32
+(128 registers a thread). Each program writes one normalized partial state per row;
+`fdecode.combine.merge_states` merges the splits.
+
+Semantics (the per-split states of every fdecode kernel, `fdecode.combine`): a row with no
+visible key gives o = 0, lse = -inf (decided from the positions: l == 0); dead slots
+(past the sequence's end, before a block's start in the overlapped tail load) are
+selected away: their scores to a finite mask value, their probabilities to 0, and their
+value rows in shared memory to 0 before the PV wgmma (``0 * NaN`` would be NaN); a NaN a
+row sees propagates to its row. Blocks at or past the end are never loaded. The last
+block of a cache whose S is not a multiple of bk is loaded from ``S - bk`` (TMA reads
+whole tiles) and its slots before the block's start are dead.
+
+Interpreted (`jax._src.pallas.mosaic_gpu.interpret`, CPU), the same body runs with two
+substitutions that jax 0.10.2's interpreter needs (`_Ops`): layout casts are no-ops, Q K^T
+is a dot of the two smem tiles (its wgmma takes no transposed operand), and the PV wgmma
+accumulates into a fresh accumulator added to ``alpha * O`` instead of into ``alpha * O``
+itself (``pl.run_state``, which that interpreter cannot run).
+
+JAX versions: written against jax 0.10.2 (CI) and run on an H200 with jax 0.11.2 (the GPU
+machines'), with only APIs present in both with the same meaning: ``plgpu.kernel(body,
+out_type=, scratch_types=, grid=, grid_names=, num_threads=, thread_name=,
+compiler_params=, interpret=, kernel_name=)``, ``plgpu.SMEM`` with Tiling / Swizzle
+transforms, ``plgpu.Barrier``, ``copy_gmem_to_smem``, ``barrier_wait`` / ``_arrive``,
+``wgmma``, ``ACC`` / ``ACC.init`` with ``pl.run_state``, ``set_max_registers``,
+``commit_smem``, ``layout_cast`` / ``broadcasted_iota`` / ``load`` with
+``Layout.WGMMA(.reduce(1))`` and ``CompilerParams(approx_math, reduction_scratch_bytes)``.
+What differs: 0.11.2 deprecates ``plgpu.transpose_ref`` (``ref.transpose`` is used: the
+same transform in both) and drops ``plgpu.transform_ref`` and ``kernel``'s
+``out_shape`` / ``scratch_shapes`` aliases; it exports ``InterpretGPUParams`` as
+``plgpu.InterpretGPUParams`` (0.10.2: only ``jax._src.pallas.mosaic_gpu.interpret.params``,
+which 0.11.2 keeps); its ``plgpu.kernel`` lowers through ``mpmd_map`` instead of
+``core_map`` (the same ``mosaic_gpu_v2`` custom call); its interpreter runs layout casts
+(no-ops) but still not ``pl.run_state``; ``copy_gmem_to_smem`` gains ``oob_mode`` /
+``predicate`` (unused here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fdecode.combine import MASK_VALUE
+from fdecode.kernels import block as blk
+from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS, DK, DV, HALF_DV, SWIZZLE, MlaPlan
+from fdecode.modifiers import Modifiers
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_TILE_COLS = SWIZZLE // 2  # bf16 columns of one swizzled tile row
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ops:
+  """The few operations whose form differs between the compiled kernel and jax 0.10.2's
+  Mosaic GPU interpreter (layouts mean nothing there; it cannot run ``pl.run_state``)."""
+  interpret: bool
+
+  def rows(self, x):
+    """A ``[64]`` row vector in the layout of a wgmma accumulator's rows."""
+    return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
+
+  def tile(self, x):
+    return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+  def iota(self, shape, dim):
+    if self.interpret:
+      return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+  def load_rows(self, ref):
+    """A ``[64]`` float32 smem vector -> the accumulator's row layout."""
+    if self.interpret:
+      return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+  def qk(self, q_ref, k_ref):
+    """float32 ``Q K^T`` ``[64, bk]`` of Q ``[64, 576]`` and K ``[bk, 576]`` in smem."""
+    if self.interpret:  # its wgmma takes no transposed operand
+      return lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+    def scores(acc_ref):
+      plgpu.wgmma(acc_ref, q_ref, k_ref.transpose((1, 0)))
+      return acc_ref[...]
+    return pl.run_scoped(scores, plgpu.ACC((q_ref.shape[0], k_ref.shape[0]), jnp.float32))
+
+  def pv(self, acc, alpha, p_ref, v_ref):
+    """``alpha[:, None] * acc + P V`` with P ``[64, bk]`` and V ``[bk, 256]`` in smem."""
+    scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    if self.interpret:
+      def fresh(acc_ref):
+        plgpu.wgmma(acc_ref, p_ref, v_ref)
+        return acc_ref[...]
+      return scaled + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+    def accumulate(acc_ref):
+      plgpu.wgmma(acc_ref, p_ref, v_ref)
+    return pl.run_state(accumulate)(plgpu.ACC.init(scaled))
+
+
+def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows_smem, barriers, *,
+            plan: MlaPlan, ops: _Ops):
+  # ends_ref i32[B]; q_ref bf16[B, R_p, 576]; k_ref bf16[B, S_c, 576];
+  # o_ref f32[B, n_splits, R_p, 512]; lse_ref f32[B, n_splits, R_p];
+  # q_smem [64, 576]; k_smem [stages, bk, 576]; p_smem bf16[64, bk]; rows_smem f32[3, 64]:
+  # P's row rescale alpha, then the final m and l (warpgroup 0 -> 1).
+  q_bar, k_full, k_free, p_full, p_free, done = barriers
+  bk, stages = plan.block, plan.stages
+  row_block = lax.axis_index("rows")
+  split = lax.axis_index("split")
+  b = lax.axis_index("batch")
+  wg = lax.axis_index("wg")
+  end = ends_ref[b]
+  live_end = jnp.clip(end, 0, plan.seq_len)
+  first, last = blk.split_range(end, split, plan.num_splits, plan.num_tokens, plan.seq_len, bk, Modifiers())
+  steps = jnp.maximum(last - first, 0)
+  load_start = lambda j: jnp.minimum(j * bk, plan.cache_rows - bk)
+
+  def copy_block(step, slot):
+    rows = pl.ds(load_start(first + step), bk)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, rows], k_smem.at[slot], k_full.at[slot])
+
+  @pl.when(wg == 2)
+  def _memory():
+    plgpu.set_max_registers(plan.memory_registers, action="decrease")
+
+    @pl.when(steps > 0)
+    def _():
+      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)], q_smem, q_bar.at[0])
+
+    for i in range(stages):
+      pl.when(i < steps)(functools.partial(copy_block, i, i))
+
+    @pl.loop(stages, steps)
+    def _(step):
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(k_free.at[slot])
+      copy_block(step, slot)
+
+  def compute(half):
+    plgpu.set_max_registers(plan.compute_registers, action="increase")
+    scores = half == 0
+
+    m0 = ops.rows(jnp.full((BLOCK_ROWS,), MASK_VALUE, jnp.float32))
+    l0 = ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32))
+    acc0 = ops.tile(jnp.zeros((BLOCK_ROWS, HALF_DV), jnp.float32))
+
+    @pl.when(jnp.logical_and(scores, steps > 0))
+    def _():
+      plgpu.barrier_wait(q_bar.at[0])
+
+    def step_body(step, carry):
+      acc, m, l = carry
+      slot = lax.rem(step, stages)
+      start = (first + step) * bk
+      ld = load_start(first + step)
+      plgpu.barrier_wait(k_full.at[slot])
+      v_ref = k_smem.at[slot, :, pl.ds(half * HALF_DV, HALF_DV)]
+      if scores:
+        s = ops.qk(q_smem, k_smem.at[slot])
+        # T = 1: every row sees the same keys (padding rows too; their outputs are
+        # dropped), so the mask is a function of the column alone.
+        pos = ld + ops.iota((BLOCK_ROWS, bk), 1)
+        visible = (pos >= start) & (pos < live_end)
+        s = jnp.where(visible, s * (plan.softmax_scale * _LOG2E), MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+        l = l * alpha + p.sum(axis=1)
+        m = m_new
+
+        # Dead value rows (before the block's start, at or past the end) to 0 in place.
+        @pl.when((ld < start) | (ld + bk > live_end))
+        def _():
+          v_pos = ld + ops.iota((bk, _TILE_COLS), 0)
+          keep = (v_pos >= start) & (v_pos < live_end)
+          for c in range(DV // _TILE_COLS):
+            tile = k_smem.at[slot, :, pl.ds(c * _TILE_COLS, _TILE_COLS)]
+            v = tile[...]
+            tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
+
+        @pl.when(step > 0)  # warpgroup 1 is done with the previous P
+        def _():
+          plgpu.barrier_wait(p_free.at[0])
+
+        p_smem[...] = p.astype(p_smem.dtype)
+        rows_smem.at[0][...] = alpha
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(p_full.at[0])
+      else:
+        plgpu.barrier_wait(p_full.at[0])
+        alpha = ops.load_rows(rows_smem.at[0])
+      acc = ops.pv(acc, alpha, p_smem, v_ref)
+      # Release P and the K slot only where they are written again: a barrier phase
+      # nobody waits for would be left behind (the interpreter rejects that).
+      if not scores:
+        pl.when(step + 1 < steps)(lambda: plgpu.barrier_arrive(p_free.at[0]))
+      pl.when(step + stages < steps)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+      return acc, m, l
+
+    acc, m, l = lax.fori_loop(0, steps, step_body, (acc0, m0, l0))
+    if scores:
+      rows_smem.at[1][...] = m
+      rows_smem.at[2][...] = l
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(done.at[0])
+    else:
+      plgpu.barrier_wait(done.at[0])
+      m, l = ops.load_rows(rows_smem.at[1]), ops.load_rows(rows_smem.at[2])
+    empty = l == 0.0
+    o = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
+    out_rows = pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)
+    o_ref.at[b, split, out_rows, pl.ds(half * HALF_DV, HALF_DV)][...] = o
+    if scores:
+      lse_ref.at[b, split, out_rows][...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+
+  pl.when(wg == 0)(functools.partial(compute, 0))
+  pl.when(wg == 1)(functools.partial(compute, 1))
+
+
+def mla_partials(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
+  """Per-split partial states of MLA decode from the Hopper kernel.
+
+  Args:
+    q_rows: bf16 ``[B, 1, R, 576]`` queries, row r = t * G + g (one latent kv head).
+    ends: int32 ``[B]``: each sequence's length (new tokens included) in the cache.
+    k: bf16 ``[B, 1, S, 576]`` latent cache; the values are its first 512 columns.
+    plan: `fdecode.kernels.mosaic_gpu.plan.mla_plan` for these shapes.
+    interpret: None / False: compiled for the GPU (sm_90a); an ``InterpretGPUParams``:
+      jax's Mosaic GPU interpreter (CPU), with the substitutions of `_Ops`.
+
+  Returns:
+    ``(o, lse)``: float32 ``[B, 1, n_splits, R, 512]`` and ``[B, 1, n_splits, R]``
+    (natural-log LSE; a row with no visible key: o = 0, lse = -inf), merged over axis 2
+    by `fdecode.combine.merge_states`.
+  """
+  b, hkv, r, dq = q_rows.shape
+  if hkv != 1 or dq != DK or k.shape[1] != 1 or k.shape[3] != DK:
+    raise ValueError(f"mla_partials: need q_rows [B, 1, R, {DK}] and k [B, 1, S, {DK}], got "
+                     f"{q_rows.shape=} {k.shape=}")
+  if (b, r, k.shape[2]) != (plan.batch, plan.rows, plan.seq_len):
+    raise ValueError(f"mla_partials: the plan is for B={plan.batch} R={plan.rows} S={plan.seq_len}, got "
+                     f"{q_rows.shape=} {k.shape=}")
+  q = jnp.pad(q_rows[:, 0], [(0, 0), (0, plan.rows_padded - r), (0, 0)])
+  k = k[:, 0]
+  if plan.cache_rows != plan.seq_len:  # S < bk or S % 8 != 0: a padded copy (see MlaPlan)
+    k = jnp.pad(k, [(0, 0), (0, plan.cache_rows - plan.seq_len), (0, 0)])
+  tiled = (plgpu.TilingTransform((8, _TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE))
+  scratch = [
+      plgpu.SMEM((BLOCK_ROWS, DK), jnp.bfloat16, transforms=tiled),
+      plgpu.SMEM((plan.stages, plan.block, DK), jnp.bfloat16, transforms=tiled),
+      plgpu.SMEM((BLOCK_ROWS, plan.block), jnp.bfloat16, transforms=tiled),
+      plgpu.SMEM((3, BLOCK_ROWS), jnp.float32),
+      (plgpu.Barrier(num_barriers=1),                                      # Q landed
+       plgpu.Barrier(num_barriers=plan.stages),                            # K slot landed
+       plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),            # K slot released
+       plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # P written
+       plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # P read (warpgroup 1)
+       plgpu.Barrier(num_arrivals=1, num_barriers=1)),                     # final m, l written
+  ]
+  interpreted = interpret is not None and interpret is not False
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, plan=plan, ops=_Ops(interpreted)),
+      out_type=(jax.ShapeDtypeStruct((b, plan.num_splits, plan.rows_padded, DV), jnp.float32),
+                jax.ShapeDtypeStruct((b, plan.num_splits, plan.rows_padded), jnp.float32)),
+      scratch_types=scratch,
+      grid=plan.grid,
+      grid_names=("rows", "split", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      # Row reductions of wgmma tiles stay inside a warp: no cross-warp reduction scratch
+      # (its default 2 KiB would not fit next to the tiles).
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      interpret=interpret if interpreted else None,
+      kernel_name="fdecode_mla_mosaic_gpu",
+  )
+  o, lse = kernel(ends.astype(jnp.int32), q, k)
+  return o[:, None, :, :r], lse[:, None, :, :r]

@@ -1,0 +1,177 @@
+"""Launch plan of the Hopper MLA decode kernel (`fdecode.kernels.mosaic_gpu.kernel`).
+
+One function, `mla_plan`, decides every static choice of a launch (rows per program,
+tokens per block, pipeline stages, splits, grid, warpgroup registers) and returns a frozen
+`MlaPlan` that the kernel takes as it is; `unsupported` says, as a sentence, why a call
+cannot run this kernel (the plan raises ValueError with that sentence).
+
+Legend: B batch, T new tokens per sequence, G query heads (one latent kv head), R = T*G
+query rows (row r = t*G + g), S cache capacity, Dk = 576 latent + RoPE columns, Dv = 512.
+
+Shared memory of one program (bf16, bk = 64): Q 64 x 576 (72 KiB), two K stages of
+bk x 576 (144 KiB), one P tile 64 x bk (8 KiB), row scales and barriers: about 225 KiB of
+the 227 KiB an sm_90 block may take. That is FlashMLA's budget too, and why the block is
+64 tokens, the pipeline two stages deep and P single-buffered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from fdecode import chips
+
+DK = 576          # latent (512) + RoPE (64) columns of a key
+DV = 512          # values: the first 512 columns of the same row
+BLOCK_ROWS = 64   # query rows of one program: one wgmma M tile (each compute warpgroup's)
+HALF_DV = DV // 2  # output columns of one compute warpgroup
+SWIZZLE = 128     # bytes: 64 bf16 columns per swizzled tile row
+_BF16 = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaPlan:
+  """Static launch of one MLA decode call (hashable: passed to the kernel as is).
+
+  Attributes:
+    batch: B.
+    num_tokens: T, 1 (one new token per sequence; `unsupported` says why).
+    group: G query heads.
+    rows: R = T * G real query rows.
+    row_blocks: programs along the rows, each `BLOCK_ROWS` rows (the last padded).
+    seq_len: S, the cache rows a sequence addresses.
+    cache_rows: rows of the cache operand: S rounded up to a multiple of 8 and to at
+      least ``block`` (a TMA tiled copy needs the global row count to be a multiple of
+      the shared-memory tile's 8 rows; a cache of another S is copied padded, per call).
+    block: bk, tokens per pipeline step (one TMA copy of ``bk x 576``).
+    stages: K tiles in flight (TMA ring depth).
+    num_splits: programs along each sequence's blocks (partial states merged after).
+    softmax_scale: multiplies q . k.
+    compute_registers / memory_registers: per-thread registers of the two compute
+      warpgroups and of the TMA warpgroup (``setmaxnreg``).
+  """
+  batch: int
+  num_tokens: int
+  group: int
+  rows: int
+  row_blocks: int
+  seq_len: int
+  cache_rows: int
+  block: int
+  stages: int
+  num_splits: int
+  softmax_scale: float
+  compute_registers: int = 232
+  memory_registers: int = 40
+
+  @property
+  def grid(self) -> tuple:
+    """(row blocks, splits, B): the row blocks of one (sequence, split) run side by side,
+    so the second reads the K tiles the first just pulled into L2."""
+    return (self.row_blocks, self.num_splits, self.batch)
+
+  @property
+  def rows_padded(self) -> int:
+    return self.row_blocks * BLOCK_ROWS
+
+  @property
+  def num_blocks(self) -> int:
+    """Blocks addressable in one sequence: ceil(S / bk) (at least 1)."""
+    return max(1, -(-self.seq_len // self.block))
+
+  def smem_bytes(self) -> int:
+    """Shared memory the kernel allocates (tiles, row scales, barriers; approximate)."""
+    q = BLOCK_ROWS * DK * _BF16
+    k = self.stages * self.block * DK * _BF16
+    p = BLOCK_ROWS * self.block * _BF16
+    scales = 3 * BLOCK_ROWS * 4
+    barriers = 8 * (2 * self.stages + 4)
+    return q + k + p + scales + barriers
+
+
+def unsupported(*, q_shape, q_dtype, k_shape, k_dtype, v_is_none: bool, v_head_dim,
+                paged: bool = False, quantized: bool = False, modifiers: bool = False) -> str | None:
+  """Why these arguments cannot take the Hopper MLA kernel, or None.
+
+  It takes: q bf16 ``[B, G, 576]`` (or ``[B, 1, G, 576]``), one contiguous latent kv head
+  ``k`` bf16 ``[B, 1, S, 576]``, ``v=None`` with ``v_head_dim=512``, G a multiple of 16,
+  no 8-bit scales, paging, score modifiers, sinks or index lists.
+  """
+  if paged:
+    return "paged caches are not supported yet (contiguous [B, 1, S, 576] only)"
+  if quantized:
+    return "8-bit caches are not supported yet (bf16 only)"
+  if modifiers:
+    return "score modifiers (mask, bias, alibi, window, soft cap, sinks, indices) are not supported"
+  if not v_is_none or v_head_dim != DV:
+    return f"needs v=None and v_head_dim={DV} (MLA values are the latent's first {DV} columns)"
+  if len(k_shape) != 4 or k_shape[1] != 1 or k_shape[3] != DK:
+    return f"needs k of shape [B, 1, S, {DK}] (one latent kv head), got k.shape={tuple(k_shape)}"
+  if len(q_shape) not in (3, 4) or q_shape[-1] != DK:
+    return f"needs q of shape [B, G, {DK}] or [B, T, G, {DK}], got q.shape={tuple(q_shape)}"
+  if str(q_dtype) != "bfloat16" or str(k_dtype) != "bfloat16":
+    return f"needs bfloat16 q and k (wgmma operands), got q {q_dtype}, k {k_dtype}"
+  g = q_shape[-2]
+  if g % 16 or g <= 0:
+    return f"needs G (query heads) a positive multiple of 16, got G={g}"
+  t = 1 if len(q_shape) == 3 else q_shape[1]
+  if t != 1:
+    return (f"one new token per sequence only (T=1), got T={t}: with causal rows a value one row sees "
+            "and another does not would need the per-row NaN guard of the other kernels")
+  return None
+
+
+def split_count(gpu: chips.Gpu, programs: int, blocks: int, overhead_blocks: float = 2.0) -> int:
+  """Splits of each sequence's ``blocks`` so that ``programs`` x splits fill ``gpu``'s
+  SMs (one program per SM: the shared memory holds one) with the least modeled time:
+  ``waves * (blocks per split + overhead)``, the overhead being the Q load, the output
+  writes and the merge of one more split, in blocks. Ties go to fewer splits."""
+  best, best_cost = 1, math.inf
+  for n in range(1, max(1, blocks) + 1):
+    waves = -(-programs * n // gpu.sms)
+    cost = waves * (-(-blocks // n) + overhead_blocks)
+    if cost < best_cost - 1e-9:
+      best, best_cost = n, cost
+  return best
+
+
+def mla_plan(*, batch: int, num_tokens: int, group: int, seq_len: int, softmax_scale: float,
+             num_splits: int | None = None, block_k: int = 64, stages: int = 2,
+             gpu: chips.Gpu | None = None) -> MlaPlan:
+  """The launch of one MLA decode call (see `MlaPlan`).
+
+  Args:
+    batch, num_tokens, group, seq_len: B, T, G, S.
+    softmax_scale: static float.
+    num_splits: None: `split_count` for ``gpu`` (blocks past a sequence's length are
+      never loaded, so splits are dealt from the capacity S and idle programs exit).
+    block_k: tokens per step, a multiple of 64 (wgmma's K and the swizzle); 64 fits the
+      shared memory with two stages.
+    stages: K tiles in flight, >= 2.
+    gpu: the target (None: `fdecode.chips.lowering_gpu`).
+
+  Raises:
+    ValueError: a block or stage count that does not fit or does not tile.
+  """
+  gpu = gpu or chips.lowering_gpu()
+  if block_k % 64 or block_k <= 0:
+    raise ValueError(f"mla_plan: block_k must be a positive multiple of 64, got block_k={block_k}")
+  if stages < 2:
+    raise ValueError(f"mla_plan: stages must be >= 2, got stages={stages}")
+  if num_tokens != 1:
+    raise ValueError(f"mla_plan: num_tokens must be 1 (T=1 decode), got num_tokens={num_tokens}")
+  rows = num_tokens * group
+  row_blocks = -(-rows // BLOCK_ROWS)
+  blocks = max(1, -(-seq_len // block_k))
+  if num_splits is None:
+    num_splits = split_count(gpu, batch * row_blocks, blocks)
+  if not isinstance(num_splits, int) or num_splits < 1:
+    raise ValueError(f"mla_plan: num_splits must be a positive int or None, got {num_splits!r}")
+  num_splits = min(num_splits, blocks)
+  plan = MlaPlan(batch=batch, num_tokens=num_tokens, group=group, rows=rows, row_blocks=row_blocks,
+                 seq_len=seq_len, cache_rows=max(-(-seq_len // 8) * 8, block_k), block=block_k, stages=stages,
+                 num_splits=num_splits, softmax_scale=float(softmax_scale))
+  if plan.smem_bytes() > gpu.smem_per_block:
+    raise ValueError(f"mla_plan: block_k={block_k} with stages={stages} needs {plan.smem_bytes()} B of "
+                     f"shared memory; {gpu.name} gives a block {gpu.smem_per_block} B")
+  return plan
