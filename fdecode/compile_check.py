@@ -114,10 +114,14 @@ def ptxas_path() -> str:
 _THUNK = re.compile(r"(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
 
 
+_THUNK_LINE = re.compile(r"^\d+: k\w+")
+
+
 def gpu_launches(dump_dir: str) -> int:
-  """Kernel launches in a GPU dump's thunk sequence (every kernel, fdecode's or XLA's)."""
+  """Launches in a GPU dump's thunk sequence: every thunk (a kernel, fdecode's or XLA's, a
+  custom call such as a Mosaic GPU kernel, a copy or a memset)."""
   return sum(1 for path in glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt"))
-             for line in open(path) if _THUNK.search(line))
+             for line in open(path) if _THUNK_LINE.match(line))
 
 
 _NOT_LAUNCHES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",

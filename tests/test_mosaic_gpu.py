@@ -99,16 +99,25 @@ def test_short_cache_and_inf_tail():
 def test_split_partials_merge_to_the_reference():
   """`mla_partials` returns per-split states: o f32 [B, 1, n, R, 512], lse f32
   [B, 1, n, R]; S = 300 in 2 splits (3 and 2 blocks: the 2-slot TMA ring refills a
-  slot), merged by `merge_states` into the reference."""
+  slot), merged by `merge_states` into the reference; and the kernel's own padded states
+  (`mla_states`), merged by the Triton combine kernel as the GPU dispatch does
+  (interpreted here), give the same."""
+  from fdecode.kernels import triton as triton_kernels  # pylint: disable=g-import-not-at-top
   b, g, s = 1, 16, 300
   q, k = problem(2, b, g, s)
   lengths = jnp.array([s], jnp.int32)
   plan = mla_plan(batch=b, num_tokens=1, group=g, seq_len=s, softmax_scale=1 / math.sqrt(DK), num_splits=2)
-  o, lse = mosaic_gpu.mla_partials(q[:, None], lengths, k, plan=plan, interpret=INTERPRET)
+  raw_o, raw_lse = mosaic_gpu.mla_states(q[:, None], lengths, k, plan=plan, interpret=INTERPRET)
+  o, lse = raw_o[:, None, :, :g], raw_lse[:, None, :, :g]  # what mla_partials returns
   assert o.shape == (b, 1, 2, g, DV) and lse.shape == (b, 1, 2, g)
   assert o.dtype == jnp.float32 and lse.dtype == jnp.float32
   out, merged_lse = merge_states(o, lse, axis=2)
-  check(out[:, 0], merged_lse[:, 0], *reference(q, k, lengths))
+  want = reference(q, k, lengths)
+  check(out[:, 0], merged_lse[:, 0], *want)
+  cp = triton_kernels.CombinePlan(num_splits=2, width=triton_kernels.combine_width(2, DV), num_tokens=1, group=g,
+                                  hq=g, dv=DV, out_dtype="bfloat16", interpret=True, split_major=True)
+  out2, lse2 = triton_kernels.combine(cp, raw_o, raw_lse)
+  check(out2, lse2, *want)
 
 
 def test_nan_in_a_visible_key_reaches_only_its_rows():

@@ -58,7 +58,7 @@ def test_compiles(reports, target, name):
   if target in chips.TPUS and name in TPU_XLA:  # the dispatch's documented XLA path
     assert not kernels, f"{name} on {target}: expected the XLA path, got {kernels}"
     return
-  assert kernels, f"{name} on {target}: no fdecode kernel in the compiled program"
+  assert kernels or report.get("mosaic_gpu_kernels"), f"{name} on {target}: no fdecode kernel in the compiled program"
   if target in chips.GPUS:
     gpu = chips.GPUS[target]
     for k in kernels:
@@ -201,6 +201,8 @@ GPU_TWO_LAUNCHES = list(BENCH) + [
     "nhd-bf16-d128", "int8-token-offsets", "float8_e4m3fn-token", "t8-bf16-d128-g8", "mla-bf16-g16",
     "mla-bf16-g128", "mla-fp8-g16-paged16", "rows-t5-g7-hkv2", "rows-t1-g48-hkv1",
     *[f"modifier-{m}" for m in ("bias", "alibi", "window", "soft_cap", "sinks", "non_causal")]]
+# bf16 MLA at G >= 16 (T = 1, contiguous) runs on the Hopper kernel on sm_90 (dispatch).
+HOPPER_MLA = {"mla-bf16-g16", "mla-bf16-g128"}
 TPU_LAUNCHES = {n: 4 for n in list(BENCH) + ["paged16-bf16-d128", "nhd-bf16-d128", "int8-token-offsets",
                                              "mla-bf16-g128"]}
 
@@ -208,9 +210,12 @@ TPU_LAUNCHES = {n: 4 for n in list(BENCH) + ["paged16-bf16-d128", "nhd-bf16-d128
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])
 @pytest.mark.parametrize("name", GPU_TWO_LAUNCHES)
 def test_gpu_decode_is_at_most_two_launches(reports, target, name):
+  """Two launches: the split kernel and the combine (on sm_90, bf16 MLA: the Hopper kernel
+  and the combine; below 64 query heads its query is first padded to wgmma's 64 rows)."""
+  limit = 3 if name == "mla-bf16-g16" and chips.GPUS[target].capability == (9, 0) else 2
   report = reports[target][name]
   assert report["ok"], report.get("error")
-  assert report["launches"] <= 2, f"{name} on {target}: {report['launches']} launches ({report['kernels']})"
+  assert report["launches"] <= limit, f"{name} on {target}: {report['launches']} launches ({report['kernels']})"
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.TPUS])
@@ -222,11 +227,13 @@ def test_tpu_decode_launches(reports, target, name):
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS and chips.GPUS[t].capability == (9, 0)])
-def test_mla_lowers_to_mosaic_gpu_on_sm90(reports, target):
-  """The MLA G=128 decode of `fdecode.kernels.mosaic_gpu.mla_decode` compiled for sm_90
-  holds the Hopper kernel as a Mosaic GPU custom call (TMA + wgmma; its PTX is assembled
-  when the program loads on a GPU, so this proves the lowering) and no Triton kernel."""
-  report = reports[target]["mla-bf16-g128-mosaic-gpu"]
+@pytest.mark.parametrize("name", ["mla-bf16-g128-mosaic-gpu", *sorted(HOPPER_MLA)])
+def test_mla_lowers_to_mosaic_gpu_on_sm90(reports, target, name):
+  """The MLA decode (`fdecode.kernels.mosaic_gpu.mla_decode`, and flash_decode's default
+  dispatch for bf16 MLA at G >= 16) compiled for sm_90 holds the Hopper kernel as a Mosaic
+  GPU custom call (TMA + wgmma; its PTX is assembled when the program loads on a GPU, so
+  this proves the lowering) and no Triton kernel."""
+  report = reports[target][name]
   assert report["ok"], report.get("error")
   assert any(c.startswith("mosaic_gpu") for c in report["custom_calls"]), report["custom_calls"]
   assert report["mosaic_gpu_kernels"] == ["fdecode_mla_mosaic_gpu"], report["mosaic_gpu_kernels"]

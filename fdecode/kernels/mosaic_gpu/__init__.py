@@ -8,7 +8,7 @@ take.
 """
 
 from fdecode.kernels.mosaic_gpu.api import mla_decode
-from fdecode.kernels.mosaic_gpu.kernel import mla_partials
+from fdecode.kernels.mosaic_gpu.kernel import mla_partials, mla_states
 from fdecode.kernels.mosaic_gpu.plan import MlaPlan, mla_plan, unsupported
 
-__all__ = ["MlaPlan", "mla_decode", "mla_partials", "mla_plan", "unsupported"]
+__all__ = ["MlaPlan", "mla_decode", "mla_partials", "mla_plan", "mla_states", "unsupported"]

@@ -241,22 +241,10 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
   pl.when(wg == 1)(functools.partial(compute, 1))
 
 
-def mla_partials(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
-  """Per-split partial states of MLA decode from the Hopper kernel.
-
-  Args:
-    q_rows: bf16 ``[B, 1, R, 576]`` queries, row r = t * G + g (one latent kv head).
-    ends: int32 ``[B]``: each sequence's length (new tokens included) in the cache.
-    k: bf16 ``[B, 1, S, 576]`` latent cache; the values are its first 512 columns.
-    plan: `fdecode.kernels.mosaic_gpu.plan.mla_plan` for these shapes.
-    interpret: None / False: compiled for the GPU (sm_90a); an ``InterpretGPUParams``:
-      jax's Mosaic GPU interpreter (CPU), with the substitutions of `_Ops`.
-
-  Returns:
-    ``(o, lse)``: float32 ``[B, 1, n_splits, R, 512]`` and ``[B, 1, n_splits, R]``
-    (natural-log LSE; a row with no visible key: o = 0, lse = -inf), merged over axis 2
-    by `fdecode.combine.merge_states`.
-  """
+def mla_states(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
+  """The kernel's own outputs, rows padded to ``plan.rows_padded``: float32 ``(o [B,
+  n_splits, R_p, 512], lse [B, n_splits, R_p])`` (`mla_partials` for the arguments; the
+  dispatch hands these to the Triton combine kernel as they are)."""
   b, hkv, r, dq = q_rows.shape
   if hkv != 1 or dq != DK or k.shape[1] != 1 or k.shape[3] != DK:
     raise ValueError(f"mla_partials: need q_rows [B, 1, R, {DK}] and k [B, 1, S, {DK}], got "
@@ -298,4 +286,25 @@ def mla_partials(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
       kernel_name="fdecode_mla_mosaic_gpu",
   )
   o, lse = kernel(ends.astype(jnp.int32), q, k)
+  return o, lse
+
+
+def mla_partials(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
+  """Per-split partial states of MLA decode from the Hopper kernel.
+
+  Args:
+    q_rows: bf16 ``[B, 1, R, 576]`` queries, row r = t * G + g (one latent kv head).
+    ends: int32 ``[B]``: each sequence's length (new tokens included) in the cache.
+    k: bf16 ``[B, 1, S, 576]`` latent cache; the values are its first 512 columns.
+    plan: `fdecode.kernels.mosaic_gpu.plan.mla_plan` for these shapes.
+    interpret: None / False: compiled for the GPU (sm_90a); an ``InterpretGPUParams``:
+      jax's Mosaic GPU interpreter (CPU), with the substitutions of `_Ops`.
+
+  Returns:
+    ``(o, lse)``: float32 ``[B, 1, n_splits, R, 512]`` and ``[B, 1, n_splits, R]``
+    (natural-log LSE; a row with no visible key: o = 0, lse = -inf), merged over axis 2
+    by `fdecode.combine.merge_states`.
+  """
+  o, lse = mla_states(q_rows, ends, k, plan=plan, interpret=interpret)
+  r = q_rows.shape[2]
   return o[:, None, :, :r], lse[:, None, :, :r]

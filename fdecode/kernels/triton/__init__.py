@@ -22,14 +22,14 @@ from fdecode.cache.layout import token_axis
 from fdecode.combine import apply_sinks, merge_segments
 from fdecode.kernels import block as blk
 from fdecode.kernels.block import decode_fp8_bits
-from fdecode.kernels.triton.combine import combine
+from fdecode.kernels.triton.combine import CombinePlan, combine
 from fdecode.kernels.triton.kernel import split_kernel
-from fdecode.kernels.triton.plan import (Launch, TritonPlan, block_size, launch_plan, make_plan, row_tiling,
-                                         triton_unsupported)
+from fdecode.kernels.triton.plan import (Launch, TritonPlan, block_size, combine_width, launch_plan, make_plan,
+                                         row_tiling, triton_unsupported)
 from fdecode.kernels.triton.schedule import balanced_schedule
 from fdecode.sparse import Sparse, pad_slots
 
-__all__ = ["Launch", "TritonPlan", "balanced_schedule", "block_size", "decode_fp8_bits", "launch_plan",
+__all__ = ["CombinePlan", "Launch", "TritonPlan", "combine", "combine_width", "balanced_schedule", "block_size", "decode_fp8_bits", "launch_plan",
            "make_plan", "row_tiling", "run", "triton_unsupported"]
 
 
@@ -154,7 +154,7 @@ def run(p: TritonPlan, q, ends, k, v, *, softmax_scale: float, block_tables=None
   if p.balanced:  # each sequence's items merged (XLA), then laid out as the output
     o, lse = merge_segments(o[:, :, :, 0], lse[:, :, :, 0], item_seq, b)
     return _finish(p, o, lse, sinks)
-  out, out_lse = combine(p, o, lse, sinks)
+  out, out_lse = combine(p.combine_plan, o, lse, sinks)
   return out.reshape(b, t, hq, dv), out_lse.reshape(b, t, hq)
 
 

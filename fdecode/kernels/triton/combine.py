@@ -3,11 +3,15 @@
 Grid ``(B, Hkv * R, Dv / width)``: one program merges one query row's ``n_splits``
 states over ``width`` of its columns (`fdecode.combine.merge_by`, the same math as
 `fdecode.combine.merge_states`), joins the sink, casts, and stores the row at its place
-in ``out [B, T * Hq, Dv]`` (and its lse in ``[B, T * Hq]``). With the split kernel, a call
-launches two kernels and XLA adds nothing around them.
+in ``out [B, T * Hq, Dv]`` (and its lse in ``[B, T * Hq]``). With a split kernel, a call
+launches two kernels and XLA adds nothing around them. It merges the Triton split
+kernel's states and the Hopper MLA kernel's (`fdecode.kernels.mosaic_gpu`), laid out
+as `CombinePlan` says.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 from jax import lax
@@ -16,14 +20,36 @@ from jax.experimental.pallas import triton as plgpu
 
 from fdecode.combine import add_sink, merge_by
 from fdecode.kernels import block as blk
-from fdecode.kernels.triton.plan import TritonPlan, pow2_at_least
+from fdecode.kernels.triton.plan import pow2_at_least
 
 
-def _kernel(lse_ref, o_ref, *refs, plan: TritonPlan):
+@dataclasses.dataclass(frozen=True)
+class CombinePlan:
+  """What the combine kernel merges: ``num_splits`` states of R = ``num_tokens * group``
+  rows per kv head (``hq`` query heads), ``dv`` columns, ``width`` a program, into
+  ``out_dtype``. ``split_major``: states laid out ``[B, n_splits, R_p, Dv]`` (one kv
+  head; the Hopper kernel's), else ``[B, Hkv, R_p, n_splits, Dv]`` (the Triton split
+  kernel's); lse likewise without Dv."""
+  num_splits: int
+  width: int
+  num_tokens: int
+  group: int
+  hq: int
+  dv: int
+  out_dtype: str
+  interpret: bool = False
+  split_major: bool = False
+
+  @property
+  def num_rows(self) -> int:
+    return self.num_tokens * self.group
+
+
+def _kernel(lse_ref, o_ref, *refs, plan: CombinePlan):
   # lse_ref f32[n_splits], o_ref f32[n_splits, Dv] (this row's partial states),
   # [sinks f32[Hq]], out [T * Hq, Dv], out_lse f32[T * Hq]
   sinks_ref, out_ref, out_lse_ref = refs if len(refs) == 3 else (None, *refs)
-  n, w = plan.num_splits, plan.combine_width
+  n, w = plan.num_splits, plan.width
   sp = pow2_at_least(n)
   row = pl.program_id(1) % plan.num_rows
   h = pl.program_id(1) // plan.num_rows
@@ -47,16 +73,18 @@ def _kernel(lse_ref, o_ref, *refs, plan: TritonPlan):
     out_lse_ref[pl.ds(dst, 1)] = out_lse.reshape(1)
 
 
-def combine(plan: TritonPlan, o, lse, sinks=None):
-  """Partial states ``o`` f32 ``[B, Hkv, R_p, n_splits, Dv]``, ``lse`` ``[B, Hkv, R_p,
-  n_splits]`` -> ``(out [B, T * Hq, Dv] in plan.out_dtype, lse f32 [B, T * Hq])``;
-  ``sinks``: f32 ``[Hq]`` or None."""
-  b, hkv = o.shape[:2]
-  dv, w, rows = plan.dv, plan.combine_width, plan.num_rows
-  n = plan.num_splits
-  row_of = lambda hr: (hr // rows, hr % rows)
-  in_specs = [pl.BlockSpec((None, None, None, n), lambda i, hr, c: (i, *row_of(hr), 0)),
-              pl.BlockSpec((None, None, None, n, dv), lambda i, hr, c: (i, *row_of(hr), 0, 0))]
+def combine(plan: CombinePlan, o, lse, sinks=None):
+  """Partial states ``o`` / ``lse`` (float32, laid out as ``plan`` says) -> ``(out
+  [B, T * Hq, Dv] in plan.out_dtype, lse f32 [B, T * Hq])``; ``sinks``: f32 ``[Hq]`` or None."""
+  b = o.shape[0]
+  hkv = 1 if plan.split_major else o.shape[1]
+  dv, w, rows, n = plan.dv, plan.width, plan.num_rows, plan.num_splits
+  if plan.split_major:  # [B, n, R_p(, Dv)]: one kv head
+    in_specs = [pl.BlockSpec((None, n, None), lambda i, hr, c: (i, 0, hr)),
+                pl.BlockSpec((None, n, None, dv), lambda i, hr, c: (i, 0, hr, 0))]
+  else:  # [B, Hkv, R_p, n(, Dv)]
+    in_specs = [pl.BlockSpec((None, None, None, n), lambda i, hr, c: (i, hr // rows, hr % rows, 0)),
+                pl.BlockSpec((None, None, None, n, dv), lambda i, hr, c: (i, hr // rows, hr % rows, 0, 0))]
   operands = [lse, o]
   if sinks is not None:
     operands.append(sinks.astype(jnp.float32))

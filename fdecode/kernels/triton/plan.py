@@ -231,6 +231,13 @@ class TritonPlan:
     p = self.v_pieces[-1]
     return p.offset + p.width
 
+  @property
+  def combine_plan(self):
+    from fdecode.kernels.triton.combine import CombinePlan  # pylint: disable=g-import-not-at-top
+    return CombinePlan(num_splits=self.num_splits, width=self.combine_width, num_tokens=self.num_tokens,
+                       group=self.group, hq=self.hq, dv=self.dv, out_dtype=self.out_dtype,
+                       interpret=self.interpret)
+
 
 def _cache_geometry(k, block_tables, kv_layout):
   """(seq_len, cache_rows, page_size, num_pages, table_len) of a cache in ``kv_layout``."""
