@@ -2,13 +2,15 @@
 (one page written for two live sequences, or listed twice by one), a traced
 ``cu_q_lens[0] > 0`` that must not write over a cached token, and no sequence at all."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import fdecode
-from conftest import assert_close, tol
+from conftest import assert_close, tol, tpu_interpret
 from test_ragged import batch, per_sequence
 
 
@@ -126,3 +128,26 @@ def test_no_sequence_at_all(paged, jit):
 def _f32():
   t = tol(jnp.float32)
   return dict(atol=t["atol"], rtol=t["rtol"])
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "mosaic", "reference"])
+def test_visible_nan_value_gives_whole_rows_on_every_impl(impl):
+  """A NaN value a row sees: its decode row gave one NaN column and a finite lse while its
+  prefill rows (and impl="reference") gave the whole row and a NaN lse. Now every row
+  that sees it is NaN in every column and in its lse, on every impl; padding stays 0."""
+  p = batch(8, [5, 1], [9, 12], max_seqs=2, d=32)
+  v = np.array(p["v"])
+  tables = p["block_tables"]
+  v[0, tables[0, 0], 2, 7] = np.nan   # sequence 0, position 2: all 5 prefill rows see it
+  v[1, tables[1, 0], 3, 0] = np.nan   # sequence 1, position 3: its decode row sees it
+  ctx = tpu_interpret() if impl == "mosaic" else contextlib.nullcontext()
+  with ctx:
+    out, lse = fdecode.ragged_decode(**dict(p, v=jnp.asarray(v)), impl="pallas" if impl == "mosaic" else impl,
+                                     return_lse=True)
+  out, lse = np.asarray(out), np.asarray(lse)
+  hq, g = out.shape[1], 2  # kv head 0 serves query heads 0, 1; kv head 1 heads 2, 3
+  assert np.isnan(out[:5, :g]).all() and np.isnan(lse[:5, :g]).all()
+  assert np.isnan(out[5, g:]).all() and np.isnan(lse[5, g:]).all()
+  assert np.isfinite(out[:5, g:]).all() and np.isfinite(lse[:5, g:]).all()
+  assert np.isfinite(out[5, :g]).all() and np.isfinite(lse[5, :g]).all()
+  assert (out[6:] == 0).all() and np.isneginf(lse[6:]).all() and hq == 4
