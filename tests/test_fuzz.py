@@ -465,7 +465,7 @@ def _tolerances(c):
   return dict(out=(3e-2 + 2 * score_err, 3e-2), lse=(1e-2 + score_err, 1e-2))
 
 
-def _assert_matches(actual, expected, atol, rtol, what):
+def assert_matches(actual, expected, atol, rtol, what):
   a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
   e = np.asarray(expected, np.float64)
   assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
@@ -511,8 +511,8 @@ def _check_valid(impl, c):
   assert out.dtype == c["q"].dtype, note
   assert lse.dtype == jnp.float32, note
   tols = _tolerances(c)
-  _assert_matches(out, ref_out, *tols["out"], what=f"out [{impl}] {note}")
-  _assert_matches(lse, ref_lse, *tols["lse"], what=f"lse [{impl}] {note}")
+  assert_matches(out, ref_out, *tols["out"], what=f"out [{impl}] {note}")
+  assert_matches(lse, ref_lse, *tols["lse"], what=f"lse [{impl}] {note}")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
