@@ -143,6 +143,8 @@ def ragged_decode(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *, kv_lay
     msg = str(e)
     if msg.startswith("flash_decode:"):
       raise type(e)(CALLER + msg[len("flash_decode"):]) from None
+    if not msg.startswith(CALLER):  # e.g. the split / block options' own check
+      raise type(e)(f"{CALLER}: {msg}") from None
     raise
   result = (out, lse) if return_lse else (out,)
   if new_k is not None:

@@ -76,7 +76,8 @@ def check_shapes(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, new_k, new
         continue
       want = (n_rows, hkv, cache.shape[-1])
       if tuple(new.shape) != want:
-        raise ValueError(f"{CALLER}: {name} must be [N, Hkv, D]={want} (one row per packed token); "
+        raise ValueError(f"{CALLER}: {name} must be [N, Hkv, D]={want} (one row per packed token; Hkv "
+                         f"and D read from the cache as {shape_names(kv_layout, paged)}, kv_layout={kv_layout!r}); "
                          f"got {name}.shape={tuple(new.shape)}")
       if is_quantized(cache.dtype) and new.dtype != cache.dtype:
         raise TypeError(f"{CALLER}: {name} must be already quantized with the cache's scales, in the "

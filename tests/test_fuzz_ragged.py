@@ -223,3 +223,128 @@ def _check(impl, c):
     for got, want, name in ((result[2], c["after_k"], "k"), (result[3], c["after_v"], "v")):
       bad = np.argwhere(_bits(back(np.asarray(got))) != _bits(want))
       assert not bad.size, f"{name}: the fused write changed slot {tuple(bad[0])} wrongly [{impl}] {note}"
+
+
+# --- invalid calls -----------------------------------------------------------------------
+
+
+def _base():
+  """A small valid fused step: 2 sequences (3 new tokens of 5, 1 of 2), 2 padding rows,
+  a pool of 6 pages of 4 tokens, Hq 4, Hkv 2, D 8."""
+  rng = np.random.default_rng(0)
+  return dict(q=rng.normal(size=(6, 4, 8)).astype(np.float32), k=rng.normal(size=(2, 6, 4, 8)).astype(np.float32),
+              v=rng.normal(size=(2, 6, 4, 8)).astype(np.float32), kv_lens=np.array([5, 2], np.int32),
+              block_tables=np.array([[0, 1], [2, 3]], np.int32), cu_q_lens=np.array([0, 3, 4, ], np.int32),
+              num_seqs=2, kw=dict(new_k=np.zeros((6, 2, 8), np.float32), new_v=np.ones((6, 2, 8), np.float32)))
+
+
+def _mutations():
+  """(name, builder(draw, base), names the message may give, list_ok)."""
+  m = []
+
+  def add(name, names, choices=None, list_ok=False):
+    def deco(f):
+      m.append((name, f, names, list_ok))
+      return f
+    return deco
+
+  def put(arg, *values):  # a mutation that sets one argument to one of ``values``
+    def build(d, a):
+      a[arg] = d(st.sampled_from(values)) if len(values) > 1 else values[0]
+    return build
+
+  table = lambda *rows, dtype=np.int32: np.array(rows, dtype)
+  for name, arg, values, names in [
+      ("q.ndim", "q", [np.zeros((1, 6, 4, 8), np.float32), np.zeros((6, 32), np.float32)], ("q",)),
+      ("q.dtype", "q", [np.zeros((6, 4, 8), np.int32), np.zeros((6, 4, 8), np.complex64)], ("q",)),
+      ("q object", "q", ["rows", object()], ("q",)),
+      ("k.ndim", "k", [np.zeros((6, 4, 8), np.float32)], ("k",)),
+      ("heads", "q", [np.zeros((6, 3, 8), np.float32)], ("Hq", "Hkv")),
+      ("Dk", "q", [np.zeros((6, 4, 16), np.float32)], ("Dk", "q")),
+      ("kv_lens.dtype", "kv_lens", [np.array([5.0, 2.0]), np.array([True, True])], ("kv_lens",)),
+      ("kv_lens.shape", "kv_lens", [np.array([[5, 2]]), np.array([5, 2, 1]), np.array(5)], ("kv_lens", "cu_q_lens")),
+      ("kv_lens range", "kv_lens", [np.array([-1, 2]), np.array([5, 9]), np.array([5, 2 ** 31 - 1])], ("kv_lens",)),
+      ("kv_lens int64", "kv_lens", [np.array([2 ** 32 + 5, 2], np.int64)], ("kv_lens",)),
+      ("q_len > kv_len", "kv_lens", [np.array([2, 2], np.int32), np.array([5, 0], np.int32)], ("kv_lens", "q_len")),
+      ("cu_q_lens.dtype", "cu_q_lens", [np.array([0.0, 3.0, 4.0])], ("cu_q_lens",)),
+      ("cu_q_lens.shape", "cu_q_lens", [np.array([0, 3]), np.array([[0, 3, 4]])], ("cu_q_lens",)),
+      ("cu_q_lens values", "cu_q_lens", [np.array([1, 3, 4]), np.array([0, 3, 2]), np.array([0, 3, 9]),
+                                         np.array([0, 3, 2 ** 32], np.int64)], ("cu_q_lens", "q_len")),
+      ("num_seqs", "num_seqs", [3, -1, np.array([1, 1]), 1.5, np.array([[2]]), np.int64(2 ** 33)], ("num_seqs",)),
+      ("block_tables.dtype", "block_tables", [table([0, 1], [2, 3], dtype=np.float32),
+                                              table([0, 1], [2, 3], dtype=bool)], ("block_tables",)),
+      ("block_tables.shape", "block_tables", [table([0, 1], [2, 3], [4, 5]), np.array([0, 1]),
+                                              np.zeros((2, 2, 1), np.int32)], ("block_tables",)),
+      ("block_tables range", "block_tables", [table([0, 1], [99, 3]), table([0, -1], [2, 3]),
+                                              table([0, 1], [2 ** 32 + 2, 3], dtype=np.int64)], ("block_tables",)),
+      ("block_tables aliased", "block_tables", [table([0, 0], [2, 3]), table([0, 1], [1, 3])], ("block_tables",)),
+      ("kv_layout", "kv_layout", ["BSHD", "NHD", None], ("kv_layout",)),
+  ]:
+    m.append((name, put(arg, *values), names, False))
+
+  @add("new_k / new_v", ("new_k", "new_v"))
+  def _(d, a):
+    case = d(st.sampled_from(["alone", "short", "int", "v None"]))
+    if case == "alone":
+      a["kw"].pop("new_v")
+    elif case == "short":
+      a["kw"]["new_k"] = a["kw"]["new_k"][:5]
+    elif case == "int":
+      a["kw"]["new_v"] = a["kw"]["new_v"].astype(np.int32)
+    else:
+      a["v"] = None
+      a["kw"]["v_head_dim"] = 8
+
+  @add("options", ("kv_offset", "lengths", "window", "softmax_scale", "logits_soft_cap", "impl", "num_splits",
+                   "mask", "bias", "sinks", "k_rope", "causal"))
+  def _(d, a):
+    a["kw"].update(d(st.sampled_from([
+        dict(kv_offset=3), dict(lengths=[5, 2]), dict(window=0), dict(softmax_scale=float("nan")),
+        dict(logits_soft_cap=-1.0), dict(impl="cuda"), dict(num_splits=0), dict(causal="yes"),
+        dict(mask=np.ones((7, 8), bool)), dict(mask=np.ones((6, 8), np.int32)), dict(bias=np.ones((6, 9), np.float32)),
+        dict(sinks=np.ones(3, np.float32)), dict(k_rope=np.ones((2, 6, 4, 4), np.float32))])))
+
+  for name in ("q", "kv_lens", "block_tables", "cu_q_lens", "new_k"):
+    def _list(d, a, name=name):
+      a["list"] = name
+    m.append((f"list:{name}", _list, (name,), True))
+  return m
+
+
+MUTATIONS = _mutations()
+
+
+def _run_ragged(a):
+  a = dict(a)
+  kw = a.pop("kw")
+  a.pop("list", None)
+  layout = a.pop("kv_layout", "HND")
+  return fdecode.ragged_decode(**a, kv_layout=layout, return_lse=True, **kw)
+
+
+@settings(INVALID_PROFILE)
+@given(data=st.data())
+def test_invalid_steps_name_the_argument(data):
+  name, build, names, list_ok = data.draw(st.sampled_from(MUTATIONS), label="mutation")
+  a = _base()
+  build(data.draw, a)
+  arrays = a
+  if list_ok:
+    a = dict(a, kw=dict(a["kw"]))
+    target = a["list"]
+    if target in a:
+      a[target] = a[target].tolist()
+    else:
+      a["kw"][target] = a["kw"][target].tolist()
+  try:
+    result = _run_ragged(a)
+  except (ValueError, TypeError) as e:
+    msg = str(e)
+    assert any(n in msg for n in names), f"{name}: message does not name {names}: {type(e).__name__}: {msg}"
+    assert msg.startswith("ragged_decode") and len(msg) < 1500, f"{name}: {msg[:300]}"
+    return
+  except Exception as e:  # noqa: BLE001 - anything else is the failure being looked for
+    raise AssertionError(f"{name}: {type(e).__name__} instead of ValueError/TypeError: {e}") from e
+  assert list_ok, f"{name}: invalid call accepted"
+  for x, y in zip(result, _run_ragged(arrays)):  # a list means the array: one program, bit for bit
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{name}: list != array")
