@@ -19,6 +19,9 @@ float32-overflowing static, int64 beyond int32, a Python list) and accept only a
 ValueError / TypeError whose message names the argument (a list the library accepts must
 give the array's result).
 
+tests/test_fuzz_ragged.py (`ragged_decode` steps) and tests/test_fuzz_engine.py (the
+serving `Engine`) use these profiles, this oracle and `assert_matches`.
+
 Profiles (hypothesis settings profiles, applied per test so no other file is affected):
   * ``fdecode-ci`` (default): derandomized (fixed seed), bounded examples, impl="xla".
   * ``fdecode-long``: ``FDECODE_FUZZ=long python -m pytest tests/test_fuzz.py``: many more
