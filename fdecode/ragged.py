@@ -125,11 +125,11 @@ def ragged_decode(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *, kv_lay
   arrays = {n: x for n, x in zip(arrays, rest) if x is not None}
   paged = block_tables is not None
   n_rows, m = check_shapes(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, new_k, new_v,
-                            kv_layout, arrays)
+                           kv_layout, arrays)
   ax = token_axis(kv_layout)
   check_values(kv_lens, block_tables, cu_q_lens, num_seqs, n_rows, m, capacity(k.shape, kv_layout, block_tables),
-                num_pages=k.shape[ax - 1] if paged else None, page_size=k.shape[ax] if paged else None,
-                window=options.get("window"), writes=new_k is not None)
+               num_pages=k.shape[ax - 1] if paged else None, page_size=k.shape[ax] if paged else None,
+               window=options.get("window"), writes=new_k is not None)
   return_lse = bool(options.pop("return_lse", False))
   if options.get("impl") == "pallas" and options.get("interpret") is None:
     # Resolved here, not at trace time: it keys the compiled step (as in flash_decode).

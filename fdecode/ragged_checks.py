@@ -89,7 +89,7 @@ def check_shapes(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, new_k, new
 
 
 def check_values(kv_lens, block_tables, cu_q_lens, num_seqs, n_rows, m, cap, *, num_pages,
-                  page_size, window, writes):
+                 page_size, window, writes):
   """Concrete value checks (skipped for traced values, which are clipped instead);
   ``writes``: the call writes the new tokens (fused write)."""
   for name, x in (("kv_lens", kv_lens), ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):

@@ -78,16 +78,16 @@ def check_page_aliasing(block_tables, lengths, new_tokens, page_size, *, window=
   cols_all = np.arange(n)[None, :]
   written = ((cols_all + 1) * page_size > (lens - q_lens)[:, None]) & (cols_all * page_size < lens[:, None])
   written &= (q_lens > 0)[:, None]
-  holders = {}  # page -> (sequence, column) of every sequence that needs it
-  for i, j, page in zip(rows.tolist(), cols.tolist(), ids.tolist()):
-    holders.setdefault(page, []).append((i, j))
-  for i, j in zip(*np.nonzero(written)):
+  held = np.unique(np.stack([rows, ids], axis=1), axis=0)[:, 1]  # each (sequence, page) once
+  pages, holders = np.unique(held, return_counts=True)
+  shared = pages[holders > 1]  # pages two or more live sequences need
+  wi, wj = np.nonzero(written)
+  hit = np.nonzero(np.isin(tables[wi, wj], shared))[0]
+  if hit.size:
+    i, j = int(wi[hit[0]]), int(wj[hit[0]])
     page = int(tables[i, j])
-    other = next(((s, c) for s, c in holders.get(page, ()) if s != i), None)
-    if other is not None:
-      s, c = other
-      raise ValueError(f"{caller}: sequence {int(i)} writes its new tokens into page {page} "
-                       f"({name}[{int(i)}, {int(j)}]), which sequence {s} also holds ({name}[{s}, {c}]) "
-                       f"for its live tokens: the write would change sequence {s}'s tokens. Give the "
-                       "writer a private copy first (PageAllocator.prepare_write, then "
-                       "fdecode.cache.copy_pages)")
+    s, c = map(int, np.argwhere(needed & (tables == page) & (np.arange(b) != i)[:, None])[0])
+    raise ValueError(f"{caller}: sequence {i} writes its new tokens into page {page} ({name}[{i}, {j}]), "
+                     f"which sequence {s} also holds ({name}[{s}, {c}]) for its live tokens: the write "
+                     f"would change sequence {s}'s tokens. Give the writer a private copy first "
+                     "(PageAllocator.prepare_write, then fdecode.cache.copy_pages)")
