@@ -15,9 +15,9 @@ from fdecode import modifiers
 from fdecode import sparse as sparse_lib
 from fdecode.cache.layout import check_layout, head_major, shape_names
 from fdecode.dispatch import decode, forced_tpu_interpret, seq_capacity
-from fdecode.validation import (as_arrays, check_concrete_lengths, check_concrete_page_ids,
-                                check_kv_offset, describe, static_scale, to_int32, validate_args,
-                                validate_quant)
+from fdecode.cache.tables import check_concrete_page_ids
+from fdecode.validation import (as_arrays, check_concrete_lengths, check_kv_offset, describe,
+                                static_scale, to_int32, validate_args, validate_quant)
 
 IMPLS = ("pallas", "xla", "reference")
 
@@ -158,12 +158,13 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   it away rather than multiplying it by 0.
 
   Corruption a query sees propagates: a NaN key, value, scale, bias, ALiBi slope or
-  sink it sees (or a NaN / +inf score) gives NaN in its row's out and lse, on every
-  impl, split count and device count. "No visible key" is decided from positions
-  (lengths, causality, window, mask, indices) or visible scores all -inf, never from a
-  NaN. A sink of +inf gives out 0, lse +inf (its limit); -inf is no sink. A corrupt
-  value reaches only the rows that see it, also with T > 1 or per-head masks
-  (`fdecode.kernels.block.guard_values`); a visible inf value gives NaN too.
+  sink it sees (or a NaN / +inf score), or an inf value it sees, gives NaN in every
+  column of its row's out and in its lse, on every impl (XLA, Triton, Mosaic, the
+  reference), split count and device count, for single tokens and prefill rows alike.
+  "No visible key" is decided from positions (lengths, causality, window, mask,
+  indices) or visible scores all -inf, never from a NaN. A sink of +inf gives out 0,
+  lse +inf (its limit); -inf is no sink. A corrupt value reaches only the rows that see
+  it, also with T > 1 or per-head masks (`fdecode.kernels.block.guard_values`).
 
   Layout:
     kv_layout: ``"HND"`` (default, head-major, the shapes above) or ``"NHD"``

@@ -32,9 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdecode.api import flash_decode
+from fdecode.cache.tables import check_concrete_page_ids
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.quant import is_quantized
-from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, check_concrete_page_ids, validate_quant
+from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, validate_quant
 
 # Position-dependent options that row packing cannot express: a packed row would need its
 # own sequence's positions inside the prefix call, which sees every row at once.

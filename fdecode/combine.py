@@ -100,13 +100,33 @@ def finalize_state(acc: jnp.ndarray, m: jnp.ndarray, l: jnp.ndarray):
     m: ``[...]`` float32 running max of the scores (finite, possibly a mask value).
     l: ``[...]`` float32 sum of exp(s - m) over the visible keys: 0 exactly when no key
       was visible (the largest visible score contributes exp(0) = 1), NaN when a visible
-      score or value was NaN.
+      score was NaN (or a value row `fdecode.kernels.block.guard_values` poisoned).
 
   Returns:
     ``(o, lse)``: o = acc / l, lse = m + log(l); a part with no visible key (l == 0)
     gives o = 0, lse = -inf. A NaN l is not "empty": it gives o = NaN, lse = NaN, so a
-    NaN the query sees propagates through every merge.
+    NaN the query sees propagates through every merge. A row whose ``acc`` holds an inf
+    or NaN (a visible corrupt value that reached the PV sum unguarded, e.g. a single
+    token's row) is treated the same: every column of its o and its lse are NaN, as
+    when the value had poisoned its score; so the rule "a corrupt value a row sees makes
+    its whole row and lse NaN" holds on every path (the float32 reference poisons the
+    score itself). See `corrupt_rows` for a state split into column pieces.
   """
+  return _finalize(acc, m, jnp.where(corrupt_rows(acc), jnp.nan, l))
+
+
+def corrupt_rows(*acc_pieces):
+  """bool ``[...]``: rows of the float32 accumulators ``[..., w]`` (the column pieces of
+  one state, together) holding an inf or NaN. Written as a float max of
+  ``abs(x) <= max`` (False for both), which every kernel lowers (Triton, Mosaic)."""
+  bad = None
+  for a in acc_pieces:
+    b = jnp.max(jnp.where(jnp.abs(a) <= jnp.finfo(jnp.float32).max, 0.0, 1.0), axis=-1)
+    bad = b if bad is None else jnp.maximum(bad, b)
+  return bad > 0
+
+
+def _finalize(acc, m, l):
   empty = l == 0
   o = acc / jnp.where(empty, 1.0, l)[..., None]
   lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))

@@ -40,19 +40,17 @@ import numpy as np
 from jax import lax
 
 from fdecode.api import flash_decode
-from fdecode.cache.layout import capacity, check_layout, kv_heads, shape_names, token_axis
+from fdecode.cache.layout import capacity, check_layout, token_axis
 from fdecode.cache.write import _scatter
 from fdecode.dispatch import forced_tpu_interpret
-from fdecode.quant import is_quantized
-from fdecode.validation import as_arrays, check_concrete_page_ids, check_int32, to_int32
+from fdecode.ragged_checks import CALLER, PER_ROW, check_shapes, check_values
+from fdecode.validation import as_arrays, to_int32
 
 QUERY_BLOCK = 64  # rows of a prefill query block
-CALLER = "ragged_decode"
 # flash_decode's keywords ragged_decode forwards; the per-row ones are indexed by row.
 _OPTIONS = ("k_scale", "v_scale", "k_offset", "v_offset", "softmax_scale", "num_splits", "block_k",
             "impl", "interpret", "return_lse", "causal", "mask", "bias", "alibi_slopes", "window",
             "logits_soft_cap", "sinks", "v_head_dim", "k_rope", "indices")
-_PER_ROW = ("mask", "bias", "indices")
 _PER_SEQ = ("k_scale", "v_scale", "k_offset", "v_offset", "k_rope")  # contiguous: a batch axis
 
 
@@ -74,6 +72,9 @@ def ragged_decode(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *, kv_lay
       ``v=None`` for MLA (with ``v_head_dim``), as in `flash_decode`.
     kv_lens: int ``[M]``: tokens of each sequence, its new ones included, in ``[0, S]``.
     block_tables: int ``[M, n]`` (paged; ``S = n * page_size``) or None (contiguous).
+      A live sequence lists each page once for its live tokens; with the fused write, a
+      page a sequence writes into is its own (no other live sequence holds it: copy a
+      shared page first, `fdecode.cache.PageAllocator.prepare_write`).
     cu_q_lens: int ``[M + 1]``: 0, then non-decreasing row offsets.
     num_seqs: int scalar or ``[1]``: only sequences ``< num_seqs`` are live.
     kv_layout: ``"HND"`` or ``"NHD"``.
@@ -96,9 +97,17 @@ def ragged_decode(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *, kv_lay
     ValueError: shapes that disagree with each other or with ``kv_layout``; concrete
       ``cu_q_lens`` that do not start at 0 or decrease, a ``q_len_i > kv_lens[i]`` for a
       live sequence, ``cu_q_lens[num_seqs] > N``, ``num_seqs`` outside ``[0, M]``,
-      kv_lens outside ``[0, S]``, page ids out of the pool for a live token; and every
+      kv_lens outside ``[0, S]``, page ids out of the pool for a live token, a page listed
+      twice among a live sequence's pages, a page one live sequence writes (fused write)
+      while another holds it for its live tokens (naming both and the page); a
+      non-integer ``block_tables``, ``kv_lens``, ``cu_q_lens`` or ``num_seqs``; and every
       `flash_decode` error (prefixed ``ragged_decode:``). Under ``jit`` values are clipped
-      instead: nothing reads or writes outside the caches.
+      instead: nothing reads or writes outside the caches, and a row writes only at one of
+      its own sequence's new positions ``[kv_len - q_len, kv_len)``, never over a cached
+      token: rows before a (traced, nonzero) ``cu_q_lens[0]`` or from
+      ``cu_q_lens[num_seqs]`` on belong to no sequence, write nothing and give out 0,
+      lse -inf. Page aliasing is not checked under ``jit``: a write goes to the page the
+      table names, which another sequence listing it then sees.
     TypeError: an unknown keyword, or an array argument that is not an array.
   """
   unknown = sorted(set(options) - set(_OPTIONS))
@@ -115,12 +124,12 @@ def ragged_decode(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *, kv_lay
       num_seqs=num_seqs, new_k=new_k, new_v=new_v, **arrays)
   arrays = {n: x for n, x in zip(arrays, rest) if x is not None}
   paged = block_tables is not None
-  n_rows, m = _check_shapes(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, new_k, new_v,
-                            kv_layout, arrays)
+  n_rows, m = check_shapes(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, new_k, new_v,
+                           kv_layout, arrays)
   ax = token_axis(kv_layout)
-  _check_values(kv_lens, block_tables, cu_q_lens, num_seqs, n_rows, m, capacity(k.shape, kv_layout, block_tables),
-                num_pages=k.shape[ax - 1] if paged else None, page_size=k.shape[ax] if paged else None,
-                window=options.get("window"))
+  check_values(kv_lens, block_tables, cu_q_lens, num_seqs, n_rows, m, capacity(k.shape, kv_layout, block_tables),
+               num_pages=k.shape[ax - 1] if paged else None, page_size=k.shape[ax] if paged else None,
+               window=options.get("window"), writes=new_k is not None)
   return_lse = bool(options.pop("return_lse", False))
   if options.get("impl") == "pallas" and options.get("interpret") is None:
     # Resolved here, not at trace time: it keys the compiled step (as in flash_decode).
@@ -134,6 +143,8 @@ def ragged_decode(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *, kv_lay
     msg = str(e)
     if msg.startswith("flash_decode:"):
       raise type(e)(CALLER + msg[len("flash_decode"):]) from None
+    if not msg.startswith(CALLER):  # e.g. the split / block options' own check
+      raise type(e)(f"{CALLER}: {msg}") from None
     raise
   result = (out, lse) if return_lse else (out,)
   if new_k is not None:
@@ -145,114 +156,17 @@ def _hashable(x):
   return tuple(x) if isinstance(x, list) else x
 
 
-def _check_shapes(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, new_k, new_v, kv_layout, arrays):
-  """Shape / dtype checks at trace time; returns (N, M)."""
-  paged = block_tables is not None
-  if q.ndim != 3:
-    raise ValueError(f"{CALLER}: q must be [N, Hq, Dk] (packed new tokens); got q.shape={tuple(q.shape)}")
-  for name, x in (("k", k), ("v", v)):
-    if x is not None and x.ndim != 4:
-      raise ValueError(f"{CALLER}: with kv_layout={kv_layout!r}, {name} must be "
-                       f"{shape_names(kv_layout, paged)}; got {name}.shape={tuple(x.shape)}")
-  n_rows, hq = q.shape[0], q.shape[1]
-  kv_shape = f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, kv_layout={kv_layout!r}"
-  hkv = kv_heads(k.shape, kv_layout, paged)
-  if hkv == 0 or hq % hkv:
-    raise ValueError(f"{CALLER}: Hq ({hq}) must be a multiple of the cache's Hkv ({hkv}) read from "
-                     f"k as {shape_names(kv_layout, paged)}: does kv_layout match the cache? {kv_shape}")
-  for name, x in (("kv_lens", kv_lens), ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-      raise ValueError(f"{CALLER}: {name} must be integer, got {name}.dtype={x.dtype}")
-  if kv_lens.ndim != 1:
-    raise ValueError(f"{CALLER}: kv_lens must be [max_seqs]; got kv_lens.shape={tuple(kv_lens.shape)}")
-  m = kv_lens.shape[0]
-  if cu_q_lens.shape != (m + 1,):
-    raise ValueError(f"{CALLER}: cu_q_lens must be [max_seqs + 1]=({m + 1},) (kv_lens is [{m}]); got "
-                     f"cu_q_lens.shape={tuple(cu_q_lens.shape)}")
-  if num_seqs.shape not in ((), (1,)):
-    raise ValueError(f"{CALLER}: num_seqs must be an int scalar or [1]; got num_seqs.shape={tuple(num_seqs.shape)}")
-  if paged:
-    if block_tables.ndim != 2 or block_tables.shape[0] != m:
-      raise ValueError(f"{CALLER}: block_tables must be [max_seqs={m}, n]; got "
-                       f"block_tables.shape={tuple(block_tables.shape)}")
-  elif k.shape[0] != m:
-    raise ValueError(f"{CALLER}: a contiguous cache has one row per sequence: k must be "
-                     f"{shape_names(kv_layout, False)} with B = max_seqs = {m}; got {kv_shape}")
-  for name in _PER_ROW:
-    x = arrays.get(name)
-    if x is not None and (x.ndim < 2 or x.shape[0] not in (1, n_rows)):
-      raise ValueError(f"{CALLER}: {name} is per row: its first axis must be N={n_rows} or 1; "
-                       f"got {name}.shape={tuple(x.shape)}")
-    if x is not None and x.ndim > 3:
-      raise ValueError(f"{CALLER}: {name} must be [N|1, S] or [N|1, H, S] (indices: [N|1, K] or "
-                       f"[N|1, Hkv, K]); got {name}.shape={tuple(x.shape)}")
-  if v is None and new_v is not None:
-    raise ValueError(f"{CALLER}: new_v given with v=None (MLA: the values are k's first columns; pass new_k only)")
-  if v is not None and (new_k is None) != (new_v is None):
-    raise ValueError(f"{CALLER}: pass new_k and new_v together (or neither); got "
-                     f"new_k {'None' if new_k is None else 'given'}, new_v {'None' if new_v is None else 'given'}")
-  if new_k is not None:
-    if arrays.get("k_rope") is not None:
-      raise ValueError(f"{CALLER}: the fused write does not write k_rope; write it with "
-                       "fdecode.cache.write_paged / write_contiguous, then call without new_k")
-    for name, new, cache in (("new_k", new_k, k), ("new_v", new_v, v)):
-      if new is None:
-        continue
-      want = (n_rows, hkv, cache.shape[-1])
-      if tuple(new.shape) != want:
-        raise ValueError(f"{CALLER}: {name} must be [N, Hkv, D]={want} (one row per packed token); "
-                         f"got {name}.shape={tuple(new.shape)}")
-      if is_quantized(cache.dtype) and new.dtype != cache.dtype:
-        raise TypeError(f"{CALLER}: {name} must be already quantized with the cache's scales, in the "
-                        f"cache's dtype {cache.dtype}; got {name}.dtype={new.dtype}")
-      if not is_quantized(cache.dtype) and not jnp.issubdtype(new.dtype, jnp.floating):
-        raise TypeError(f"{CALLER}: {name} must be floating point for a {cache.dtype} cache; got "
-                        f"{name}.dtype={new.dtype}")
-  return n_rows, m
-
-
-def _check_values(kv_lens, block_tables, cu_q_lens, num_seqs, n_rows, m, cap, *, num_pages,
-                  page_size, window):
-  """Concrete value checks (skipped for traced values, which are clipped instead)."""
-  for name, x in (("kv_lens", kv_lens), ("cu_q_lens", cu_q_lens), ("num_seqs", num_seqs)):
-    check_int32(name, x, CALLER)
-  if any(isinstance(x, jax.core.Tracer) for x in (kv_lens, cu_q_lens, num_seqs)):
-    return
-  ns = int(np.asarray(num_seqs).reshape(-1)[0])
-  if not 0 <= ns <= m:
-    raise ValueError(f"{CALLER}: num_seqs must lie in [0, max_seqs={m}]; got {ns}")
-  cu = np.asarray(cu_q_lens).astype(np.int64)
-  lens = np.asarray(kv_lens).astype(np.int64)
-  if cu[0] != 0:
-    raise ValueError(f"{CALLER}: cu_q_lens[0] must be 0; got {int(cu[0])}")
-  steps = np.diff(cu)
-  if (steps[:ns] < 0).any():
-    i = int(np.argmax(steps[:ns] < 0))
-    raise ValueError(f"{CALLER}: cu_q_lens must be non-decreasing; cu_q_lens[{i + 1}] = {int(cu[i + 1])} "
-                     f"< cu_q_lens[{i}] = {int(cu[i])}")
-  if cu[ns] > n_rows:
-    raise ValueError(f"{CALLER}: cu_q_lens[num_seqs={ns}] = {int(cu[ns])} rows, but q has only N={n_rows}")
-  bad = np.nonzero((lens[:ns] < 0) | (lens[:ns] > cap))[0]
-  if bad.size:
-    i = int(bad[0])
-    raise ValueError(f"{CALLER}: kv_lens must lie in [0, S={cap}]; sequence {i} has kv_lens[{i}] = {int(lens[i])}")
-  over = np.nonzero(steps[:ns] > lens[:ns])[0]
-  if over.size:
-    i = int(over[0])
-    raise ValueError(f"{CALLER}: sequence {i} has q_len = {int(steps[i])} new tokens but kv_lens[{i}] = "
-                     f"{int(lens[i])}: its new tokens are the last q_len of its kv_lens tokens")
-  if block_tables is not None and not isinstance(block_tables, jax.core.Tracer):
-    qmax = int(steps[:ns].max()) if ns else 1
-    check_concrete_page_ids(np.asarray(block_tables)[:ns], lens[:ns], num_pages, page_size,
-                            num_tokens=max(qmax, 1), window=window, caller=CALLER)
-
-
 @functools.partial(jax.jit, static_argnames=("kv_layout", "statics"))
 def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_layout, statics):
   """The jit-compiled step: clip, write, decode part, prefill blocks."""
   opts = dict(statics)
   paged = tables is not None
   n_rows, m = q.shape[0], kv_lens.shape[0]
+  dv = opts.get("v_head_dim") if v is None else v.shape[-1]
+  out = jnp.zeros((n_rows, q.shape[1], dv), q.dtype)
+  lse = jnp.full((n_rows, q.shape[1]), -jnp.inf, jnp.float32)
+  if n_rows == 0 or m == 0:  # no row or no sequence: nothing to write or attend
+    return out, lse, k, v
   cu, lens, q_len, seq, pos = row_positions(kv_lens, cu, num_seqs, n_rows, capacity(k.shape, kv_layout, tables))
 
   if new_k is not None:
@@ -260,15 +174,9 @@ def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_
 
   # The caches in the caller's layout: flash_decode reads token-major ones in place (`fdecode.cache.layout`).
   caches = dict(k=k, v=v, **{n: arrays.get(n) for n in ("k_rope", "k_scale", "v_scale", "k_offset", "v_offset")})
-  hq = q.shape[1]
-  dv = opts.get("v_head_dim") if v is None else caches["v"].shape[-1]
-  out = jnp.zeros((n_rows, hq, dv), q.dtype)
-  lse = jnp.full((n_rows, hq), -jnp.inf, jnp.float32)
-  if n_rows == 0 or m == 0:
-    return out, lse, k, v
   call = functools.partial(flash_decode, return_lse=True, kv_layout=kv_layout, **opts)
   shared = {n: arrays[n] for n in ("alibi_slopes", "sinks") if n in arrays}
-  per_row = lambda idx, shape: {n: _rows(arrays[n], idx, shape) for n in _PER_ROW if n in arrays}
+  per_row = lambda idx, shape: {n: _rows(arrays[n], idx, shape) for n in PER_ROW if n in arrays}
 
   # Decode part: each live sequence's last new token, over the caches in place.
   has = q_len > 0
@@ -342,8 +250,11 @@ def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):
   (under ``jit`` the values are not checked): returns ``(cu, lens, q_len, seq, pos)``:
   monotone ``cu_q_lens`` in ``[0, N]``, kv_lens in ``[0, S]`` (0 for
   dead sequences), new tokens per sequence, and per row its sequence and position
-  (``pos`` -1 for padding rows). A row's position is ``kv_len - q_len + (row - cu)``.
-  ``num_seqs`` int32 ``[1]``."""
+  (``pos`` -1 for rows no live sequence owns: before ``cu[0]`` (a traced
+  ``cu_q_lens[0] > 0``) or from ``cu[num_seqs]`` on). A row's position is
+  ``kv_len - q_len + (row - cu)``, one of its sequence's new tokens' own positions
+  ``[kv_len - q_len, kv_len)``, so a fused write never lands on an older (cached) one.
+  ``num_seqs`` int32 ``[1]``; M >= 1."""
   m = kv_lens.shape[0]
   ns = jnp.clip(num_seqs[0], 0, m)
   cu = lax.cummax(jnp.clip(cu_q_lens, 0, n_rows))
@@ -352,7 +263,8 @@ def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):
   q_len = jnp.where(live, cu[1:] - cu[:-1], 0)
   rows = jnp.arange(n_rows, dtype=jnp.int32)
   seq = jnp.clip(_searchsorted(cu[1:], rows), 0, max(m - 1, 0)).astype(jnp.int32)
-  pos = jnp.where(rows < cu[ns], lens[seq] - q_len[seq] + rows - cu[seq], -1)
+  owned = (rows >= cu[0]) & (rows < cu[ns])
+  pos = jnp.where(owned, lens[seq] - q_len[seq] + rows - cu[seq], -1)
   return cu, lens, q_len, seq, pos
 
 

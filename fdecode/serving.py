@@ -9,9 +9,10 @@ sampling of each sequence's next token. Its shapes are fixed (N = token_budget,
 M = max_seqs), so it compiles once and serves every mix.
 
 Pages come from a `fdecode.cache.PageAllocator`. A request is admitted (first come,
-first served) only when a sequence slot is free and the pool has pages for its whole
-prompt plus ``max_new_tokens``; otherwise it waits, and the running ones are never
-disturbed. Its pages return to the pool when it stops, at ``eos_id`` or at
+first served: in order of ``arrival``, then of submission; a request that has not
+arrived yet holds nobody back) only when a sequence slot is free and the pool has pages
+for its whole prompt plus ``max_new_tokens``; otherwise it waits, and so do the requests
+that arrived after it, and the running ones are never disturbed. Its pages return to the pool when it stops, at ``eos_id`` or at
 ``max_new_tokens``. Sampling is greedy (temperature 0) or temperature / top-k / top-p,
 with a key derived from the request's seed and the token's index, so a request's tokens
 do not depend on what it was batched with.
@@ -46,6 +47,8 @@ class Request:
     top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (1 = all).
     seed: the request's sampling seed (int32).
     arrival: the engine step at which it arrives (staggered arrivals); 0 = at once.
+      Requests are admitted in order of arrival (then of submission), whatever order
+      they were submitted in.
   """
 
   prompt: Sequence[int]
@@ -92,6 +95,16 @@ class _Live:
     return list(self.req.prompt) + self.generated
 
 
+class StepLimitError(RuntimeError):
+  """`Engine.run` took ``max_steps`` steps and requests are still unfinished. The engine
+  is intact: ``finished`` holds the requests done so far (by id), ``unfinished`` the ids
+  still running or waiting; call ``run()`` again (or ``step()``) to go on."""
+
+  def __init__(self, message, finished, unfinished):
+    super().__init__(message)
+    self.finished, self.unfinished = finished, unfinished
+
+
 class Engine:
   """Continuous batching over one model (see the module docstring).
 
@@ -104,25 +117,32 @@ class Engine:
     page_size: tokens per page.
     num_pages: pages the allocator hands out (default: ``max_seqs * ceil(max_len /
       page_size)``, the whole pool); fewer makes requests wait for pages.
-    eos_id: stop token (None: stop at max_new_tokens only).
+    eos_id: stop token, an int in ``[0, V)`` (None: stop at max_new_tokens only).
 
   Use ``submit(request) -> id``, then ``run() -> {id: Finished}`` (or ``step()`` yourself).
+
+  Raises:
+    ValueError: a size that is not an int (bools are not) in its range, or an ``eos_id``
+      that is not None or a token id.
   """
 
   def __init__(self, model, *, max_seqs: int = 16, token_budget: int = 128, max_len: int = 256,
                page_size: int = 16, num_pages: int | None = None, eos_id: int | None = None):
     for name, value, low in (("max_seqs", max_seqs, 1), ("token_budget", token_budget, max_seqs),
                              ("max_len", max_len, 1), ("page_size", page_size, 1)):
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not low <= value <= INT32_MAX:
+      if not _is_int(value) or not low <= value <= INT32_MAX:
         raise ValueError(f"Engine: {name} must be an int in [{low}, {INT32_MAX}]; got {describe(value)}")
+    vocab = model.cfg.vocab
+    if eos_id is not None and not (_is_int(eos_id) and 0 <= eos_id < vocab):
+      raise ValueError(f"Engine: eos_id must be None or a token id, an int in [0, V={vocab}); got {describe(eos_id)}")
     self.model, self.max_seqs, self.budget = model, int(max_seqs), int(token_budget)
-    self.max_len, self.eos_id, self.vocab = int(max_len), eos_id, model.cfg.vocab
+    self.max_len, self.eos_id, self.vocab = int(max_len), None if eos_id is None else int(eos_id), vocab
     pages_per_seq = -(-max_len // page_size)
     model.init_cache(max_seqs, pages_per_seq * page_size, page_size=page_size)
     pool = max_seqs * pages_per_seq
     if num_pages is None:
       num_pages = pool
-    if not isinstance(num_pages, (int, np.integer)) or not 1 <= num_pages <= pool:
+    if not _is_int(num_pages) or not 1 <= num_pages <= pool:
       raise ValueError(f"Engine: num_pages must be an int in [1, {pool}] (the pool); got {describe(num_pages)}")
     self.alloc = PageAllocator(int(num_pages), page_size, pages_per_seq)
     self.pages_per_seq = pages_per_seq
@@ -167,24 +187,46 @@ class Engine:
     self.clock += 1
     return stats
 
-  def run(self, max_steps: int = 100_000) -> dict[int, Finished]:
-    """Steps until every submitted request finished; returns them by id."""
-    for _ in range(max_steps):
-      if not self.running and not self.waiting:
-        break
+  def run(self, max_steps: int | None = None) -> dict[int, Finished]:
+    """Steps until every submitted request finished; returns them by id (every request
+    the engine finished, this run or before).
+
+    ``max_steps`` (an int >= 1, or None: no limit; every request finishes in a bounded
+    number of steps, as each fits the pool): the most steps this call takes, idle steps
+    waiting for an arrival included.
+
+    Raises:
+      StepLimitError: requests are unfinished after ``max_steps`` steps; it carries the
+        finished ones and the unfinished ids, and the engine goes on where it stopped.
+      ValueError: ``max_steps`` not None or an int >= 1.
+    """
+    if max_steps is not None and not (_is_int(max_steps) and max_steps >= 1):
+      raise ValueError(f"Engine.run: max_steps must be None or an int >= 1; got {describe(max_steps)}")
+    taken = 0
+    while self.running or self.waiting:
+      if max_steps is not None and taken == max_steps:
+        unfinished = sorted([live.rid for live in self.running] + [rid for rid, _ in self.waiting])
+        raise StepLimitError(
+            f"Engine.run: {len(unfinished)} request(s) unfinished after max_steps={max_steps} steps "
+            f"({len(self.running)} running, {len(self.waiting)} waiting, ids {unfinished[:8]}"
+            f"{'...' if len(unfinished) > 8 else ''}); call run() again to go on",
+            dict(self.finished), unfinished)
       self.step()
+      taken += 1
     return dict(self.finished)
 
   # -- internals --
 
   def _admit(self) -> None:
-    while self.waiting and len(self.running) < self.max_seqs:
-      rid, req = self.waiting[0]
+    """First come, first served: the arrived requests in order of arrival (then of
+    submission); one that does not fit holds back those that arrived after it."""
+    arrived = sorted((w for w in self.waiting if w[1].arrival <= self.clock), key=lambda w: (w[1].arrival, w[0]))
+    for rid, req in arrived:
       need = -(-(len(req.prompt) + req.max_new_tokens) // self.alloc.page_size)
-      if req.arrival > self.clock or self.alloc.num_free < need:
-        return  # first come, first served: later requests wait behind it
+      if len(self.running) >= self.max_seqs or self.alloc.num_free < need:
+        return
       self.alloc.allocate(rid, len(req.prompt) + req.max_new_tokens)
-      self.waiting.pop(0)
+      self.waiting.remove((rid, req))
       self.running.append(_Live(rid, req, self.clock))
 
   def _schedule(self) -> list[tuple[_Live, int]]:
@@ -244,25 +286,36 @@ def _checked(req: Request, vocab: int, max_len: int, alloc: PageAllocator) -> Re
     raise ValueError(f"Engine.submit: prompt must be a non-empty 1-D list of token ids; got {describe(req.prompt)}")
   prompt = check_prompt_ids("Engine.submit", "prompt", prompt, prompt.size, vocab)
   n_new = req.max_new_tokens
-  if not isinstance(n_new, (int, np.integer)) or isinstance(n_new, bool) or n_new < 1:
+  if not _is_int(n_new) or n_new < 1:
     raise ValueError(f"Engine.submit: max_new_tokens must be an int >= 1; got {describe(n_new)}")
   if prompt.size + n_new > max_len:
     raise ValueError(f"Engine.submit: prompt ({prompt.size} tokens) + max_new_tokens ({n_new}) exceed the "
                      f"engine's max_len={max_len}")
   if -(-(prompt.size + n_new) // alloc.page_size) > alloc.num_pages:
     raise ValueError(f"Engine.submit: the request needs more pages than the pool holds ({alloc.num_pages})")
+  # Numbers, never bools (True is an int to Python): each as the step uses it.
   t = req.temperature
-  if not isinstance(t, (int, float, np.floating, np.integer)) or not (math.isfinite(t) and 0 <= t <= 3e38):
+  if not _is_real(t) or not (math.isfinite(t) and 0 <= t <= 3e38):
     raise ValueError(f"Engine.submit: temperature must be a finite float >= 0 (0 = greedy); got {describe(t)}")
-  if not isinstance(req.top_k, (int, np.integer)) or not 0 <= req.top_k <= INT32_MAX:
+  if not _is_int(req.top_k) or not 0 <= req.top_k <= INT32_MAX:
     raise ValueError(f"Engine.submit: top_k must be an int >= 0 (0 = all); got {describe(req.top_k)}")
-  if not isinstance(req.top_p, (int, float, np.floating)) or not 0 < req.top_p <= 1:
+  if not _is_real(req.top_p) or not 0 < req.top_p <= 1:
     raise ValueError(f"Engine.submit: top_p must lie in (0, 1]; got {describe(req.top_p)}")
-  if not isinstance(req.seed, (int, np.integer)) or not 0 <= req.seed <= INT32_MAX:
+  if not _is_int(req.seed) or not 0 <= req.seed <= INT32_MAX:
     raise ValueError(f"Engine.submit: seed must be an int in [0, {INT32_MAX}]; got {describe(req.seed)}")
-  if not isinstance(req.arrival, (int, np.integer)) or req.arrival < 0:
+  if not _is_int(req.arrival) or req.arrival < 0:
     raise ValueError(f"Engine.submit: arrival must be an int >= 0 (a step); got {describe(req.arrival)}")
   return dataclasses.replace(req, prompt=[int(x) for x in prompt])
+
+
+def _is_int(x) -> bool:
+  """A Python / numpy integer, not a bool."""
+  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+  """A Python / numpy real number (int or float), not a bool."""
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
 @nnx.jit

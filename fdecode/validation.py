@@ -318,26 +318,6 @@ def validate_quant(name, cache, scale, offset, caller: str = "flash_decode", *, 
   return None, None
 
 
-def check_concrete_page_ids(block_tables, lengths, num_pages, page_size, *, num_tokens=1,
-                             window=None, caller: str = "flash_decode", name: str = "block_tables") -> None:
-  """When table and lengths are concrete: every page a live token some query may see
-  needs is in [0, P). With a window, pages wholly before every query's window are never
-  read, so they may be freed (hold anything)."""
-  if isinstance(block_tables, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
-    return
-  tables, lens = np.asarray(block_tables), np.asarray(lengths).astype(np.int64)
-  cols = np.arange(tables.shape[1])[None, :]
-  needed = cols < -(-lens[:, None] // page_size)
-  if window is not None and isinstance(window, numbers.Integral) and window > 0:
-    first = np.maximum(lens - num_tokens + 1 - window, 0)
-    needed &= (cols + 1) * page_size > first[:, None]
-  bad = needed & ((tables < 0) | (tables >= num_pages))
-  if bad.any():
-    seq, j = map(int, np.argwhere(bad)[0])
-    raise ValueError(f"{caller}: {name}[{seq}, {j}] = {int(tables[seq, j])} is out of range "
-                     f"[0, P={num_pages}) for a live token of sequence {seq} (length {int(lens[seq])})")
-
-
 def check_concrete_lengths(lengths, capacity, caller: str = "flash_decode", name: str = "lengths") -> None:
   """Value check when lengths are concrete (not traced): in ``[0, capacity]``; capacity
   None: no upper bound but int32's."""

@@ -66,6 +66,52 @@ def assert_close(actual, expected, *, atol, rtol, what="output"):
   np.testing.assert_allclose(a[fin], e[fin], atol=atol, rtol=rtol, err_msg=what)
 
 
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+def max_abs(*arrays) -> float:
+  """The largest finite magnitude in the arrays (a `assert_reordered` scale)."""
+  vals = [np.abs(np.asarray(jnp.asarray(x, jnp.float32), np.float64)) for x in arrays]
+  return max(float(np.max(np.where(np.isfinite(x), x, 0.0), initial=0.0)) for x in vals)
+
+
+def assert_reordered(actual, expected, *, terms, scale, what="output"):
+  """``actual`` and ``expected`` are the same float math compiled into *different*
+  programs (fused or not, another layout, sharding or op): XLA may order, fuse and
+  vectorize their float32 sums differently, and how depends on the CPU (a fused ragged
+  step differed from its two-step twin by up to 4.8e-7 on one AMD EPYC and not at all on
+  another), so they are never compared bit for bit. Instead each element may differ by
+  the rounding of reordering float32 sums of up to ``terms`` terms of magnitude up to
+  ``scale`` (``terms * eps32 * scale``: for attention, terms = keys + Dk, scale = max|v|;
+  both derived by the caller from the inputs), plus one rounding step of the result's
+  dtype at ``scale`` and at the value itself (a bfloat16 result, or a bfloat16 softmax
+  weight, may round either way). NaN and inf positions (and signs) must agree exactly."""
+  dtype = jnp.result_type(actual)
+  a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+  e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+  assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+  np.testing.assert_array_equal(np.isnan(a), np.isnan(e), err_msg=f"{what}: NaN positions differ")
+  np.testing.assert_array_equal(np.where(np.isinf(a), np.sign(a), 0), np.where(np.isinf(e), np.sign(e), 0),
+                                err_msg=f"{what}: inf positions differ")
+  eps = float(jnp.finfo(dtype).eps) if jnp.issubdtype(dtype, jnp.floating) else 0.0
+  fin = np.isfinite(e)
+  np.testing.assert_allclose(a[fin], e[fin], atol=(terms * F32_EPS + eps) * scale, rtol=eps,
+                             err_msg=f"{what}: more than reordered float32 sums of {terms} terms of "
+                                     f"magnitude {scale:.3g} explain")
+
+
+def assert_attention_reordered(actual, expected, *, keys, dk, values, what="out"):
+  """`assert_reordered` for an attention result ``out`` or ``(out, lse)`` from two
+  different programs: a row's sums run over up to ``keys`` weighted values and ``dk``
+  score products (``keys + dk`` terms); ``values`` is the largest |value| (dequantized)
+  a row may see, the scale of out; lse's scale is its own magnitude (at least 1)."""
+  pairs = zip(actual, expected) if isinstance(actual, (tuple, list)) else [(actual, expected)]
+  for i, (a, e) in enumerate(pairs):
+    lse = i == 1
+    assert_reordered(a, e, terms=int(keys) + int(dk), scale=max(1.0, max_abs(e)) if lse else values,
+                     what="lse" if lse else what)
+
+
 # The TPU kernel's interpreter: simulated HBM / VMEM / SMEM, DMAs and semaphores, race
 # detection, and NaN in every uninitialized buffer (so a read of unwritten memory shows).
 TPU_INTERPRET = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")

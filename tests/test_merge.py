@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fdecode
-from conftest import assert_close, make_problem
+from conftest import assert_close, assert_reordered, make_problem, max_abs
 
 
 @pytest.mark.parametrize("cut", [0, 1, 17, 33, 63, 64])
@@ -96,7 +96,7 @@ def test_kv_offset_per_sequence_and_errors():
 
 def test_merge_segments_is_merge_states_per_segment():
   """`merge_segments` (the Triton kernel's balanced schedule merges its work items so):
-  each segment's parts give exactly `merge_states` of them, with its semantics for empty
+  each segment's parts give `merge_states` of them (within float32 reordering), with its semantics for empty
   parts, a NaN lse or o, and +inf; a segment with no part is (0, -inf); parts whose id
   is out of range are dropped, NaN and all."""
   from fdecode.combine import merge_segments
@@ -109,8 +109,10 @@ def test_merge_segments_is_merge_states_per_segment():
   out, out_lse = merge_segments(o, lse, segments, 5)
   for seg, parts in ((0, slice(0, 2)), (2, slice(2, 5)), (4, slice(5, 8))):
     want, want_lse = fdecode.merge_states(o[parts], lse[parts], axis=0)
-    np.testing.assert_array_equal(np.asarray(out[seg]), np.asarray(want))
-    np.testing.assert_array_equal(np.asarray(out_lse[seg]), np.asarray(want_lse))
+    # A segment sum and a reduction are two programs (their float32 sums of up to three
+    # parts may round differently): NaN / inf positions exact, values within reordering.
+    assert_reordered(out[seg], want, terms=3, scale=max_abs(o), what=f"segment {seg} o")
+    assert_reordered(out_lse[seg], want_lse, terms=3, scale=max(1.0, max_abs(want_lse)), what=f"segment {seg} lse")
   for seg in (1, 3):
     np.testing.assert_array_equal(np.asarray(out[seg]), 0.0)
     assert np.isneginf(np.asarray(out_lse[seg])).all()

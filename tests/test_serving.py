@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fdecode.generate import ModelConfig, Transformer, generate
-from fdecode.serving import Engine, Request, sample
+from fdecode.serving import Engine, Request, StepLimitError, sample
 from test_recompile import counting_compiles
 
 CFG = ModelConfig(vocab=97, dim=64, layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96)
@@ -114,3 +114,66 @@ def test_sampled_requests_do_not_depend_on_their_batch():
   busy.submit(Request(prompts(5, [12])[0], 8))
   rid = busy.submit(req(p))
   assert busy.run()[rid].tokens == ref
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", True, "temperature must be a finite float"),
+    ("top_k", True, "top_k must be an int >= 0"),
+    ("top_p", True, r"top_p must lie in \(0, 1\]"),
+    ("seed", False, "seed must be an int"),
+    ("arrival", True, "arrival must be an int >= 0"),
+    ("max_new_tokens", np.bool_(True), "max_new_tokens must be an int >= 1"),
+])
+def test_bools_are_not_numbers_in_a_request(field, value, message):
+  """True passed as top_k 1, temperature 1.0, top_p 1.0 (while max_new_tokens rejected it)."""
+  engine = Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=32, page_size=8)
+  with pytest.raises(ValueError, match=message):
+    engine.submit(Request([1, 2], **dict(dict(max_new_tokens=3), **{field: value})))
+  assert not engine.waiting
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(num_pages=True), r"num_pages must be an int in \[1, 8\]"),
+    (dict(eos_id=10 ** 9), r"eos_id must be None or a token id, an int in \[0, V=97\); got 1000000000"),
+    (dict(eos_id="x"), "eos_id must be None or a token id"),
+    (dict(eos_id=True), "eos_id must be None or a token id"),
+    (dict(eos_id=-1), "eos_id must be None or a token id"),
+    (dict(max_seqs=True), "max_seqs must be an int"),
+])
+def test_engine_sizes_and_eos_id_are_checked(kw, message):
+  """eos_id was never checked: 10**9 or 'x' silently disabled stopping; a pool of True pages was one page."""
+  with pytest.raises(ValueError, match=message):
+    Engine(Transformer(CFG, seed=0), **dict(dict(max_seqs=2, token_budget=8, max_len=32, page_size=8), **kw))
+
+
+def test_a_later_arrival_submitted_first_does_not_hold_back_a_ready_one():
+  """First come, first served means first *arrived*: a request submitted first with
+  arrival 6 kept a ready one (arrival 0) waiting, both slots idle, for 6 steps."""
+  engine = Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=32, page_size=8)
+  ps = prompts(6, [4, 5])
+  late = engine.submit(Request(ps[0], 3, arrival=6))
+  ready = engine.submit(Request(ps[1], 3, arrival=0))
+  done = engine.run()
+  assert done[ready].admitted == 0 and done[late].admitted == 6
+  assert done[ready].tokens == alone(ps[1], 3) and done[late].tokens == alone(ps[0], 3)
+
+
+def test_run_with_max_steps_raises_and_the_engine_goes_on():
+  """run(max_steps) returned a partial result ({}) with requests still waiting and no
+  word of it, while its docstring said it steps until every request finished. Now it
+  raises StepLimitError (the finished ones and the unfinished ids attached); the engine
+  is intact and run() finishes the rest."""
+  engine = Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=32, page_size=8)
+  ps = prompts(7, [3, 6])
+  first = engine.submit(Request(ps[0], 2))
+  second = engine.submit(Request(ps[1], 2, arrival=9))
+  with pytest.raises(StepLimitError, match=r"1 request\(s\) unfinished after max_steps=4 steps \(0 running, "
+                                           r"1 waiting") as err:
+    engine.run(max_steps=4)
+  assert list(err.value.finished) == [first] and err.value.unfinished == [second]
+  for bad in (0, True, 2.0):
+    with pytest.raises(ValueError, match="max_steps must be None or an int >= 1"):
+      engine.run(max_steps=bad)
+  done = engine.run()
+  assert sorted(done) == [first, second]
+  assert done[first].tokens == alone(ps[0], 2) and done[second].tokens == alone(ps[1], 2)

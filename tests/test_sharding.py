@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import fdecode
 from fdecode.reference import reference_decode
 from fdecode.sharding import collective_bytes
-from conftest import assert_close, make_problem, tol
+from conftest import assert_attention_reordered, assert_close, make_problem, max_abs, tol
 
 AUTO3 = (AxisType.Auto,) * 3
 # S = 64 on 4 sequence shards: chunks of 16. With T = 4 the causal window straddles a
@@ -127,9 +127,9 @@ def test_bfloat16_under_jit_with_presharded_and_missharded_inputs():
   put = lambda x, *spec: jax.device_put(x, NamedSharding(mesh, P(*spec)))
   for args in ((put(q, "b"), put(k, "b", None, "s"), put(v, "b", None, "s"), put(lengths, "b")),
                (put(q, None, "s"), put(k, "s", "b"), put(v, None, "b"), put(lengths, "s"))):
-    out, lse = step(*args)
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected[0], np.float32))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(expected[1]))
+    # Other input shardings compile other programs (other partitioning, other fusions):
+    # equal within float32 reordering, not bit for bit.
+    assert_attention_reordered(step(*args), expected, keys=int(max(LENGTHS)), dk=q.shape[-1], values=max_abs(v))
 
 
 def test_seq_parallel_sends_states_not_cache_bytes():
@@ -265,8 +265,8 @@ def _token_major(x, paged):
 ], ids=["b-h-s", "h8-replicated"])
 def test_token_major_caches_split_on_the_same_logical_axes(paged, roles, shape, names):
   """kv_layout="NHD": the cache, its per-token int8 scales and the table split on kv heads,
-  tokens / pages and sequences; the result is bit-identical to the head-major call and
-  matches single-device flash_decode."""
+  tokens / pages and sequences; the result is the head-major call's (within float32
+  reordering: another program) and matches single-device flash_decode."""
   from fdecode.quant import quantize
   page_size, b, hkv, s, d = 4, 2, 2, 32, 16
   q, k, v = make_problem(12, b=b, t=3, hq=8, hkv=hkv, s=s, dk=d)
@@ -287,8 +287,8 @@ def test_token_major_caches_split_on_the_same_logical_axes(paged, roles, shape, 
   token_major = fdecode.sharded_flash_decode(
       q, _token_major(kq, paged), _token_major(v, paged), lengths, k_scale=_token_major(ks, paged),
       kv_layout="NHD", **kw)
-  for got, want in zip(token_major, head_major):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # Two layouts, two compiled programs: equal within float32 reordering.
+  assert_attention_reordered(token_major, head_major, keys=s, dk=d, values=max_abs(v))
   k8, k8_scale = quantize(k, jnp.int8)
   single = fdecode.flash_decode(q, k8, v_contiguous, lengths, k_scale=k8_scale, impl="xla", return_lse=True)
   assert_close(token_major[0], single[0], atol=3e-5, rtol=3e-5)

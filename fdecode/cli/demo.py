@@ -174,7 +174,10 @@ def gemma_main(argv) -> int:
   from fdecode.generate import generate  # pylint: disable=import-outside-toplevel
   from fdecode.models import gemma3_270m_path  # pylint: disable=import-outside-toplevel
 
-  path = a.gguf or gemma3_270m_path()
+  try:
+    path = a.gguf or gemma3_270m_path()
+  except ImportError as e:  # the weights package is not installed: a usage error, as a missing --gguf file
+    p.error(f"{e}; or pass --gguf FILE (a gemma3 GGUF file)")
   t0 = time.perf_counter()
   model, tok = _load(p, path, jnp)
   cfg = model.cfg

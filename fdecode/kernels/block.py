@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fdecode.combine import MASK_VALUE, finalize_state
+from fdecode.combine import MASK_VALUE, corrupt_rows, finalize_state
 from fdecode.modifiers import Modifiers, window_lo, window_start
 from fdecode.quant import dequantize
 
@@ -205,6 +205,8 @@ def finalize(state):
   acc, m, l = state
   out = []
   lse = None
+  if acc:  # a corrupt value in any column piece poisons the whole row (`finalize_state`)
+    l = jnp.where(corrupt_rows(*acc)[:, None], jnp.nan, l)
   for a in acc:
     o, lse = finalize_state(a, m[:, 0], l[:, 0])
     out.append(o)
