@@ -103,7 +103,7 @@ class Launch:
 
 
 def launch_plan(gpu: chips.Gpu, *, block_r: int, dq: int, dv: int, cols: int, raw_bytes: int,
-                compute_bytes: int, block_k: int, convert_bytes: int = 0) -> Launch:
+                compute_bytes: int, block_k: int, convert_bytes: int = 0, row_state: int = 1) -> Launch:
   """Warps and block for ``gpu``: the largest power-of-two ``bk <= block_size(block_k)``
   whose tiles fit `THREAD_BYTES` a thread and whose pipelined loads fit the chip's shared
   memory per block, on 4 warps if that keeps ``bk >= 64`` (or the cap), else on 8.
@@ -112,12 +112,13 @@ def launch_plan(gpu: chips.Gpu, *, block_r: int, dq: int, dv: int, cols: int, ra
   their bytes in memory; ``compute_bytes``: after the cast / dequantization;
   ``convert_bytes``: what a loaded element holds on the way there (its raw bytes for a
   cast or a dequantization, plus 4 for the int32 of a float8 bit decode; 0 when loads feed
-  the dots as they are).
+  the dots as they are); ``row_state``: how many times the rows' q and accumulator count
+  (`row_state_factor`).
   """
   cap = block_size(block_k)
 
   def fits(bk, warps):
-    tiles = (bk * cols * (compute_bytes + convert_bytes) + block_r * (dq * compute_bytes + dv * 4)
+    tiles = (bk * cols * (compute_bytes + convert_bytes) + row_state * block_r * (dq * compute_bytes + dv * 4)
              + 2 * block_r * bk * 4)
     smem = bk * cols * (raw_bytes * (STAGES - 1) + compute_bytes) + block_r * bk * compute_bytes
     per_thread = tiles / (32 * warps)
@@ -141,6 +142,16 @@ def launch_plan(gpu: chips.Gpu, *, block_r: int, dq: int, dv: int, cols: int, ra
   # tiles on 8 warps, which ptxas takes without spills once float32 pieces are at most
   # F32_PIECE wide (16 warps would cap it at 128 registers and spill).
   return fits(MIN_DOT, WARPS[-1])[1]
+
+
+def row_state_factor(block_r: int, pieces) -> int:
+  """2 where a block of 64+ rows holds pieces of unequal widths with one of 128 or more
+  (D = 192: 128 + 64), else 1. Found by the randomized compile leg (2026-11-26): A100, D=192
+  bf16, 64 rows, T > 1: the register model allowed bk = 32 and ptxas spilled 32-52 bytes at
+  255 registers (bk = 16: 212 registers); counting those rows' state twice gives bk = 16.
+  D = 112 / 96 / 80 (pieces of 64 and less) compiled without spills as they were."""
+  widths = {p.width for p in pieces}
+  return 2 if block_r >= 64 and len(widths) > 1 and max(widths) >= 128 else 1
 
 
 def column_pieces(dk, dv, k_tiles, v_tiles, v_from_k, rope_dim, max_width=None):
@@ -304,7 +315,8 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   convert = _convert_bytes(raw_bytes, compute_bytes, k_scale is not None or v_scale is not None, fp8_bits,
                            paged and page_size < MIN_DOT)
   launch = launch_plan(gpu, block_r=block_r, dq=dq, dv=dv, cols=cols, raw_bytes=raw_bytes,
-                       compute_bytes=compute_bytes, block_k=block_k, convert_bytes=convert)
+                       compute_bytes=compute_bytes, block_k=block_k, convert_bytes=convert,
+                       row_state=row_state_factor(block_r, k_pieces + v_pieces))
   bk = launch.block
   if not paged:
     cache_rows = max(cache_rows, bk)  # a cache shorter than one block is padded to it
