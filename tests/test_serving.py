@@ -1,7 +1,8 @@
 """`fdecode.serving.Engine`: continuous batching over a tiny `fdecode.generate.Transformer`.
 Served greedy tokens equal generating each request alone; pages return to the pool;
 a request that does not fit waits; malformed requests are rejected without disturbing
-the batch; one compilation serves every mix; sampling is per-request deterministic."""
+the batch; each step runs the smallest bucket that holds its tokens, and each bucket
+compiles once; sampling is per-request deterministic."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -77,16 +78,42 @@ def test_malformed_request_is_rejected_and_the_batch_runs_on(bad, message):
   assert list(done) == [rid] and done[rid].tokens == alone(good, 4)
 
 
-def test_one_compilation_serves_every_mix():
+def test_each_step_runs_its_smallest_bucket_compiled_once():
+  """A long run of many mixes: each step runs over the smallest bucket that holds its
+  tokens (M = min(N, max_seqs) sequence rows), each bucket compiles on its first use
+  and never again, and a second wave of requests compiles nothing."""
   cfg = ModelConfig(vocab=41, dim=24, layers=2, num_heads=4, num_kv_heads=2, head_dim=6, mlp_dim=40)  # unseen shapes
   engine = Engine(Transformer(cfg, seed=0), max_seqs=3, token_budget=12, max_len=40, page_size=4)
+  assert engine.buckets == (1, 2, 4, 8, 12)
   rng = np.random.default_rng(3)
-  for i, n in enumerate([11, 2, 25, 1]):
-    engine.submit(Request(rng.integers(0, 41, n).tolist(), 5, arrival=2 * i))
   with counting_compiles() as compiles:
-    engine.run()
-  assert compiles.count("_serve_step") == 1, compiles.names
-  assert len({(s.decodes, s.prefill_tokens) for s in engine.history}) > 2  # many different mixes
+    for wave in range(2):
+      for i, n in enumerate([11, 2, 25, 1, 7, 3]):
+        engine.submit(Request(rng.integers(0, 41, n).tolist(), 5, arrival=len(engine.history) + 2 * i))
+      engine.run()
+      if wave == 0:
+        first_wave = len(compiles.names)
+  steps = engine.history
+  for s in steps:
+    tokens = s.decodes + s.prefill_tokens
+    assert s.rows == min(b for b in engine.buckets if b >= tokens) and s.seqs == min(s.rows, 3), s
+  used = {s.rows for s in steps}
+  assert used == set(engine.buckets), used  # the run reached every bucket
+  assert compiles.count("_serve_step") == len(used) == first_wave, compiles.names
+  assert len({(s.decodes, s.prefill_tokens) for s in steps}) > len(used)  # more mixes than buckets
+
+
+@pytest.mark.parametrize("buckets", [(), (4, 2, 8), (2, 2, 8), (2, 4), (2, 8, 16), (0, 8), (2.0, 8), (True, 8),
+                                     "8", 8])
+def test_bad_buckets_are_rejected(buckets):
+  with pytest.raises(ValueError, match=r"buckets must be increasing ints >= 1 ending at token_budget=8"):
+    Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=32, buckets=buckets)
+
+
+def test_given_buckets_are_used():
+  engine = Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=32, buckets=[3, np.int64(8)])
+  assert engine.buckets == (3, 8) and engine.bucket(1) == (3, 2) and engine.bucket(4) == (8, 2)
+  assert Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=32, buckets=(8,)).bucket(1) == (8, 2)
 
 
 def test_sampling_is_deterministic_per_request_and_respects_top_k():

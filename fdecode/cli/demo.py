@@ -257,11 +257,11 @@ def serve_main(a, model, tok, texts, prompts, lengths, path, load_s) -> int:
     print(f"\n--- request {rid} (prompt {w}, steps {f.admitted}-{f.finished}, {f.reason}) ---\n"
           f"{texts[w]}{bold}{tok.decode(out)}{plain}")
   hist = engine.history
-  print("\n  step  decodes  prefill  running  waiting  pages    ms")
+  print("\n  step  decodes  prefill  running  waiting  pages  bucket N/M      ms")
   every = max(1, len(hist) // 24)
   for s_ in hist[::every] + ([hist[-1]] if (len(hist) - 1) % every else []):
     print(f"  {s_.step:4d}  {s_.decodes:7d}  {s_.prefill_tokens:7d}  {s_.running:7d}  {s_.waiting:7d}  "
-          f"{s_.pages_in_use:5d}  {s_.seconds * 1e3:6.1f}")
+          f"{s_.pages_in_use:5d}  {f'{s_.rows}/{s_.seqs}':>10}  {s_.seconds * 1e3:6.1f}")
   generated = sum(len(f.tokens) for f in done.values())
   steady = sum(s_.seconds for s_ in hist[1:])  # the first step compiles
   print(f"\n  served {n} requests, {generated} tokens in {len(hist)} steps, {wall:.1f}s wall "
