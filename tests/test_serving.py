@@ -4,9 +4,11 @@ a request that does not fit waits; malformed requests are rejected without distu
 the batch; each step runs the smallest bucket that holds its tokens, and each bucket
 compiles once; sampling is per-request deterministic."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from fdecode.generate import ModelConfig, Transformer, generate
 from fdecode.serving import Engine, Request, sample
@@ -141,3 +143,17 @@ def test_sampled_requests_do_not_depend_on_their_batch():
   busy.submit(Request(prompts(5, [12])[0], 8))
   rid = busy.submit(req(p))
   assert busy.run()[rid].tokens == ref
+
+
+def test_a_step_leaves_the_weights_in_place_and_writes_the_pool():
+  """The step takes the weights as inputs only (no copy of them per step); the pool comes
+  back written (donated: the old one is gone) and is the model's cache."""
+  model = Transformer(CFG, seed=0)
+  engine = Engine(model, max_seqs=2, token_budget=8, max_len=32, page_size=8)
+  weights = jax.tree.leaves(nnx.state(model, nnx.Param))
+  pool = model.blocks[0].attn.cached_key[...]
+  engine.submit(Request(prompts(6, [5])[0], 2))
+  engine.step()
+  assert all(a is b for a, b in zip(weights, jax.tree.leaves(nnx.state(model, nnx.Param))))
+  written = model.blocks[0].attn.cached_key[...]
+  assert pool.is_deleted() and float(jnp.abs(written).sum()) > 0
