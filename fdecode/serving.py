@@ -82,8 +82,11 @@ class Finished:
 @dataclasses.dataclass
 class StepStats:
   """One step: its clock, live decodes and prefill tokens, requests running / waiting,
-  pages in use, wall seconds (the step's first call of a bucket includes its
-  compilation), and the bucket it ran over (``rows`` token rows, ``seqs`` sequence rows)."""
+  pages in use and wall seconds; the bucket it ran over (``rows`` N token rows, ``seqs`` M
+  sequence rows), the tokens it generated (``sampled``: its decodes and the prefills that
+  finished their prompt), and ``new_bucket``: the engine's first step over that bucket,
+  whose seconds include compiling it (unless an engine over an equal model compiled
+  the same shapes before)."""
 
   step: int
   decodes: int
@@ -94,6 +97,8 @@ class StepStats:
   seconds: float
   rows: int = 0
   seqs: int = 0
+  sampled: int = 0
+  new_bucket: bool = False
 
 
 @dataclasses.dataclass
@@ -151,6 +156,7 @@ class Engine:
     self.pages_per_seq = pages_per_seq
     self.buckets = _checked_buckets(buckets, self.budget)
     self._graph, self._params, self._state = split_model(model)
+    self._ran: set[int] = set()  # buckets this engine has run
     self.clock = 0
     self.waiting: list[tuple[int, Request]] = []
     self.running: list[_Live] = []
@@ -182,15 +188,18 @@ class Engine:
     next_tokens = np.asarray(next_tokens)
     nnx.update(self.model, self._state)  # the model's caches: the donated ones are gone
     seconds = time.perf_counter() - t0
-    decodes = sum(1 for _, n in batch if n == 1)
+    decodes, sampled = sum(1 for _, n in batch if n == 1), 0
     for i, (live, n) in enumerate(batch):
       live.cached += n
       if live.cached == len(live.known):  # fed everything it knows: the sample is its next token
         live.generated.append(int(next_tokens[i]))
+        sampled += 1
         self._maybe_finish(live)
+    rows = len(arrays[0])
     stats = StepStats(self.clock, decodes, sum(n for _, n in batch) - decodes, len(self.running),
                       len(self.waiting), self.alloc.num_pages - self.alloc.num_free, seconds,
-                      rows=len(arrays[0]), seqs=len(arrays[1]))
+                      rows=rows, seqs=len(arrays[1]), sampled=sampled, new_bucket=rows not in self._ran)
+    self._ran.add(rows)
     self.history.append(stats)
     self.clock += 1
     return stats

@@ -129,3 +129,23 @@ def test_bench_ragged_quick_reports_every_contender(tmp_path):
   assert diff and float(diff.group(1)) < 2e-2, out  # the same attention, bf16 rounding apart
   recs = records(tmp_path / "r.json", "bench_ragged")
   assert {r["section"] for r in recs} == {"mixed", "decode"} and len(recs) == 8, recs
+
+
+def test_bench_serving_quick_reports_every_contender(tmp_path):
+  """A tiny random-weight Gemma 3: every contender gets tokens/s, each step its bucket,
+  served tokens equal generating each request alone, and no timed run compiles."""
+  out = subprocess.run([sys.executable, "benchmarks/bench_serving.py", "--quick", "--serve", "6",
+                        "--json", str(tmp_path / "s.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
+  for row in ("engine, request i at step i (buckets)", "engine, all at once (buckets)",
+              "engine, request i at step i, one bucket of 4 rows", "generate, batch 4 (the demo)",
+              "generate, each request alone (batch 1)"):
+    assert re.search(rf"\| {re.escape(row)} \| \d+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", out), (row, out)
+  assert "served tokens identical to generating each request alone: yes" in out
+  compiles = re.search(r"request i at step i \(buckets\): (\d+) \+ 0 \((\d+)\); engine, all at once \(buckets\): "
+                       r"\d+ \+ 0 \(\d+\); engine, request i at step i, one bucket of 4 rows: \d+ \+ 0 \(1\)", out)
+  assert compiles and 1 <= int(compiles.group(1)) <= int(compiles.group(2)) <= 3, out  # buckets (1, 2, 4)
+  recs = records(tmp_path / "s.json", "bench_serving")
+  assert [r["section"] for r in recs if r["section"] != "buckets"] == ["throughput"] * 5 + ["targets"] * 2
+  steps = json.loads((tmp_path / "s.json").read_text())["steps"]
+  assert steps and all(s["rows"] in (1, 2, 4) and s["decodes"] + s["prefill_tokens"] <= s["rows"] for s in steps)

@@ -100,6 +100,11 @@ def test_each_step_runs_its_smallest_bucket_compiled_once():
     tokens = s.decodes + s.prefill_tokens
     assert s.rows == min(b for b in engine.buckets if b >= tokens) and s.seqs == min(s.rows, 3), s
   used = {s.rows for s in steps}
+  first = {}
+  for s in steps:
+    first.setdefault(s.rows, s.step)
+  assert [s.step for s in steps if s.new_bucket] == sorted(first.values())
+  assert sum(s.sampled for s in steps) == 2 * 6 * 5  # every generated token, in the step that made it
   assert used == set(engine.buckets), used  # the run reached every bucket
   assert compiles.count("_serve_step") == len(used) == first_wave, compiles.names
   assert len({(s.decodes, s.prefill_tokens) for s in steps}) > len(used)  # more mixes than buckets
