@@ -240,8 +240,10 @@ class Engine:
     return batch
 
   def bucket(self, tokens: int) -> tuple[int, int]:
-    """(N token rows, M sequence rows) of a step carrying ``tokens`` new tokens: the
-    smallest bucket >= tokens, and min(N, max_seqs)."""
+    """(N token rows, M sequence rows) of a step carrying ``tokens`` new tokens (1 to the
+    budget): the smallest bucket >= tokens, and min(N, max_seqs)."""
+    if not 1 <= tokens <= self.budget:
+      raise ValueError(f"Engine.bucket: tokens must lie in [1, token_budget={self.budget}]; got {tokens!r}")
     n_rows = next(n for n in self.buckets if n >= tokens)
     return n_rows, min(n_rows, self.max_seqs)
 
@@ -309,11 +311,13 @@ def _checked(req: Request, vocab: int, max_len: int, alloc: PageAllocator) -> Re
 
 
 def token_buckets(token_budget: int) -> tuple[int, ...]:
-  """The default step sizes: powers of two below ``token_budget``, then the budget.
+  """The default step sizes: powers of two below ``token_budget`` (an int >= 1), then the budget.
 
   Each bucket costs one compilation; a step pads its tokens up to its bucket, at most
   2x (less than one row in two is padding). With the demo's budget of 128: 1, 2, 4, 8,
   16, 32, 64, 128 (8 compilations, benchmarks/RESULTS.md "Serving buckets")."""
+  if isinstance(token_budget, bool) or not isinstance(token_budget, (int, np.integer)) or token_budget < 1:
+    raise ValueError(f"token_buckets: token_budget must be an int >= 1; got {describe(token_budget)}")
   out, n = [], 1
   while n < token_budget:
     out.append(n)

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from fdecode.generate import ModelConfig, Transformer, generate
-from fdecode.serving import Engine, Request, sample
+from fdecode.serving import Engine, Request, sample, token_buckets
 from test_recompile import counting_compiles
 
 CFG = ModelConfig(vocab=97, dim=64, layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96)
@@ -121,6 +121,11 @@ def test_given_buckets_are_used():
   engine = Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=32, buckets=[3, np.int64(8)])
   assert engine.buckets == (3, 8) and engine.bucket(1) == (3, 2) and engine.bucket(4) == (8, 2)
   assert Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=32, buckets=(8,)).bucket(1) == (8, 2)
+  with pytest.raises(ValueError, match=r"tokens must lie in \[1, token_budget=8\]; got 9"):
+    engine.bucket(9)
+  assert token_buckets(1) == (1,) and token_buckets(12) == (1, 2, 4, 8, 12) and token_buckets(16)[-2:] == (8, 16)
+  with pytest.raises(ValueError, match="token_budget must be an int >= 1"):
+    token_buckets(0)
 
 
 def test_sampling_is_deterministic_per_request_and_respects_top_k():
