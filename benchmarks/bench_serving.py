@@ -180,7 +180,8 @@ def bucket_table(warm: Run, rounds: list, rec):
   print("| step | decodes | prefill tokens | running | bucket N / M | ms |")
   print("|---:|---:|---:|---:|---:|---:|")
   for s in last.history:
-    print(f"| {s.step} | {s.decodes} | {s.prefill_tokens} | {s.running} | {s.rows} / {s.seqs} | {s.seconds * 1e3:.1f} |")
+    print(f"| {s.step} | {s.decodes} | {s.prefill_tokens} | {s.running} | {s.rows} / {s.seqs} | "
+          f"{s.seconds * 1e3:.1f} |")
   print(f"\n### Buckets of the demo's workload: steps over all {len(rounds)} rounds; compile s = the warm-up's "
         "first step over the bucket minus the bucket's median\n")
   print("| bucket N (token rows) | M (sequence rows) | steps | median ms | ms per live token | compile s |")

@@ -188,7 +188,8 @@ class Graph:
   rebuilds the model with `merge`, and returns `model_state` of it: the weights go in
   and do not come out. A step that returned them (a `flax.nnx.jit` over the whole model
   does) would copy every weight on every call: for Gemma 3 270M in float32, 1.07 GB,
-  about 85% of a decode step on the project's 2-core CPU (benchmarks/RESULTS.md).
+  ~89% of a batch-1 decode step on the project's 2-core CPU (benchmarks/RESULTS.md,
+  "Serving buckets").
   """
 
   def __init__(self, graphdef):

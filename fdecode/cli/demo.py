@@ -246,8 +246,8 @@ def serve_main(a, model, tok, texts, prompts, lengths, path, load_s) -> int:
   ids = [engine.submit(Request(prompts[w, :lengths[w]].tolist(), steps, arrival=i)) for i, w in enumerate(which)]
   print(f"fdecode: Gemma 3 ({path}) on {jax.default_backend()}, serving {n} requests (loaded in {load_s:.1f}s)")
   print(f"  engine: up to {engine.max_seqs} sequences and {engine.budget} tokens per step (buckets "
-        f"{', '.join(map(str, engine.buckets))}), pool of "
-        f"{engine.alloc.num_pages} pages of 16; request i arrives at step i; prompts of {sorted(set(lengths.tolist()))} tokens")
+        f"{', '.join(map(str, engine.buckets))}), pool of {engine.alloc.num_pages} pages of 16; request i "
+        f"arrives at step i; prompts of {sorted(set(lengths.tolist()))} tokens")
   t0 = time.perf_counter()
   done = engine.run()
   wall = time.perf_counter() - t0
