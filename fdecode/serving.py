@@ -13,7 +13,8 @@ up to the budget) that is >= the step's tokens, and M = min(N, max_seqs) sequenc
 (a step of n tokens holds at most n sequences). Embeddings, projections and MLP run
 over N rows, the logits and the sampling over M, so a step of one decode costs about a
 batch-1 decode step, not a full-budget step. Each bucket compiles once, on its first
-use, and serves every mix that fits it: at most ``len(buckets)`` compilations in all.
+use, and serves every mix that fits it: at most ``len(buckets)`` compilations for an
+engine (engines over equal models with equal pools share them).
 
 The weights go into the step as inputs and do not come out (`fdecode.generate.Graph`):
 only the caches come back, donated, so the pool is updated in place.

@@ -47,8 +47,10 @@ def test_served_greedy_tokens_equal_generation_alone():
 
 
 def test_a_request_that_does_not_fit_waits():
-  # 6 pages of 8 tokens: each request below needs 3, so only two run at once.
-  engine = Engine(Transformer(CFG, seed=0), max_seqs=4, token_budget=16, max_len=24, page_size=8, num_pages=6)
+  # 6 pages of 8 tokens: each request below needs 3, so only two run at once. One bucket:
+  # waiting is the subject here (buckets: the test above and the one after the next).
+  engine = Engine(Transformer(CFG, seed=0), max_seqs=4, token_budget=16, max_len=24, page_size=8, num_pages=6,
+                  buckets=(16,))
   ps = prompts(1, [10, 12, 9])
   ids = [engine.submit(Request(p, 10)) for p in ps]
   engine.step()
