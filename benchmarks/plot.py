@@ -23,8 +23,9 @@ command and date, axes with units, and one colour per contender (COLOURS) in eve
                              contender's own floor
   ragged.png                 bench_ragged.json: median time per contender (log scale), per
                              section, and its ratio to the one ragged_decode call
-Not drawn: serving tokens/s and pages in use over time; `scripts/demo --serve` prints them
-and writes no JSON.
+  serving.png                bench_serving.json: tokens/s per contender (x batch-4 generate),
+                             and the demo workload's step times coloured by bucket
+Not drawn: pages in use over time (`scripts/demo --serve` prints them).
 """
 
 from __future__ import annotations
@@ -41,13 +42,15 @@ DPI = 100
 SIZES = {"decode_floor_fraction.png": (800, 500), "cache_formats.png": (800, 500), "modifiers.png": (800, 500),
          "compile_report.png": (1000, 600), "gpu_floor_fraction.png": (1000, 500),
          "gpu_cache_formats.png": (800, 500), "mla_sparse.png": (1000, 500), "cascade.png": (800, 500),
-         "ragged.png": (1100, 500)}
+         "ragged.png": (1100, 500), "serving.png": (1100, 500)}
 # One colour per contender (and cache format, chip), matched in order: the first pattern the
 # name contains wins. Floors grey; fdecode blue; peers warm; 8-bit and paged formats apart.
 COLOURS = (("floor", "#7f7f7f"), ("reference", "#8c564b"), ("page 64", "#c5b0d5"), ("paged64", "#c5b0d5"),
            ("page", "#9467bd"), ("int8", "#e377c2"), ("fp8", "#bcbd22"), ("cudnn", "#d62728"),
            ("dot_product_attention", "#ff7f0e"), ("public api", "#98df8a"), ("gqa", "#2ca02c"),
            ("value copy", "#aec7e8"), ("full copies", "#aec7e8"), ("dense decode", "#aec7e8"),
+           ("one bucket", "#ffbb78"), ("all at once", "#17becf"), ("engine", "#1f77b4"), ("batch 4", "#ff7f0e"),
+           ("alone", "#aec7e8"),
            ("fdecode pallas", "#17becf"), ("padded", "#ffbb78"), ("two calls", "#aec7e8"), ("nhd", "#c49c94"),
            ("h100", "#76b900"), ("a100", "#3a5f0b"), ("fdecode", "#1f77b4"), ("contiguous", "#1f77b4"),
            ("cascade", "#1f77b4"), ("flash_decode", "#1f77b4"), ("decode", "#1f77b4"))
@@ -261,6 +264,44 @@ def ragged_times(path, doc):
   return True
 
 
+def serving(path, doc):
+  """bench_serving: tokens/s of each contender (x batch-4 generate), and the demo workload's
+  step times over its steps, coloured by the bucket each step ran over."""
+  recs = [r for r in doc["records"] if r.get("section") == "throughput"]
+  steps = doc.get("steps") or []
+  if not recs or not steps:
+    return False
+  fig, (ax, ax2) = _figure("serving.png", 2)
+  base = next((r["tokens_per_s"] for r in recs if "batch 4" in r["contender"]), None)
+  rows = recs[::-1]
+  bars = ax.barh([textwrap.fill(r["contender"], 30) for r in rows], [r["tokens_per_s"] for r in rows],
+                 color=[colour(r["contender"]) for r in rows])
+  ax.bar_label(bars, [f"{r['tokens_per_s']:.1f}" + (f" ({r['tokens_per_s'] / base:.2f}x)" if base else "")
+                      for r in rows], fontsize=7, padding=2)
+  ax.set_xlim(right=max(r["tokens_per_s"] for r in rows) * 1.35)  # room for the labels
+  ax.set_xlabel("generated tokens / s after compilation; (x) = over batch-4 generate", fontsize=9)
+  ax.set_title(f"throughput: {_shape(recs[0]['shape'])}", fontsize=8)
+  ax.tick_params(axis="y", labelsize=7)
+  ax.grid(axis="x", alpha=0.3)
+  buckets = sorted({s["rows"] for s in steps})
+  cmap = _plt().get_cmap("viridis")
+  for i, n in enumerate(buckets):
+    got = [s for s in steps if s["rows"] == n]
+    ax2.bar([s["step"] for s in got], [s["ms"] for s in got], color=cmap(i / max(len(buckets) - 1, 1)),
+            label=f"bucket N={n}, M={got[0]['seqs']}")
+  for name, ms in (doc.get("generate_ms") or {}).items():
+    ax2.axhline(ms, color=colour("floor"), linestyle="--" if name == "batch1" else ":", linewidth=1,
+                label=f"generate step, {name.replace('batch', 'batch ')}: {ms:.0f} ms")
+  ax2.set_ylim(0, max(s["ms"] for s in steps) * 1.4)  # room for the legend above the bars
+  ax2.set_xlabel("engine step (request i arrives at step i)")
+  ax2.set_ylabel("step ms (last timed round)")
+  ax2.set_title("the demo workload's steps, by the bucket each ran over", fontsize=8)
+  ax2.legend(fontsize=6, ncols=2)
+  ax2.grid(axis="y", alpha=0.3)
+  _finish(fig, path, "bench_serving: continuous batching over token-count buckets vs generate", doc)
+  return True
+
+
 FIGURES = (("decode_floor_fraction.png", "bench_decode.json", decode_sweep),
            ("cache_formats.png", "bench_decode.json", cache_formats),
            ("modifiers.png", "bench_variants.json", modifiers),
@@ -269,7 +310,8 @@ FIGURES = (("decode_floor_fraction.png", "bench_decode.json", decode_sweep),
            ("gpu_cache_formats.png", "bench_gpu.json", cache_formats),
            ("mla_sparse.png", "bench_mla_sparse.json", floor_bars),
            ("cascade.png", "bench_cascade.json", floor_bars),
-           ("ragged.png", "bench_ragged.json", ragged_times))
+           ("ragged.png", "bench_ragged.json", ragged_times),
+           ("serving.png", "bench_serving.json", serving))
 
 
 def main(argv=None):

@@ -21,6 +21,7 @@ that the caches sit on the mesh while decoding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable
 
@@ -179,20 +180,59 @@ class Transformer(nnx.Module):
     return self.unembed(self.norm(x[:, 0])).astype(jnp.float32)
 
 
-@nnx.jit
-def _prefill_step(model: Transformer, tokens, lengths):
+class Graph:
+  """A model's structure (`flax.nnx.GraphDef`) as a static `jax.jit` argument, hashed once
+  (jit hashes its static arguments on every call; a Gemma 3 graph takes ~10 ms).
+
+  A jitted step over a model takes ``(graph, params, state, ...)`` from `split_model`,
+  rebuilds the model with `merge`, and returns `model_state` of it: the weights go in
+  and do not come out. A step that returned them (a `flax.nnx.jit` over the whole model
+  does) would copy every weight on every call: for Gemma 3 270M in float32, 1.07 GB,
+  ~89% of a batch-1 decode step on the project's 2-core CPU (benchmarks/RESULTS.md,
+  "Serving buckets").
+  """
+
+  def __init__(self, graphdef):
+    self.graphdef, self._hash = graphdef, hash(graphdef)
+
+  def merge(self, params, state):
+    return nnx.merge(self.graphdef, params, state)
+
+  def __hash__(self):
+    return self._hash
+
+  def __eq__(self, other):
+    return isinstance(other, Graph) and (self is other or self.graphdef == other.graphdef)
+
+
+def split_model(model: nnx.Module):
+  """``(Graph, params, state)``: the model's structure, its weights (``nnx.Param``) and the
+  rest (caches, lengths, block tables), as a step function takes them (see `Graph`)."""
+  graphdef, params, state = nnx.split(model, nnx.Param, ...)
+  return Graph(graphdef), params, state
+
+
+def model_state(model: nnx.Module):
+  """What a step hands back: everything of ``model`` but its weights (``nnx.Param``)."""
+  return nnx.state(model, nnx.Not(nnx.Param))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill_step(graph: Graph, params, state, tokens, lengths):
+  model = graph.merge(params, state)
   logits = model.prefill(tokens, lengths)
-  return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits
+  return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, model_state(model)
 
 
-@nnx.jit(static_argnames=("cache_sharding",))
-def _decode_step(model: Transformer, tokens, cache_sharding=None):
+@functools.partial(jax.jit, static_argnames=("graph", "cache_sharding"))
+def _decode_step(graph: Graph, params, state, tokens, cache_sharding=None):
+  model = graph.merge(params, state)
   logits = model.decode(tokens)
   tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   if cache_sharding is not None:  # outputs laid out as the inputs were: no second compile
     model._pin_state(cache_sharding)  # pylint: disable=protected-access
     tokens = _pin(tokens, NamedSharding(cache_sharding.mesh, PartitionSpec()))
-  return tokens, logits
+  return tokens, logits, model_state(model)
 
 
 def _pin(x, sharding):
@@ -252,17 +292,21 @@ def generate(model: Transformer, prompts, prompt_lengths, steps: int, *,
   """
   prompts, lengths = _check_generate_args(model, prompts, prompt_lengths, steps)
   t0 = time.perf_counter()
-  tok, logits = jax.block_until_ready(_prefill_step(model, prompts, lengths))
+  graph, params, state = split_model(model)
+  tok, logits, state = jax.block_until_ready(_prefill_step(graph, params, state, prompts, lengths))
+  nnx.update(model, state)
   if cache_sharding is not None:  # the decode steps' inputs, laid out as their outputs will be
     model.place_state(cache_sharding)
     tok = jax.device_put(tok, NamedSharding(cache_sharding.mesh, PartitionSpec()))
+    graph, params, state = split_model(model)
   prefill_s = time.perf_counter() - t0
   tokens, all_logits, step_s = [tok], [logits], []
   if on_step:
     on_step(1, steps)
   for i in range(1, steps):
     t0 = time.perf_counter()
-    tok, logits = jax.block_until_ready(_decode_step(model, tok, cache_sharding))
+    tok, logits, state = jax.block_until_ready(_decode_step(graph, params, state, tok, cache_sharding))
+    nnx.update(model, state)
     step_s.append(time.perf_counter() - t0)
     tokens.append(tok)
     all_logits.append(logits)

@@ -5,8 +5,19 @@ Each step packs up to ``token_budget`` new tokens of up to ``max_seqs`` requests
 first, one token each, then prefill chunks of the prompts still being read) and runs
 one jit-compiled program: the model's ``ragged`` forward (`fdecode.ragged_decode` in
 every layer, with the new keys and values written into one shared page pool) and the
-sampling of each sequence's next token. Its shapes are fixed (N = token_budget,
-M = max_seqs), so it compiles once and serves every mix.
+sampling of each sequence's next token.
+
+**Buckets.** A step runs over the smallest *bucket* that holds its live tokens, not the
+whole budget: N rows, the smallest of ``buckets`` (default `token_buckets`: powers of two
+up to the budget) that is >= the step's tokens, and M = min(N, max_seqs) sequence rows
+(a step of n tokens holds at most n sequences). Embeddings, projections and MLP run
+over N rows, the logits and the sampling over M, so a step of one decode costs about a
+batch-1 decode step, not a full-budget step. Each bucket compiles once, on its first
+use, and serves every mix that fits it: at most ``len(buckets)`` compilations for an
+engine (engines over equal models with equal pools share them).
+
+The weights go into the step as inputs and do not come out (`fdecode.generate.Graph`):
+only the caches come back, donated, so the pool is updated in place.
 
 Pages come from a `fdecode.cache.PageAllocator`. A request is admitted (first come,
 first served: in order of ``arrival``, then of submission; a request that has not
@@ -21,6 +32,7 @@ do not depend on what it was batched with.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Sequence
@@ -31,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from fdecode.cache.allocator import PageAllocator
-from fdecode.generate import check_prompt_ids
+from fdecode.generate import check_prompt_ids, model_state, split_model
 from fdecode.validation import INT32_MAX, describe
 
 
@@ -73,6 +85,13 @@ class Finished:
 
 @dataclasses.dataclass
 class StepStats:
+  """One step: its clock, live decodes and prefill tokens, requests running / waiting,
+  pages in use and wall seconds; the bucket it ran over (``rows`` N token rows, ``seqs`` M
+  sequence rows), the tokens it generated (``sampled``: its decodes and the prefills that
+  finished their prompt), and ``new_bucket``: the engine's first step over that bucket,
+  whose seconds include compiling it (unless an engine over an equal model compiled
+  the same shapes before)."""
+
   step: int
   decodes: int
   prefill_tokens: int
@@ -80,6 +99,10 @@ class StepStats:
   waiting: int
   pages_in_use: int
   seconds: float
+  rows: int = 0
+  seqs: int = 0
+  sampled: int = 0
+  new_bucket: bool = False
 
 
 @dataclasses.dataclass
@@ -118,6 +141,11 @@ class Engine:
     num_pages: pages the allocator hands out (default: ``max_seqs * ceil(max_len /
       page_size)``, the whole pool); fewer makes requests wait for pages.
     eos_id: stop token, an int in ``[0, V)`` (None: stop at max_new_tokens only).
+    buckets: the step sizes N (token rows) a step may run over, increasing, the last one
+      ``token_budget`` (default `token_buckets`): each compiles once, on first use.
+
+  The engine takes the model's weights when it is built (set them before); the model's
+  caches are replaced by the pool, and hold each step's result.
 
   Use ``submit(request) -> id``, then ``run() -> {id: Finished}`` (or ``step()`` yourself).
 
@@ -127,7 +155,8 @@ class Engine:
   """
 
   def __init__(self, model, *, max_seqs: int = 16, token_budget: int = 128, max_len: int = 256,
-               page_size: int = 16, num_pages: int | None = None, eos_id: int | None = None):
+               page_size: int = 16, num_pages: int | None = None, eos_id: int | None = None,
+               buckets: Sequence[int] | None = None):
     for name, value, low in (("max_seqs", max_seqs, 1), ("token_budget", token_budget, max_seqs),
                              ("max_len", max_len, 1), ("page_size", page_size, 1)):
       if not _is_int(value) or not low <= value <= INT32_MAX:
@@ -146,6 +175,9 @@ class Engine:
       raise ValueError(f"Engine: num_pages must be an int in [1, {pool}] (the pool); got {describe(num_pages)}")
     self.alloc = PageAllocator(int(num_pages), page_size, pages_per_seq)
     self.pages_per_seq = pages_per_seq
+    self.buckets = _checked_buckets(buckets, self.budget)
+    self._graph, self._params, self._state = split_model(model)
+    self._ran: set[int] = set()  # buckets this engine has run
     self.clock = 0
     self.waiting: list[tuple[int, Request]] = []
     self.running: list[_Live] = []
@@ -173,16 +205,22 @@ class Engine:
     batch = self._schedule()
     t0 = time.perf_counter()
     arrays = self._arrays(batch)
-    next_tokens = np.asarray(_serve_step(self.model, *arrays))
+    next_tokens, self._state = _serve_step(self._graph, self._params, self._state, *arrays)
+    next_tokens = np.asarray(next_tokens)
+    nnx.update(self.model, self._state)  # the model's caches: the donated ones are gone
     seconds = time.perf_counter() - t0
-    decodes = sum(1 for _, n in batch if n == 1)
+    decodes, sampled = sum(1 for _, n in batch if n == 1), 0
     for i, (live, n) in enumerate(batch):
       live.cached += n
       if live.cached == len(live.known):  # fed everything it knows: the sample is its next token
         live.generated.append(int(next_tokens[i]))
+        sampled += 1
         self._maybe_finish(live)
+    rows = len(arrays[0])
     stats = StepStats(self.clock, decodes, sum(n for _, n in batch) - decodes, len(self.running),
-                      len(self.waiting), self.alloc.num_pages - self.alloc.num_free, seconds)
+                      len(self.waiting), self.alloc.num_pages - self.alloc.num_free, seconds,
+                      rows=rows, seqs=len(arrays[1]), sampled=sampled, new_bucket=rows not in self._ran)
+    self._ran.add(rows)
     self.history.append(stats)
     self.clock += 1
     return stats
@@ -244,8 +282,16 @@ class Engine:
         left -= n
     return batch
 
+  def bucket(self, tokens: int) -> tuple[int, int]:
+    """(N token rows, M sequence rows) of a step carrying ``tokens`` new tokens (1 to the
+    budget): the smallest bucket >= tokens, and min(N, max_seqs)."""
+    if not 1 <= tokens <= self.budget:
+      raise ValueError(f"Engine.bucket: tokens must lie in [1, token_budget={self.budget}]; got {tokens!r}")
+    n_rows = next(n for n in self.buckets if n >= tokens)
+    return n_rows, min(n_rows, self.max_seqs)
+
   def _arrays(self, batch):
-    m, n_rows = self.max_seqs, self.budget
+    n_rows, m = self.bucket(sum(n for _, n in batch))
     tokens = np.zeros(n_rows, np.int32)
     kv_lens = np.zeros(m, np.int32)
     cu = np.zeros(m + 1, np.int32)
@@ -318,10 +364,45 @@ def _is_real(x) -> bool:
   return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
 
 
-@nnx.jit
-def _serve_step(model, tokens, kv_lens, tables, cu, num_seqs, temperature, top_k, top_p, seeds, counters):
+def token_buckets(token_budget: int) -> tuple[int, ...]:
+  """The default step sizes: powers of two below ``token_budget`` (an int >= 1), then the budget.
+
+  Each bucket costs one compilation; a step pads its tokens up to its bucket, at most
+  2x (less than one row in two is padding). With the demo's budget of 128: 1, 2, 4, 8,
+  16, 32, 64, 128 (8 compilations, benchmarks/RESULTS.md "Serving buckets")."""
+  if isinstance(token_budget, bool) or not isinstance(token_budget, (int, np.integer)) or token_budget < 1:
+    raise ValueError(f"token_buckets: token_budget must be an int >= 1; got {describe(token_budget)}")
+  out, n = [], 1
+  while n < token_budget:
+    out.append(n)
+    n *= 2
+  return tuple(out) + (token_budget,)
+
+
+def _checked_buckets(buckets, token_budget: int) -> tuple[int, ...]:
+  if buckets is None:
+    return token_buckets(token_budget)
+  try:
+    out = tuple(buckets)
+  except TypeError:
+    out = None
+  ok = (out and all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) for n in out)
+        and out[0] >= 1 and all(a < b for a, b in zip(out, out[1:])) and out[-1] == token_budget)
+  if not ok:
+    raise ValueError(f"Engine: buckets must be increasing ints >= 1 ending at token_budget={token_budget}; "
+                     f"got {describe(buckets)}")
+  return tuple(int(n) for n in out)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _serve_step(graph, params, state, tokens, kv_lens, tables, cu, num_seqs, temperature, top_k, top_p,
+                seeds, counters):
+  """One step over one bucket: tokens ``[N]``, per-sequence arrays ``[M]`` (``cu`` ``[M + 1]``,
+  tables ``[M, pages]``) -> (next token per sequence int32 ``[M]``, the model's non-weight
+  state: the caches with the step's tokens written). ``params`` go in, not out."""
+  model = graph.merge(params, state)
   logits = model.ragged(tokens, kv_lens, tables, cu, num_seqs)  # [M, V]
-  return sample(logits, temperature, top_k, top_p, seeds, counters)
+  return sample(logits, temperature, top_k, top_p, seeds, counters), model_state(model)
 
 
 def sample(logits, temperature, top_k, top_p, seeds, counters):

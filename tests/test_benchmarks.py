@@ -129,3 +129,28 @@ def test_bench_ragged_quick_reports_every_contender(tmp_path):
   assert diff and float(diff.group(1)) < 2e-2, out  # the same attention, bf16 rounding apart
   recs = records(tmp_path / "r.json", "bench_ragged")
   assert {r["section"] for r in recs} == {"mixed", "decode"} and len(recs) == 8, recs
+
+
+def test_bench_serving_quick_reports_every_contender(tmp_path):
+  """A tiny random-weight Gemma 3: every contender gets tokens/s, each step its bucket,
+  served tokens equal generating each request alone, and no timed round compiles."""
+  out = subprocess.run([sys.executable, "benchmarks/bench_serving.py", "--quick", "--serve", "6",
+                        "--json", str(tmp_path / "s.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
+  number = r"[\d.]+ \| [\d.]+-[\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+"
+  for row, compiles in (("engine, request i at step i (buckets)", r"[123] \+ 0"),
+                        ("engine, all at once (buckets)", r"\d \+ 0"),
+                        ("engine, request i at step i, one bucket of 4 rows", r"\d \+ 0"),
+                        ("generate, batch 4 (the demo)", "-"), ("generate, each request alone (batch 1)", "-")):
+    assert re.search(rf"\| {re.escape(row)} \| \d+ \| {number} \| {compiles} \|", out), (row, out)
+  assert "served tokens identical to generating each request alone: yes" in out
+  used = re.search(r"step compiled (\d+) times in its warm-up \((\d+) buckets used\) and 0 times in 2 timed rounds",
+                   out)
+  assert used and used.group(1) == used.group(2), out  # one compilation per bucket (1, 2, 4), none later
+  assert re.search(r"a step with one live decode: [\d.]+ ms \(median of \d+\) / batch-1 generate decode step", out)
+  recs = records(tmp_path / "s.json", "bench_serving")
+  assert [r["section"] for r in recs if r["section"] != "buckets"] == ["throughput"] * 5 + ["targets"] * 2
+  buckets = {r["contender"] for r in recs if r["section"] == "buckets"}
+  assert buckets <= {"bucket N=1 M=1", "bucket N=2 M=2", "bucket N=4 M=4"}, buckets
+  steps = json.loads((tmp_path / "s.json").read_text())["steps"]
+  assert steps and all(s["rows"] in (1, 2, 4) and s["decodes"] + s["prefill_tokens"] <= s["rows"] for s in steps)

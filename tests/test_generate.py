@@ -2,6 +2,7 @@
 
 import functools
 
+import jax
 import numpy as np
 import pytest
 
@@ -54,3 +55,18 @@ def test_demo_main_runs_sharded(capsys, cache):
   assert f"cache: {cache} k+v" in out, out
   last = out.strip().splitlines()[-1]
   assert last.startswith("OK: generated 2x4 tokens (mesh heads=2 x seq=4"), out
+
+
+def test_steps_leave_the_weights_in_place():
+  """generate's steps take the weights as inputs only: afterwards the model holds the very
+  same weight arrays (a step that handed them back, as an nnx.jit over the whole model
+  does, copied every weight on every call: ~89% of a Gemma 3 270M batch-1 decode step on CPU)."""
+  from flax import nnx
+  model = Transformer(TINY, seed=3)
+  model.init_cache(2, 32)
+  before = jax.tree.leaves(nnx.state(model, nnx.Param))  # the arrays themselves
+  cache = model.blocks[0].attn.cached_key[...]
+  generate(model, np.ones((2, 4), np.int32), np.array([4, 2], np.int32), 3)
+  after = jax.tree.leaves(nnx.state(model, nnx.Param))
+  assert len(after) == len(before) > 0 and all(a is b for a, b in zip(before, after))
+  assert model.blocks[0].attn.cached_key[...] is not cache  # the caches did come back, written

@@ -11,7 +11,7 @@ MACHINE = "test machine, 2 cores, backend cpu (cpu), jax 0"
 EXPECTED = {"decode_floor_fraction.png": (800, 500), "cache_formats.png": (800, 500), "modifiers.png": (800, 500),
             "compile_report.png": (1000, 600), "gpu_floor_fraction.png": (1000, 500),
             "gpu_cache_formats.png": (800, 500), "mla_sparse.png": (1000, 500), "cascade.png": (800, 500),
-            "ragged.png": (1100, 500)}
+            "ragged.png": (1100, 500), "serving.png": (1100, 500)}
 GPU_ONLY = ("gpu_floor_fraction.png", "gpu_cache_formats.png")
 
 
@@ -21,9 +21,9 @@ def rec(bench, contender, ms, frac, *, dtype="bfloat16", **shape_and_extra):
               gb_per_s=None if ms is None else 1.0 / ms, floor_fraction=frac, machine=MACHINE, **shape_and_extra)
 
 
-def write(directory, bench, records):
+def write(directory, bench, records, **fields):
   doc = dict(bench=bench, machine=MACHINE, command=f"python benchmarks/{bench}.py --quick", date="2026-01-01T00:00",
-             records=records)
+             records=records, **fields)
   (directory / f"{bench}.json").write_text(json.dumps(doc))
 
 
@@ -102,6 +102,12 @@ def test_plot_writes_every_figure_at_its_size(tmp_path):
                                                         ("mixed", "ragged_decode (one call)", 280.0),
                                                         ("mixed", "flash_decode padded to T=512", 9900.0),
                                                         ("decodes", "ragged_decode (B decodes)", 230.0))])
+  write(src, "bench_serving", [rec("bench_serving", name, ms, None, dtype="float32", section="throughput",
+                                   tokens_per_s=tps, requests=16)
+                               for name, ms, tps in (("engine, request i at step i (buckets)", 60.0, 40.0),
+                                                     ("generate, batch 4 (the demo)", 90.0, 12.0))],
+        steps=[dict(step=i, decodes=i, prefill_tokens=0, running=i, rows=r, seqs=min(r, 16), ms=20.0 + i)
+               for i, r in enumerate((1, 2, 4, 4, 8, 16, 32))], generate_ms=dict(batch4=90.0, batch1=60.0))
   log = run_plot(src, out).stderr
   assert {p.name for p in out.iterdir()} == set(EXPECTED), log
   for name, size in EXPECTED.items():

@@ -1,14 +1,17 @@
 """`fdecode.serving.Engine`: continuous batching over a tiny `fdecode.generate.Transformer`.
 Served greedy tokens equal generating each request alone; pages return to the pool;
 a request that does not fit waits; malformed requests are rejected without disturbing
-the batch; one compilation serves every mix; sampling is per-request deterministic."""
+the batch; each step runs the smallest bucket that holds its tokens, and each bucket
+compiles once; sampling is per-request deterministic."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from fdecode.generate import ModelConfig, Transformer, generate
-from fdecode.serving import Engine, Request, StepLimitError, sample
+from fdecode.serving import Engine, Request, StepLimitError, sample, token_buckets
 from test_recompile import counting_compiles
 
 CFG = ModelConfig(vocab=97, dim=64, layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96)
@@ -44,8 +47,10 @@ def test_served_greedy_tokens_equal_generation_alone():
 
 
 def test_a_request_that_does_not_fit_waits():
-  # 6 pages of 8 tokens: each request below needs 3, so only two run at once.
-  engine = Engine(Transformer(CFG, seed=0), max_seqs=4, token_budget=16, max_len=24, page_size=8, num_pages=6)
+  # 6 pages of 8 tokens: each request below needs 3, so only two run at once. One bucket:
+  # waiting is the subject here (buckets: the test above and the one after the next).
+  engine = Engine(Transformer(CFG, seed=0), max_seqs=4, token_budget=16, max_len=24, page_size=8, num_pages=6,
+                  buckets=(16,))
   ps = prompts(1, [10, 12, 9])
   ids = [engine.submit(Request(p, 10)) for p in ps]
   engine.step()
@@ -77,16 +82,52 @@ def test_malformed_request_is_rejected_and_the_batch_runs_on(bad, message):
   assert list(done) == [rid] and done[rid].tokens == alone(good, 4)
 
 
-def test_one_compilation_serves_every_mix():
+def test_each_step_runs_its_smallest_bucket_compiled_once():
+  """A long run of many mixes: each step runs over the smallest bucket that holds its
+  tokens (M = min(N, max_seqs) sequence rows), each bucket compiles on its first use
+  and never again, and a second wave of requests compiles nothing."""
   cfg = ModelConfig(vocab=41, dim=24, layers=2, num_heads=4, num_kv_heads=2, head_dim=6, mlp_dim=40)  # unseen shapes
   engine = Engine(Transformer(cfg, seed=0), max_seqs=3, token_budget=12, max_len=40, page_size=4)
+  assert engine.buckets == (1, 2, 4, 8, 12)
   rng = np.random.default_rng(3)
-  for i, n in enumerate([11, 2, 25, 1]):
-    engine.submit(Request(rng.integers(0, 41, n).tolist(), 5, arrival=2 * i))
   with counting_compiles() as compiles:
-    engine.run()
-  assert compiles.count("_serve_step") == 1, compiles.names
-  assert len({(s.decodes, s.prefill_tokens) for s in engine.history}) > 2  # many different mixes
+    for wave in range(2):
+      for i, n in enumerate([11, 2, 25, 1, 7, 3]):
+        engine.submit(Request(rng.integers(0, 41, n).tolist(), 5, arrival=len(engine.history) + 2 * i))
+      engine.run()
+      if wave == 0:
+        first_wave = len(compiles.names)
+  steps = engine.history
+  for s in steps:
+    tokens = s.decodes + s.prefill_tokens
+    assert s.rows == min(b for b in engine.buckets if b >= tokens) and s.seqs == min(s.rows, 3), s
+  used = {s.rows for s in steps}
+  first = {}
+  for s in steps:
+    first.setdefault(s.rows, s.step)
+  assert [s.step for s in steps if s.new_bucket] == sorted(first.values())
+  assert sum(s.sampled for s in steps) == 2 * 6 * 5  # every generated token, in the step that made it
+  assert used == set(engine.buckets), used  # the run reached every bucket
+  assert compiles.count("_serve_step") == len(used) == first_wave, compiles.names
+  assert len({(s.decodes, s.prefill_tokens) for s in steps}) > len(used)  # more mixes than buckets
+
+
+@pytest.mark.parametrize("buckets", [(), (4, 2, 8), (2, 2, 8), (2, 4), (2, 8, 16), (0, 8), (2.0, 8), (True, 8),
+                                     "8", 8])
+def test_bad_buckets_are_rejected(buckets):
+  with pytest.raises(ValueError, match=r"buckets must be increasing ints >= 1 ending at token_budget=8"):
+    Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=32, buckets=buckets)
+
+
+def test_given_buckets_are_used():
+  engine = Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=32, buckets=[3, np.int64(8)])
+  assert engine.buckets == (3, 8) and engine.bucket(1) == (3, 2) and engine.bucket(4) == (8, 2)
+  assert Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=32, buckets=(8,)).bucket(1) == (8, 2)
+  with pytest.raises(ValueError, match=r"tokens must lie in \[1, token_budget=8\]; got 9"):
+    engine.bucket(9)
+  assert token_buckets(1) == (1,) and token_buckets(12) == (1, 2, 4, 8, 12) and token_buckets(16)[-2:] == (8, 16)
+  with pytest.raises(ValueError, match="token_budget must be an int >= 1"):
+    token_buckets(0)
 
 
 def test_sampling_is_deterministic_per_request_and_respects_top_k():
@@ -177,3 +218,17 @@ def test_run_with_max_steps_raises_and_the_engine_goes_on():
   done = engine.run()
   assert sorted(done) == [first, second]
   assert done[first].tokens == alone(ps[0], 2) and done[second].tokens == alone(ps[1], 2)
+
+
+def test_a_step_leaves_the_weights_in_place_and_writes_the_pool():
+  """The step takes the weights as inputs only (no copy of them per step); the pool comes
+  back written (donated: the old one is gone) and is the model's cache."""
+  model = Transformer(CFG, seed=0)
+  engine = Engine(model, max_seqs=2, token_budget=8, max_len=32, page_size=8)
+  weights = jax.tree.leaves(nnx.state(model, nnx.Param))
+  pool = model.blocks[0].attn.cached_key[...]
+  engine.submit(Request(prompts(6, [5])[0], 2))
+  engine.step()
+  assert all(a is b for a, b in zip(weights, jax.tree.leaves(nnx.state(model, nnx.Param))))
+  written = model.blocks[0].attn.cached_key[...]
+  assert pool.is_deleted() and float(jnp.abs(written).sum()) > 0
