@@ -232,9 +232,10 @@ def test_mla_lowers_to_mosaic_gpu_on_sm90(reports, target, name):
   """The MLA decode (`fdecode.kernels.mosaic_gpu.mla_decode`, and flash_decode's default
   dispatch for bf16 MLA at G >= 16) compiled for sm_90 holds the Hopper kernel as a Mosaic
   GPU custom call (TMA + wgmma; its PTX is assembled when the program loads on a GPU, so
-  this proves the lowering) and no Triton kernel."""
+  this proves the lowering); the only Triton kernel beside it is the split combine (one launch
+  that merges the splits' partials), never the Triton split kernel."""
   report = reports[target][name]
   assert report["ok"], report.get("error")
   assert any(c.startswith("mosaic_gpu") for c in report["custom_calls"]), report["custom_calls"]
   assert report["mosaic_gpu_kernels"] == ["fdecode_mla_mosaic_gpu"], report["mosaic_gpu_kernels"]
-  assert not report["kernels"], report["kernels"]
+  assert [k["name"] for k in report["kernels"]] in ([], ["fdecode_combine_triton"]), report["kernels"]

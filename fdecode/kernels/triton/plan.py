@@ -260,14 +260,16 @@ def _cache_geometry(k, block_tables, kv_layout):
   return k.shape[ax], k.shape[ax], 0, 0, 0
 
 
-def _convert_bytes(raw_bytes, compute_bytes, quantized, fp8_bits, small_pages):
+def _convert_bytes(raw_bytes, compute_bytes, quantized, fp8_bits, gathered):
   """What a loaded element holds on its way to the dots (`launch_plan`'s ``convert_bytes``).
   A float cache cast up (bf16 -> f32) holds both; a dequantized one its bytes and a float32
   product; a bit decode two more 32-bit words (at 4 bytes ptxas spilled 8 B of the A100
-  e4m3 tile-scale kernel); pages smaller than a dot tile a 64-bit address per element
-  (f32 page size 1 spilled 308 B at 255 registers without it)."""
+  e4m3 tile-scale kernel); rows gathered one by one (pages smaller than a dot tile, or a
+  float32 index list) a 64-bit address per element (f32 page size 1 spilled 308 B at 255
+  registers without it; f32 index lists on H100 8 B at bk = 64 on 8 warps, none at bk = 32;
+  bf16 and 8-bit index lists compile without spills as they are)."""
   b = (raw_bytes + 4 if quantized or raw_bytes != compute_bytes else 0) + (8 if any(fp8_bits) else 0)
-  return b + (8 if small_pages else 0)
+  return b + (8 if gathered else 0)
 
 
 def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block_tables=None, k_rope=None,
@@ -313,7 +315,7 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   raw_bytes = max(jnp.dtype(x.dtype).itemsize for x in caches)
   seq_len, cache_rows, page_size, num_pages, table_len = _cache_geometry(k, block_tables, kv_layout)
   convert = _convert_bytes(raw_bytes, compute_bytes, k_scale is not None or v_scale is not None, fp8_bits,
-                           paged and page_size < MIN_DOT)
+                           (paged and page_size < MIN_DOT) or (index_slots is not None and compute_bytes == 4))
   launch = launch_plan(gpu, block_r=block_r, dq=dq, dv=dv, cols=cols, raw_bytes=raw_bytes,
                        compute_bytes=compute_bytes, block_k=block_k, convert_bytes=convert,
                        row_state=row_state_factor(block_r, k_pieces + v_pieces))
