@@ -148,3 +148,27 @@ def test_issue31_row_counts_match_the_reference(name, splits):
   t_ = tol(jnp.bfloat16)
   assert_close(got[0], want[0], atol=t_["atol"], rtol=t_["rtol"])
   assert_close(got[1], want[1], atol=t_["lse"], rtol=t_["lse"], what="lse")
+
+
+def test_issue31_int8_t5_g8_matches_the_reference():
+  """int8 cache with per-token scales at T=5, G=8 (40 rows: one block of 64), interpreted with
+  the H100 plan, one and three splits, against the reference on the same quantized cache."""
+  from fdecode.quant import quantize  # pylint: disable=g-import-not-at-top
+  q, k, v = make_problem(3, b=2, t=5, hq=16, hkv=2, s=70, dk=64)
+  (kq, ks), (vq, vs) = quantize(k, jnp.int8), quantize(v, jnp.int8)
+  lengths = jnp.array([70, 33], jnp.int32)
+  kw = dict(k_scale=ks, v_scale=vs, return_lse=True)
+  want = fdecode.flash_decode(q, kq, vq, lengths, impl="reference", **kw)
+  for splits in (None, 3):
+    got = fdecode.flash_decode(q, kq, vq, lengths, impl="pallas", interpret=True, num_splits=splits, **kw)
+    assert_close(got[0], want[0], atol=2e-5, rtol=2e-5)
+    assert_close(got[1], want[1], atol=2e-5, rtol=2e-5, what="lse")
+
+
+def test_issue31_ragged_chunk40_g4_matches_per_sequence():
+  """The ragged step that crashed the GPU: a 40-token prefill chunk at G=4 (160 rows) beside
+  decodes, paged, interpreted with the H100 plan, against each sequence alone."""
+  from test_ragged import batch, check, per_sequence  # pylint: disable=g-import-not-at-top
+  p = batch(7, [1, 40, 1], [20, 40, 70], max_seqs=4, hq=8, hkv=2, d=64)
+  out, lse = fdecode.ragged_decode(**p, impl="pallas", interpret=True, return_lse=True)
+  check(p, out, lse, per_sequence(p))
