@@ -12,25 +12,25 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from fdecode import chips
+from fdecode.kernels.common import chips
 from fdecode import config as config_lib
-from fdecode import modifiers
-from fdecode import sparse as sparse_lib
+from fdecode.kernels.common import modifiers
+from fdecode.kernels.common import sparse as sparse_lib
 from fdecode.cache.layout import head_major
 from fdecode.cache.paged import gather_pages, gather_scale
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels import mosaic_gpu
-from fdecode.kernels import mosaic_tpu_sparse as mosaic_sparse
-from fdecode.kernels.mosaic_tpu import mosaic_partials, plan as mosaic_plan
-from fdecode.kernels.mosaic_tpu_token_major import contiguous_as_pool as mosaic_contiguous_as_pool
-from fdecode.kernels.mosaic_tpu_token_major import token_major_read as mosaic_token_major_read
-from fdecode.kernels import mosaic_tpu_plan as mosaic_plan_lib
-from fdecode.kernels.mosaic_tpu_plan import dma_unit as mosaic_dma_unit
+from fdecode.kernels.mosaic_tpu import sparse as mosaic_sparse
+from fdecode.kernels.mosaic_tpu.kernel import mosaic_partials, plan as mosaic_plan
+from fdecode.kernels.mosaic_tpu.token_major import contiguous_as_pool as mosaic_contiguous_as_pool
+from fdecode.kernels.mosaic_tpu.token_major import token_major_read as mosaic_token_major_read
+from fdecode.kernels.mosaic_tpu import plan as mosaic_plan_lib
+from fdecode.kernels.mosaic_tpu.plan import dma_unit as mosaic_dma_unit
 from fdecode.kernels import triton as triton_kernels
 from fdecode.kernels.triton import make_plan as triton_plan, run as triton_run, triton_unsupported
-from fdecode.kernels.xla import window_tokens, xla_partials
-from fdecode.kernels.xla_sparse import sparse_partials
-from fdecode.quant import dequantize, is_quantized
+from fdecode.kernels.xla.dense import window_tokens, xla_partials
+from fdecode.kernels.xla.sparse import sparse_partials
+from fdecode.kernels.common.quant import dequantize, is_quantized
 from fdecode.reference import reference_decode
 
 
@@ -62,10 +62,10 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   supported cases); the other Mosaic cases and the reference read head-major views (a
   transpose in this program, dropped when no lowered branch uses it).
   ``cache``: dict of block_tables, canonical (head-major) scales / offsets and k_rope (None when absent).
-  ``v`` None: the values are ``k[..., :v_head_dim]`` (MLA). ``sparse`` (`fdecode.sparse.Sparse`):
+  ``v`` None: the values are ``k[..., :v_head_dim]`` (MLA). ``sparse`` (`fdecode.kernels.common.sparse.Sparse`):
   ``cache`` holds canonical ``indices`` / ``index_bounds`` and q row b' reads cache row
   ``b' // sparse.fold``.
-  ``mods`` / ``mod_arrays``: the score modifiers (`fdecode.modifiers.canonicalize`);
+  ``mods`` / ``mod_arrays``: the score modifiers (`fdecode.kernels.common.modifiers.canonicalize`);
   ``sinks`` (f32 ``[Hq]`` or None) join the softmax once, after the merge.
   The one dispatch: by the platform being *lowered for* (`jax.lax.platform_dependent`),
   so exporting for TPU or CUDA from a CPU host embeds that platform's kernel.

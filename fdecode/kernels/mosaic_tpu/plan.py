@@ -11,7 +11,7 @@ import math
 
 import jax.numpy as jnp
 
-from fdecode.modifiers import Modifiers
+from fdecode.kernels.common.modifiers import Modifiers
 
 _LANES = 128
 # Default bytes of K + V one grid step moves: large enough to amortize the ~0.35 us
@@ -99,12 +99,12 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
   It is rounded up to the cache dtype's sublane tiling (paged: to whole pages). ``v``
   None (MLA): no value stream, the values are the key block's first ``v_head_dim``
   columns; ``k_rope``: a second key stream. ``num_slots``: a sparse call's index-list
-  length K (`fdecode.kernels.mosaic_tpu_sparse`): blocks are slots of the list, each
+  length K (`fdecode.kernels.mosaic_tpu.sparse`): blocks are slots of the list, each
   ``slot_rows`` cache rows wide in VMEM (its DMA unit). ``kv_heads_per_program``: kv
   heads one program computes (a token-major pool's head words, or its whole head axis):
   the streamed blocks are that many heads wide, and the query, output, scratch and
   in-flight values are per head. ``head_axis``: the program reads a token-major pool's
-  whole head axis (`fdecode.kernels.mosaic_tpu_token_major.token_major_read`): each
+  whole head axis (`fdecode.kernels.mosaic_tpu.token_major.token_major_read`): each
   buffered token takes the 32-bit sublanes its Hkv packed rows fill, and each head is
   relaid out of the loaded block through vector registers: counted as one (4 KiB) per
   token, head, stream and 128 columns, an upper bound of what libtpu allocated on v5e
