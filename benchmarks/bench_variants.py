@@ -74,7 +74,7 @@ def overhead_rows(b, s, hkv, hq, d, dtype, iters, window):
 def kernel_blocks(b, s, hkv, lengths, num_tokens, window):
   """Blocks the Triton kernel reads: (count, bk, splits), from the kernel's own ranges."""
   bk = block_size(config_lib.DEFAULT_BLOCK_K)
-  from fdecode.kernels.xla.dense import window_tokens  # pylint: disable=g-import-not-at-top
+  from fdecode.kernels.common.modifiers import window_tokens  # pylint: disable=g-import-not-at-top
   mods = Modifiers(window=window)
   seen = window_tokens(s, num_tokens, mods)
   splits = config_lib.default_num_splits(b, hkv, max(-(-seen // bk), 1), config_lib.num_parallel_units("gpu"))

@@ -68,6 +68,13 @@ def head_major(x, kv_layout: str, paged: bool):
   return jnp.asarray(x).transpose(perm)
 
 
+def read_layout(kv_layout: str, kv_heads: int) -> str:
+  """How the XLA and Triton paths read a cache stored in ``kv_layout``: as stored, except
+  that one kv head (MQA, MLA latents) is read head-major, its head-major view being a free
+  reshape (no tiled layouts on CPU / GPU: the same bytes in the same order)."""
+  return "NHD" if kv_layout == "NHD" and kv_heads > 1 else "HND"
+
+
 def token_axis(kv_layout: str) -> int:
   """The axis of a rank-4 cache that holds its tokens: S (contiguous) or page_size (a
   pool, whose page axis is the one before it)."""

@@ -31,23 +31,8 @@ from jax import lax
 from fdecode.cache.layout import capacity, token_axis
 from fdecode.cache.paged import gather_pages_head_major, gather_scale_head_major, gather_token_major_pages
 from fdecode.combine import MASK_VALUE, finalize_state
-from fdecode.kernels.common.modifiers import Modifiers, row_bounds, window_start
+from fdecode.kernels.common.modifiers import Modifiers, row_bounds, window_start, window_tokens
 from fdecode.kernels.common.quant import dequantize
-
-_WINDOW_ALIGN = 128  # a window view's length is rounded up to this (fewer distinct shapes)
-
-
-def window_tokens(seq_capacity: int, num_tokens: int, mods: Modifiers, page_size: int | None = None) -> int:
-  """Tokens of the cache the XLA path reads per sequence: S, or with a window smaller
-  than the cache the ``window + T - 1`` positions the rows may see (paged: whole pages)."""
-  if mods.window is None:
-    return seq_capacity
-  span = mods.window + num_tokens - 1
-  if page_size is None:
-    w = -(-span // _WINDOW_ALIGN) * _WINDOW_ALIGN
-  else:  # a span starting anywhere in a page
-    w = (-(-(span - 1) // page_size) + 1) * page_size
-  return seq_capacity if w >= seq_capacity else w
 
 
 def _slice_seq(x, starts, size, axis):
