@@ -14,7 +14,7 @@ from fdecode import config as config_lib
 from fdecode.kernels.common import modifiers
 from fdecode.kernels.common import sparse as sparse_lib
 from fdecode.cache.layout import check_layout, head_major, shape_names
-from fdecode.dispatch import decode, forced_tpu_interpret, seq_capacity
+from fdecode.dispatch import decode, forced_tpu_interpret, recording, recording_plans, seq_capacity
 from fdecode.cache.tables import check_concrete_page_ids
 from fdecode.validation import (as_arrays, check_concrete_lengths, check_kv_offset, describe,
                                 static_scale, to_int32, validate_args, validate_quant)
@@ -265,13 +265,35 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     sparse = None
     if indices is not None:
       q4, ends, sparse = _sparse_setup(q4, ends, indices, cache, kv_offset, seq_capacity(k, block_tables), mods)
-    out, lse = decode(q4, *stored[:2], ends, cache, mod_arrays, sinks, impl=impl, softmax_scale=scale,
+    run = decode.__wrapped__ if recording() else decode  # `plan`: traced anew, not from jit's cache
+    out, lse = run(q4, *stored[:2], ends, cache, mod_arrays, sinks, impl=impl, softmax_scale=scale,
                       cfg=cfg, interpret=interpret, mods=mods, v_head_dim=None if v is not None else dv,
                       sparse=sparse, kv_layout=kv_layout)
     out, lse = out.reshape(b, t, *out.shape[2:]), lse.reshape(b, t, -1)  # undo a sparse fold
   if single_token:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out
+
+
+def plan(q, k, v, lengths, *, platform: str | None = None, **kwargs) -> tuple:
+  """The frozen plans a `flash_decode` call with these arguments hands its kernels when
+  lowered for ``platform`` (``"cpu"``, ``"gpu"`` or ``"tpu"``; None: `jax.default_backend()`),
+  in the order they run: an `fdecode.kernels.xla.plan.XlaPlan`, an
+  `fdecode.kernels.triton.plan.TritonPlan` (a GPU's: `fdecode.kernels.common.chips.lowering_gpu`),
+  an `fdecode.kernels.mosaic_tpu.plan.CallPlan` (followed by the XlaPlan of a call it gives
+  the XLA path), or the Hopper MLA kernel's plan. ``q``, ``k``, ``v``, ``lengths`` and the
+  array keyword arguments: arrays or `jax.ShapeDtypeStruct`s; the other keyword arguments
+  as `flash_decode` takes them. Nothing runs or compiles: the call is traced. Empty for
+  ``impl="reference"`` and for a call with no sequence or no new token."""
+  platform = platform or jax.default_backend()
+  if platform not in ("cpu", "gpu", "tpu"):
+    raise ValueError(f"plan: platform must be 'cpu', 'gpu', 'tpu' or None, got {describe(platform)}")
+  arrays = {n: x for n, x in kwargs.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
+  static = {n: x for n, x in kwargs.items() if n not in arrays}
+  with recording_plans() as log:
+    jax.eval_shape(lambda q, k, v, lengths, arrays: flash_decode(q, k, v, lengths, **arrays, **static),
+                   q, k, v, lengths, arrays)
+  return tuple(p for where, p in log if where in (None, platform))
 
 
 def to_head_major(kv_layout, paged, caller="flash_decode", **caches):

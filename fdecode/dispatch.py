@@ -5,6 +5,8 @@ and the merge of its per-split states. Arguments arrive validated and canonical
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -31,6 +33,45 @@ from fdecode.kernels.xla.dense import xla_partials
 from fdecode.kernels.xla.sparse import sparse_partials
 from fdecode.kernels.common.quant import dequantize, is_quantized
 from fdecode.reference import reference_decode
+
+
+# `fdecode.plan`: while a list is set, each path traced appends (platform, its plan); the
+# platform is the `platform_dependent` branch being traced (None: every platform).
+_PLANS = contextvars.ContextVar("fdecode_plans", default=None)
+_BRANCH = contextvars.ContextVar("fdecode_branch", default=None)
+
+
+@contextlib.contextmanager
+def recording_plans():
+  """Inside, each backend path traced appends ``(platform, plan)`` to the list it yields
+  (`fdecode.plan`); a jitted `decode` must then be traced anew (`recording`)."""
+  log = []
+  token = _PLANS.set(log)
+  try:
+    yield log
+  finally:
+    _PLANS.reset(token)
+
+
+def recording() -> bool:
+  return _PLANS.get() is not None
+
+
+def _note(plan):
+  log = _PLANS.get()
+  if log is not None:
+    log.append((_BRANCH.get(), plan))
+
+
+def _branch(platform, fn):
+  """``fn`` traced as `platform_dependent`'s ``platform`` branch (for `recording_plans`)."""
+  def run():
+    token = _BRANCH.set(platform)
+    try:
+      return fn()
+    finally:
+      _BRANCH.reset(token)
+  return run
 
 
 def forced_tpu_interpret():
@@ -144,7 +185,8 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
     cpu = lambda: triton(True)
   else:  # impl=None: XLA on CPU, Triton on GPU, Mosaic on TPU
     cpu = lambda: xla("cpu")
-  return lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, tpu=lambda: mosaic(False))
+  gpu = _branch("gpu", gpu)
+  return lax.platform_dependent(cpu=_branch("cpu", cpu), cuda=gpu, rocm=gpu, tpu=_branch("tpu", lambda: mosaic(False)))
 
 
 _QUANT = ("k_scale", "k_offset", "v_scale", "v_offset")
@@ -162,6 +204,7 @@ def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
   if "sparse" in cache:  # the K selected tokens, in chunks
     p = xla_plan.make_plan(batch=b, kv_heads=hkv, tokens=cache["indices"].shape[-1], platform=platform,
                            sparse=True, num_splits=cfg.num_splits)
+    _note(p)
     return sparse_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
                            num_splits=p.num_splits, mods=mods, **cache)
   s = window_tokens(seq_capacity(k, tables), num_tokens, mods, None if tables is None else k.shape[2])
@@ -170,6 +213,7 @@ def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
       quantized=cache["k_scale"] is not None or cache["v_scale"] is not None,
       kv_layout="HND" if token_major is None else "NHD", num_splits=cfg.num_splits,
       token_bytes=b * hkv * k.shape[-1] * jnp.dtype(k.dtype).itemsize)  # K of one position, all sequences
+  _note(p)
   k, v, cache = _as_read(k, v, cache, token_major, p.kv_layout)
   return xla_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
                       num_splits=p.num_splits, mods=mods, kv_layout=p.kv_layout, **cache)
@@ -193,6 +237,7 @@ def _triton(q, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, token_m
                   index_slots=None if sparse is None else indices.shape[-1],
                   sparse_fold=1 if sparse is None else sparse.fold, num_splits=cfg.num_splits,
                   block_k=cfg.block_k, balance=cfg.balance, interpret=interpret)
+  _note(p)
   return triton_run(p, q, ends, k, v, softmax_scale=softmax_scale, mask=mask, bias=bias, alibi=alibi,
                     sinks=sinks, sparse=sparse, **cache)
 
@@ -218,6 +263,7 @@ def _hopper_mla(q, k, ends, *, softmax_scale, num_splits):
   b, t, g, dk = q.shape
   p = mosaic_gpu.mla_plan(batch=b, num_tokens=t, group=g, seq_len=k.shape[2], softmax_scale=softmax_scale,
                           num_splits=num_splits)
+  _note(p)
   o, lse = mosaic_gpu.mla_states(q.reshape(b, 1, t * g, dk), ends, k, plan=p)
   dv = o.shape[-1]
   cp = triton_kernels.CombinePlan(num_splits=p.num_splits, width=triton_kernels.combine_width(p.num_splits, dv),
@@ -239,6 +285,7 @@ def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, to
   """The Mosaic path: its plan (`fdecode.kernels.mosaic_tpu.plan.make_plan`), then its kernel."""
   p = mosaic_make_plan(q_rows, k, v, cache=cache, token_major=token_major, num_tokens=num_tokens,
                        num_splits=cfg.num_splits, block_k=cfg.block_k)
+  _note(p)
   if p.backend == "xla":
     return _xla(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
                 platform="tpu", token_major=token_major, **cache)

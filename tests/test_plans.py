@@ -115,3 +115,30 @@ def test_mosaic_splits_and_query_dtype():
   assert mosaic_call(dtype="bfloat16", q_dtype="float16").upcast_query
   assert not mosaic_call(dtype="bfloat16").upcast_query
   assert mosaic_call(dtype="float16", q_dtype="float16").backend == "xla"
+
+
+def test_public_plan_is_the_plan_a_call_runs(monkeypatch):
+  """`fdecode.plan` returns the plan the kernel entry then receives (an odd shape: a fresh trace)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import fdecode  # pylint: disable=g-import-not-at-top
+  from fdecode import dispatch  # pylint: disable=g-import-not-at-top
+  seen, real = [], dispatch.xla_partials
+  monkeypatch.setattr(dispatch, "xla_partials",
+                      lambda *a, **kw: seen.append((kw["num_splits"], kw["kv_layout"])) or real(*a, **kw))
+  rng = np.random.default_rng(0)
+  q = rng.standard_normal((1, 1, 4, 24), np.float32)
+  k = rng.standard_normal((1, 3000, 2, 24), np.float32)  # token-major, 2 kv heads
+  lengths = np.array([2999], np.int32)
+  out = fdecode.flash_decode(q, k, k, lengths, kv_layout="NHD")  # traces the cpu and gpu (D=24: XLA) branches
+  traced = sorted(seen)
+  (cpu,) = fdecode.plan(q, k, k, lengths, kv_layout="NHD", platform="cpu")
+  (gpu,) = fdecode.plan(q, k, k, lengths, kv_layout="NHD", platform="gpu")
+  assert traced == sorted([(cpu.num_splits, cpu.kv_layout), (gpu.num_splits, gpu.kv_layout)]), (traced, cpu, gpu)
+  assert cpu.kv_layout == "NHD"
+  assert np.isfinite(np.asarray(out)).all()
+  (tpu,) = fdecode.plan(q, k, k, lengths, kv_layout="NHD", platform="tpu")
+  assert isinstance(tpu, mosaic.CallPlan) and tpu.backend == "mosaic" and tpu.read is not None
+  assert fdecode.plan(q, k, k, lengths, kv_layout="NHD", num_splits=5)[0].num_splits == 5
+  assert fdecode.plan(q, k, k, lengths, impl="reference", kv_layout="NHD") == ()
+  with pytest.raises(ValueError, match="platform must be"):
+    fdecode.plan(q, k, k, lengths, platform="metal")
