@@ -20,7 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from fdecode import chips
+from fdecode.kernels.common import chips
 
 def spec_bandwidth() -> float | None:
   """The local GPU's HBM bandwidth by its spec (bytes / s), or None off GPU."""
@@ -50,8 +50,8 @@ def device_seconds(call, args, *, n: int = 10, iters: int = 10):
 
 def kernels_per_call(fn, args) -> int | None:
   """Kernels one call of ``jit(fn)(*args)`` launches, read from the compiled HLO's entry
-  computation (`fdecode.compile_check.entry_launches`: each fusion, custom call and copy)."""
-  from fdecode.compile_check import entry_launches  # pylint: disable=g-import-not-at-top
+  computation (`fdecode.devtools.compile_check.entry_launches`: each fusion, custom call and copy)."""
+  from fdecode.devtools.compile_check import entry_launches  # pylint: disable=g-import-not-at-top
   try:
     return entry_launches(jax.jit(fn).lower(*args).compile().as_text())
   except Exception:  # noqa: BLE001 - a backend without text: not counted

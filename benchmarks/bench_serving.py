@@ -1,4 +1,4 @@
-"""Continuous batching (`fdecode.serving.Engine`) against `generate`, Gemma 3 270M, one run.
+"""Continuous batching (`fdecode.decoding.serving.Engine`) against `generate`, Gemma 3 270M, one run.
 
 The workload is `scripts/demo --serve 16`'s: 16 requests cycling through the demo's 4
 prompts, request i arriving at engine step i, ``--max-new-tokens`` each (stopping early
@@ -38,7 +38,7 @@ import statistics
 import numpy as np
 
 from _records import add_json_arg, machine_line, record, write  # benchmarks/ is on sys.path
-from fdecode.serving import Engine, Request, token_buckets
+from fdecode.decoding.serving import Engine, Request, token_buckets
 
 BENCH = "bench_serving"
 
@@ -107,7 +107,7 @@ def serve(model, prompts, which, steps, *, arrivals, eos_id, budget, max_seqs, b
 
 def generate_batch(model, prompts, steps, eos_id) -> Run:
   """`generate` over ``prompts`` as one batch (right-padded, contiguous cache)."""
-  from fdecode.generate import generate  # pylint: disable=import-outside-toplevel
+  from fdecode.decoding.generate import generate  # pylint: disable=import-outside-toplevel
   b, longest = len(prompts), max(map(len, prompts))
   padded = np.zeros((b, longest), np.int32)
   for i, p in enumerate(prompts):

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 import fdecode
-from fdecode.sharding import collective_bytes
+from fdecode.devtools.collectives import collective_bytes
 from _records import add_json_arg, machine_line, record, write  # benchmarks/ is on sys.path
 from _timing import timeit
 

@@ -10,7 +10,7 @@ Sections:
   plain, fraction of the floor (one streaming read of K and V).
 * window: S=65536 with window 4096 against plain decode at S=4096 and at S=65536: the
   XLA path's time, and the blocks the Pallas kernels read, counted with the kernels' own
-  range function (`fdecode.kernels.block.split_range`, evaluated for every sequence and
+  range function (`fdecode.kernels.common.block.split_range`, evaluated for every sequence and
   split with the block size and split count the Triton kernel uses on a GPU).
 """
 
@@ -25,9 +25,9 @@ import numpy as np
 
 import fdecode
 from fdecode import config as config_lib
-from fdecode.kernels import block as blk
+from fdecode.kernels.common import block as blk
 from fdecode.kernels.triton import block_size
-from fdecode.modifiers import Modifiers
+from fdecode.kernels.common.modifiers import Modifiers
 from _records import add_json_arg, machine_line, record, table_records, write  # benchmarks/ is on sys.path
 from _timing import timeit
 from bench_decode import as_float32_words, floor_fn
@@ -74,7 +74,7 @@ def overhead_rows(b, s, hkv, hq, d, dtype, iters, window):
 def kernel_blocks(b, s, hkv, lengths, num_tokens, window):
   """Blocks the Triton kernel reads: (count, bk, splits), from the kernel's own ranges."""
   bk = block_size(config_lib.DEFAULT_BLOCK_K)
-  from fdecode.kernels.xla import window_tokens  # pylint: disable=g-import-not-at-top
+  from fdecode.kernels.common.modifiers import window_tokens  # pylint: disable=g-import-not-at-top
   mods = Modifiers(window=window)
   seen = window_tokens(s, num_tokens, mods)
   splits = config_lib.default_num_splits(b, hkv, max(-(-seen // bk), 1), config_lib.num_parallel_units("gpu"))

@@ -4,7 +4,7 @@ One table per chip, a row per kernel variant (bf16, paged 16, int8 and fp8 with 
 scales) of the benchmark grid (Hq=32, Hkv=8, D=128, every sequence full, at B x S of
 1 x 32k, 8 x 32k, 64 x 4k; and B=1, Hkv=1, Hq=8, S=1M, FlashDecoding's long-context case):
 
-* GPU (H100 sm_90a, A100 sm_80; XLA:GPU + ptxas, `fdecode.compile_check`): registers,
+* GPU (H100 sm_90a, A100 sm_80; XLA:GPU + ptxas, `fdecode.devtools.compile_check`): registers,
   spills, shared memory, programs, programs resident per SM, waves, and the predicted time
   at the memory roofline: the cache plus the split partials (written by the kernel, read
   by the merge), over the bandwidth the launch keeps busy (`fdecode.config.gpu_busy`:
@@ -41,7 +41,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import fdecode  # noqa: E402
-from fdecode import chips, config  # noqa: E402
+from fdecode import config
+from fdecode.kernels.common import chips  # noqa: E402
 from _records import add_json_arg, machine_line, record, write  # noqa: E402  (benchmarks/ is on sys.path)
 
 GRID = {"B=1 S=32k": (1, 8, 32, 32768), "B=8 S=32k": (8, 8, 32, 32768),
@@ -102,7 +103,7 @@ def gpu_row(gpu: chips.Gpu, name: str, report: dict) -> dict:
 
 
 def tpu_row(tpu: chips.Tpu, target, name: str, report: dict) -> dict:
-  from fdecode.kernels.mosaic_tpu import plan  # pylint: disable=g-import-not-at-top
+  from fdecode.kernels.mosaic_tpu.plan import plan  # pylint: disable=g-import-not-at-top
   variant, grid_name = name.split(" ", 1)
   b, hkv, hq, s = GRID[grid_name]
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
@@ -175,7 +176,7 @@ def records_of(chip: str, rows: list[dict], machine: str) -> list[dict]:
 
 
 def main(argv=None):
-  from fdecode.compile_check import Target, run_cases  # pylint: disable=g-import-not-at-top
+  from fdecode.devtools.compile_check import Target, run_cases  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--chips", default="h100,a100,v5e,v6e")
   add_json_arg(parser, "compile_report")

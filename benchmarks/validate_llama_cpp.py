@@ -75,7 +75,7 @@ def time_decode(model, llm, context, reps, rng):
   """At ``context`` cached tokens (random ids: past the 512-token window, so the local
   layers' masking shows): one decode step's ms (batch 1) of fdecode and llama.cpp, and a
   comparison of their logits after the prefill. Returns (fdecode ms, llama.cpp ms, text)."""
-  from fdecode.generate import generate  # pylint: disable=import-outside-toplevel
+  from fdecode.decoding.generate import generate  # pylint: disable=import-outside-toplevel
   ids = np.concatenate([[2], rng.integers(1000, 200000, context - 1)]).astype(np.int32)
   model.init_cache(1, -(-(context + reps + 2) // 64) * 64)
   gen = generate(model, ids[None], np.asarray([context]), reps + 2)
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     print("llama-cpp-python is not installed: pip install llama-cpp-python", file=sys.stderr)
     return 2
   import jax  # pylint: disable=import-outside-toplevel
-  from fdecode.generate import generate  # pylint: disable=import-outside-toplevel
+  from fdecode.decoding.generate import generate  # pylint: disable=import-outside-toplevel
   from fdecode.models import GGUFTokenizer, gemma3_270m_path, load_gemma3  # pylint: disable=import-outside-toplevel
 
   path = str(a.gguf or gemma3_270m_path())

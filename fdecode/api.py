@@ -11,10 +11,10 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from fdecode import config as config_lib
-from fdecode import modifiers
-from fdecode import sparse as sparse_lib
+from fdecode.kernels.common import modifiers
+from fdecode.kernels.common import sparse as sparse_lib
 from fdecode.cache.layout import check_layout, head_major, shape_names
-from fdecode.dispatch import decode, forced_tpu_interpret, seq_capacity
+from fdecode.dispatch import decode, forced_tpu_interpret, recording, recording_plans, seq_capacity
 from fdecode.cache.tables import check_concrete_page_ids
 from fdecode.validation import (as_arrays, check_concrete_lengths, check_kv_offset, describe,
                                 static_scale, to_int32, validate_args, validate_quant)
@@ -59,7 +59,7 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     k_scale, v_scale: required for 8-bit caches: a scalar (per tensor) or float32 shaped
       like the cache with the last axis replaced by ``n_tiles`` dividing the head dim
       (1 = per token per head, D/128 = 1x128 tiles); leading axes of size 1 broadcast.
-      Dequantization happens after the load, inside the kernel (see `fdecode.quant`).
+      Dequantization happens after the load, inside the kernel (see `fdecode.kernels.common.quant`).
     k_offset, v_offset: optional, shaped like the scales: real = (x + offset) * scale.
     kv_offset: int scalar or int ``[B]``, default 0: the position in the sequence of the
       cache's first token, for a cache that is a chunk of a longer sequence (sequence
@@ -107,7 +107,7 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       ``concat(k, k_rope)`` of width ``Dk = k.shape[-1] + Dr`` (q's head dim) and the
       values never include them. FlashMLA's FP8 cache is ``k`` float8_e4m3fn
       ``[..., 512]`` with ``k_scale [..., 4]`` (1x128 tiles) plus ``k_rope`` bfloat16
-      ``[..., 64]``: 656 bytes per token (`fdecode.quant` documents the layout).
+      ``[..., 64]``: 656 bytes per token (`fdecode.kernels.common.quant` documents the layout).
     indices: sparse top-k attention (DeepSeek V3.2): int ``[B, K]`` (shared by the T new
       tokens), ``[B, T, K]`` (per token) or ``[B, T, Hkv, K]`` (per token and kv head;
       with a single-token q: ``[B, K]`` or ``[B, Hkv, K]``): the sequence positions each
@@ -115,13 +115,13 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       through the block table when paged). Positions outside the cache, at or past the
       length, or hidden by causality / the window are masked; duplicates count once.
       Not combinable with ``mask`` / ``bias``. ``K = 0`` selects nothing (out 0, lse -inf).
-      Exact semantics: `fdecode.sparse`. On TPU
+      Exact semantics: `fdecode.kernels.common.sparse`. On TPU
       the kernel DMAs each token's 32-bit sublane (2 rows of a 16-bit cache, 4 of an
       8-bit one: the finest row Mosaic addresses); a cache whose length (contiguous) or
       page size (paged) is not a multiple of that takes the XLA path instead (so does
       any paged cache on TPU with such pages, e.g. page size 1 of bf16).
 
-  Score modifiers (all off by default; exact semantics in `fdecode.modifiers`). With
+  Score modifiers (all off by default; exact semantics in `fdecode.kernels.common.modifiers`). With
   ``p = lengths - T + t`` the position of query t and ``j`` a key position:
     causal: bool, default True: with T > 1, query t sees keys ``j <= p``; False lets
       every new token see all ``lengths`` keys (tree / cross attention). With T = 1 both
@@ -164,7 +164,7 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   "No visible key" is decided from positions (lengths, causality, window, mask,
   indices) or visible scores all -inf, never from a NaN. A sink of +inf gives out 0,
   lse +inf (its limit); -inf is no sink. A corrupt value reaches only the rows that see
-  it, also with T > 1 or per-head masks (`fdecode.kernels.block.guard_values`).
+  it, also with T > 1 or per-head masks (`fdecode.kernels.common.block.guard_values`).
 
   Layout:
     kv_layout: ``"HND"`` (default, head-major, the shapes above) or ``"NHD"``
@@ -265,13 +265,35 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     sparse = None
     if indices is not None:
       q4, ends, sparse = _sparse_setup(q4, ends, indices, cache, kv_offset, seq_capacity(k, block_tables), mods)
-    out, lse = decode(q4, *stored[:2], ends, cache, mod_arrays, sinks, impl=impl, softmax_scale=scale,
+    run = decode.__wrapped__ if recording() else decode  # `plan`: traced anew, not from jit's cache
+    out, lse = run(q4, *stored[:2], ends, cache, mod_arrays, sinks, impl=impl, softmax_scale=scale,
                       cfg=cfg, interpret=interpret, mods=mods, v_head_dim=None if v is not None else dv,
                       sparse=sparse, kv_layout=kv_layout)
     out, lse = out.reshape(b, t, *out.shape[2:]), lse.reshape(b, t, -1)  # undo a sparse fold
   if single_token:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out
+
+
+def plan(q, k, v, lengths, *, platform: str | None = None, **kwargs) -> tuple:
+  """The frozen plans a `flash_decode` call with these arguments hands its kernels when
+  lowered for ``platform`` (``"cpu"``, ``"gpu"`` or ``"tpu"``; None: `jax.default_backend()`),
+  in the order they run: an `fdecode.kernels.xla.plan.XlaPlan`, an
+  `fdecode.kernels.triton.plan.TritonPlan` (a GPU's: `fdecode.kernels.common.chips.lowering_gpu`),
+  an `fdecode.kernels.mosaic_tpu.plan.CallPlan` (followed by the XlaPlan of a call it gives
+  the XLA path), or the Hopper MLA kernel's plan. ``q``, ``k``, ``v``, ``lengths`` and the
+  array keyword arguments: arrays or `jax.ShapeDtypeStruct`s; the other keyword arguments
+  as `flash_decode` takes them. Nothing runs or compiles: the call is traced. Empty for
+  ``impl="reference"`` and for a call with no sequence or no new token."""
+  platform = platform or jax.default_backend()
+  if platform not in ("cpu", "gpu", "tpu"):
+    raise ValueError(f"plan: platform must be 'cpu', 'gpu', 'tpu' or None, got {describe(platform)}")
+  arrays = {n: x for n, x in kwargs.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
+  static = {n: x for n, x in kwargs.items() if n not in arrays}
+  with recording_plans() as log:
+    jax.eval_shape(lambda q, k, v, lengths, arrays: flash_decode(q, k, v, lengths, **arrays, **static),
+                   q, k, v, lengths, arrays)
+  return tuple(p for where, p in log if where in (None, platform))
 
 
 def to_head_major(kv_layout, paged, caller="flash_decode", **caches):
@@ -288,7 +310,7 @@ def to_head_major(kv_layout, paged, caller="flash_decode", **caches):
 
 
 def _sparse_setup(q4, ends, indices, cache, kv_offset, seq_capacity, mods):
-  """Canonical index lists into ``cache`` (`fdecode.sparse.canonicalize`); per-token lists
+  """Canonical index lists into ``cache`` (`fdecode.kernels.common.sparse.canonicalize`); per-token lists
   fold the T new tokens into the batch: q ``[B*T, 1, Hq, Dk]``, one end per token, a paged
   table repeated per token (contiguous caches are read at row ``b' // fold``)."""
   sparse, cache["indices"], cache["index_bounds"], ends = sparse_lib.canonicalize(

@@ -34,7 +34,7 @@ import numpy as np
 from fdecode.api import flash_decode
 from fdecode.cache.tables import check_concrete_page_ids
 from fdecode.combine import apply_sinks, merge_states
-from fdecode.quant import is_quantized
+from fdecode.kernels.common.quant import is_quantized
 from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, validate_quant
 
 # Position-dependent options that row packing cannot express: a packed row would need its

@@ -100,7 +100,7 @@ def finalize_state(acc: jnp.ndarray, m: jnp.ndarray, l: jnp.ndarray):
     m: ``[...]`` float32 running max of the scores (finite, possibly a mask value).
     l: ``[...]`` float32 sum of exp(s - m) over the visible keys: 0 exactly when no key
       was visible (the largest visible score contributes exp(0) = 1), NaN when a visible
-      score was NaN (or a value row `fdecode.kernels.block.guard_values` poisoned).
+      score was NaN (or a value row `fdecode.kernels.common.block.guard_values` poisoned).
 
   Returns:
     ``(o, lse)``: o = acc / l, lse = m + log(l); a part with no visible key (l == 0)

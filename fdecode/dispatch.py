@@ -5,6 +5,8 @@ and the merge of its per-split states. Arguments arrive validated and canonical
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -12,26 +14,64 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from fdecode import chips
-from fdecode import config as config_lib
-from fdecode import modifiers
-from fdecode import sparse as sparse_lib
-from fdecode.cache.layout import head_major
+from fdecode.kernels.common import chips
+from fdecode.kernels.common import modifiers
+from fdecode.kernels.common import sparse as sparse_lib
+from fdecode.cache.layout import head_major, read_layout
 from fdecode.cache.paged import gather_pages, gather_scale
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels import mosaic_gpu
-from fdecode.kernels import mosaic_tpu_sparse as mosaic_sparse
-from fdecode.kernels.mosaic_tpu import mosaic_partials, plan as mosaic_plan
-from fdecode.kernels.mosaic_tpu_token_major import contiguous_as_pool as mosaic_contiguous_as_pool
-from fdecode.kernels.mosaic_tpu_token_major import token_major_read as mosaic_token_major_read
-from fdecode.kernels import mosaic_tpu_plan as mosaic_plan_lib
-from fdecode.kernels.mosaic_tpu_plan import dma_unit as mosaic_dma_unit
+from fdecode.kernels.mosaic_tpu import sparse as mosaic_sparse
+from fdecode.kernels.mosaic_tpu.kernel import mosaic_partials
+from fdecode.kernels.mosaic_tpu.plan import make_plan as mosaic_make_plan
+from fdecode.kernels.mosaic_tpu.token_major import contiguous_as_pool as mosaic_contiguous_as_pool
 from fdecode.kernels import triton as triton_kernels
 from fdecode.kernels.triton import make_plan as triton_plan, run as triton_run, triton_unsupported
-from fdecode.kernels.xla import window_tokens, xla_partials
-from fdecode.kernels.xla_sparse import sparse_partials
-from fdecode.quant import dequantize, is_quantized
+from fdecode.kernels.common.modifiers import window_tokens
+from fdecode.kernels.xla import plan as xla_plan
+from fdecode.kernels.xla.dense import xla_partials
+from fdecode.kernels.xla.sparse import sparse_partials
+from fdecode.kernels.common.quant import dequantize, is_quantized
 from fdecode.reference import reference_decode
+
+
+# `fdecode.plan`: while a list is set, each path traced appends (platform, its plan); the
+# platform is the `platform_dependent` branch being traced (None: every platform).
+_PLANS = contextvars.ContextVar("fdecode_plans", default=None)
+_BRANCH = contextvars.ContextVar("fdecode_branch", default=None)
+
+
+@contextlib.contextmanager
+def recording_plans():
+  """Inside, each backend path traced appends ``(platform, plan)`` to the list it yields
+  (`fdecode.plan`); a jitted `decode` must then be traced anew (`recording`)."""
+  log = []
+  token = _PLANS.set(log)
+  try:
+    yield log
+  finally:
+    _PLANS.reset(token)
+
+
+def recording() -> bool:
+  return _PLANS.get() is not None
+
+
+def _note(plan):
+  log = _PLANS.get()
+  if log is not None:
+    log.append((_BRANCH.get(), plan))
+
+
+def _branch(platform, fn):
+  """``fn`` traced as `platform_dependent`'s ``platform`` branch (for `recording_plans`)."""
+  def run():
+    token = _BRANCH.set(platform)
+    try:
+      return fn()
+    finally:
+      _BRANCH.reset(token)
+  return run
 
 
 def forced_tpu_interpret():
@@ -62,10 +102,10 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   supported cases); the other Mosaic cases and the reference read head-major views (a
   transpose in this program, dropped when no lowered branch uses it).
   ``cache``: dict of block_tables, canonical (head-major) scales / offsets and k_rope (None when absent).
-  ``v`` None: the values are ``k[..., :v_head_dim]`` (MLA). ``sparse`` (`fdecode.sparse.Sparse`):
+  ``v`` None: the values are ``k[..., :v_head_dim]`` (MLA). ``sparse`` (`fdecode.kernels.common.sparse.Sparse`):
   ``cache`` holds canonical ``indices`` / ``index_bounds`` and q row b' reads cache row
   ``b' // sparse.fold``.
-  ``mods`` / ``mod_arrays``: the score modifiers (`fdecode.modifiers.canonicalize`);
+  ``mods`` / ``mod_arrays``: the score modifiers (`fdecode.kernels.common.modifiers.canonicalize`);
   ``sinks`` (f32 ``[Hq]`` or None) join the softmax once, after the merge.
   The one dispatch: by the platform being *lowered for* (`jax.lax.platform_dependent`),
   so exporting for TPU or CUDA from a CPU host embeds that platform's kernel.
@@ -145,7 +185,8 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
     cpu = lambda: triton(True)
   else:  # impl=None: XLA on CPU, Triton on GPU, Mosaic on TPU
     cpu = lambda: xla("cpu")
-  return lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, tpu=lambda: mosaic(False))
+  gpu = _branch("gpu", gpu)
+  return lax.platform_dependent(cpu=_branch("cpu", cpu), cuda=gpu, rocm=gpu, tpu=_branch("tpu", lambda: mosaic(False)))
 
 
 _QUANT = ("k_scale", "k_offset", "v_scale", "v_offset")
@@ -156,20 +197,26 @@ def seq_capacity(k, block_tables):
 
 
 def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, token_major=None, **cache):
-  """The XLA path; token-major caches are read in place, chunk by chunk (`xla_partials`)."""
+  """The XLA path: its plan (`fdecode.kernels.xla.plan.make_plan`), then its kernel;
+  token-major caches are read in place, chunk by chunk (`xla_partials`)."""
   b, hkv = q_rows.shape[:2]
   tables = cache["block_tables"]
-  if "sparse" in cache:  # the K selected tokens, in chunks of about XLA_CHUNK_TOKENS
-    kk = cache["indices"].shape[-1]
-    splits = cfg.num_splits or max(1, kk // config_lib.XLA_CHUNK_TOKENS)
+  if "sparse" in cache:  # the K selected tokens, in chunks
+    p = xla_plan.make_plan(batch=b, kv_heads=hkv, tokens=cache["indices"].shape[-1], platform=platform,
+                           sparse=True, num_splits=cfg.num_splits)
+    _note(p)
     return sparse_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                           num_splits=splits, mods=mods, **cache)
+                           num_splits=p.num_splits, mods=mods, **cache)
   s = window_tokens(seq_capacity(k, tables), num_tokens, mods, None if tables is None else k.shape[2])
-  k, v, cache, layout = _as_read(k, v, cache, token_major)
-  token_bytes = b * hkv * k.shape[-1] * jnp.dtype(k.dtype).itemsize  # K of one position, all sequences
-  splits = cfg.num_splits or _xla_default_splits(b, hkv, s, cache, platform, layout, token_bytes)
+  p = xla_plan.make_plan(
+      batch=b, kv_heads=hkv, tokens=s, platform=platform, paged=tables is not None,
+      quantized=cache["k_scale"] is not None or cache["v_scale"] is not None,
+      kv_layout="HND" if token_major is None else "NHD", num_splits=cfg.num_splits,
+      token_bytes=b * hkv * k.shape[-1] * jnp.dtype(k.dtype).itemsize)  # K of one position, all sequences
+  _note(p)
+  k, v, cache = _as_read(k, v, cache, token_major, p.kv_layout)
   return xla_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                      num_splits=splits, mods=mods, kv_layout=layout, **cache)
+                      num_splits=p.num_splits, mods=mods, kv_layout=p.kv_layout, **cache)
 
 
 def _triton(q, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, token_major, compute, sinks, mods,
@@ -177,7 +224,9 @@ def _triton(q, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, token_m
   """The Triton path: its plan (`fdecode.kernels.triton.plan`: sized to the GPU lowered
   for; interpreted, the same plan), then its kernels. Token-major caches are read in place."""
   del num_tokens  # q's shape carries it
-  k, v, cache, layout = _as_read(k, v, cache, token_major)
+  layout = read_layout("HND" if token_major is None else "NHD", k.shape[0] if cache["block_tables"] is not None
+                       else k.shape[1])
+  k, v, cache = _as_read(k, v, cache, token_major, layout)
   if not interpret and _hopper_mla_takes(q, k, v, cache, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg):
     return _hopper_mla(q, k, ends, softmax_scale=softmax_scale, num_splits=cfg.num_splits)
   indices = cache.get("indices")
@@ -187,7 +236,8 @@ def _triton(q, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, token_m
                   has_mask_or_bias=mask is not None or bias is not None, has_sinks=sinks is not None,
                   index_slots=None if sparse is None else indices.shape[-1],
                   sparse_fold=1 if sparse is None else sparse.fold, num_splits=cfg.num_splits,
-                  block_k=cfg.block_k or config_lib.DEFAULT_BLOCK_K, balance=cfg.balance, interpret=interpret)
+                  block_k=cfg.block_k, balance=cfg.balance, interpret=interpret)
+  _note(p)
   return triton_run(p, q, ends, k, v, softmax_scale=softmax_scale, mask=mask, bias=bias, alibi=alibi,
                     sinks=sinks, sparse=sparse, **cache)
 
@@ -213,6 +263,7 @@ def _hopper_mla(q, k, ends, *, softmax_scale, num_splits):
   b, t, g, dk = q.shape
   p = mosaic_gpu.mla_plan(batch=b, num_tokens=t, group=g, seq_len=k.shape[2], softmax_scale=softmax_scale,
                           num_splits=num_splits)
+  _note(p)
   o, lse = mosaic_gpu.mla_states(q.reshape(b, 1, t * g, dk), ends, k, plan=p)
   dv = o.shape[-1]
   cp = triton_kernels.CombinePlan(num_splits=p.num_splits, width=triton_kernels.combine_width(p.num_splits, dv),
@@ -221,89 +272,38 @@ def _hopper_mla(q, k, ends, *, softmax_scale, num_splits):
   return out.reshape(b, t, g, dv), out_lse.reshape(b, t, g)
 
 
-def _as_read(k, v, cache, token_major):
-  """The caches as a path reads them -> (k, v, cache, kv_layout): token-major ones as
-  stored (``token_major``: k, v, k_rope), else the head-major views."""
-  if token_major is None or (k.shape[0] if cache["block_tables"] is not None else k.shape[1]) == 1:
-    # One kv head (MQA, MLA latents): the head-major view is a free reshape here (no tiled
-    # layouts on CPU / GPU), the same bytes in the same order.
-    return k, v, cache, "HND"
+def _as_read(k, v, cache, token_major, layout):
+  """The caches as a path reads them (``layout``, `fdecode.cache.layout.read_layout`):
+  token-major ones as stored (``token_major``: k, v, k_rope), else the head-major views."""
+  if layout == "HND":
+    return k, v, cache
   k, v, rope = token_major
-  return k, v, dict(cache, k_rope=rope), "NHD"
+  return k, v, dict(cache, k_rope=rope)
 
 
 def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, token_major=None, **cache):
-  b, hkv = q_rows.shape[:2]
-  capacity = seq_capacity(k, cache["block_tables"])
-  sparse = "sparse" in cache
-  how = None if token_major is None else mosaic_token_major_read(
-      *token_major, cache["k_scale"], cache["v_scale"], paged=cache["block_tables"] is not None, sparse=sparse)
-  # Mosaic has no float16 vectors (libtpu: "Invalid vector type for load"): a float16 cache
-  # takes the XLA path, and a float16 query over an 8-bit cache computes in float32.
-  float16_cache = any(x is not None and x.dtype == jnp.float16 for x in (k, v, cache["k_rope"]))
-  if q_rows.dtype == jnp.float16 and not float16_cache:
+  """The Mosaic path: its plan (`fdecode.kernels.mosaic_tpu.plan.make_plan`), then its kernel."""
+  p = mosaic_make_plan(q_rows, k, v, cache=cache, token_major=token_major, num_tokens=num_tokens,
+                       num_splits=cfg.num_splits, block_k=cfg.block_k)
+  _note(p)
+  if p.backend == "xla":
+    return _xla(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
+                platform="tpu", token_major=token_major, **cache)
+  if p.upcast_query:  # Mosaic has no float16 vectors: a float16 query over another cache computes in float32
     q_rows = q_rows.astype(jnp.float32)
-  kw = dict(num_tokens=num_tokens, softmax_scale=softmax_scale, interpret=interpret)
-  if how is not None:  # token-major caches read in place
-    k_tm, v_tm, rope_tm = token_major
-    if sparse:  # each listed token's heads DMA'd
-      unit = 1 if how.axis else mosaic_dma_unit(*token_major)
-      tm_cache = dict(cache, k_rope=rope_tm)
-      p = _sparse_plan(q_rows, _as_hnd(k_tm), _as_hnd(v_tm), cfg, unit, how.axis,
-                       dict(cache, k_rope=_as_hnd(rope_tm)))
-    else:  # by the paged kernel (`mosaic_partials`); a contiguous cache as the pool of whole pages
-      tm_cache = cache
-      if cache["block_tables"] is None:
-        k_tm, v_tm, rope_tm, quant, tables = mosaic_contiguous_as_pool(
-            k_tm, v_tm, rope_tm, tuple(cache[n] for n in _QUANT))
-        tm_cache = dict(cache, block_tables=tables, **dict(zip(_QUANT, quant)))
-      p = mosaic_plan(q_rows, _as_hnd(k_tm), _as_hnd(v_tm), block_k=cfg.block_k, kv_heads_per_program=how.heads,
-                      head_axis=how.axis, **dict(tm_cache, k_rope=_as_hnd(rope_tm)))
-      tm_cache = dict(tm_cache, k_rope=rope_tm)
-    if how.axis and p.vmem_bytes > mosaic_plan_lib.MAX_HEAD_AXIS_VMEM_BYTES:
-      how = p = None  # (many heads of large pages) a head-major copy instead
-    elif sparse:
-      return _mosaic_sparse(q_rows, k_tm, v_tm, ends, plan=p, cfg=cfg, kv_layout="NHD",
-                            head_axis=how.axis, **kw, **tm_cache)
-    else:
-      caches, layout, cache = (k_tm, v_tm), dict(kv_layout="NHD", read=how), tm_cache
-  if how is None:
-    unit = mosaic_dma_unit(k, v, cache["k_rope"])
-    if float16_cache or ((sparse or cache["block_tables"] is not None) and k.shape[2] % unit):
-      # (Or pages / sparse rows that split a 32-bit sublane: no DMA can address them.)
-      return _xla(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
-                  platform="tpu", token_major=token_major, **cache)
-    if sparse:  # blocks of index-list slots, each token DMA'd on its own
-      p = _sparse_plan(q_rows, k, v, cfg, unit, False, cache)
-      return _mosaic_sparse(q_rows, k, v, ends, plan=p, cfg=cfg, **kw, **cache)
-    p = mosaic_plan(q_rows, k, v, block_k=cfg.block_k, **cache)
-    caches, layout = (k, v), {}
-  seen = window_tokens(capacity, num_tokens, cache["mods"])
-  num_blocks = max(-(-seen // p.block), 1)
-  splits = cfg.num_splits or config_lib.default_num_splits(
-      b, hkv // (1 if how is None else how.heads), num_blocks, config_lib.num_parallel_units("tpu"))
-  return mosaic_partials(q_rows, ends, *caches, num_splits=splits, plan=p, **kw, **layout, **cache)
-
-
-def _as_hnd(x):
-  """A token-major cache's shape as the head-major pool `mosaic_plan` sizes: ``[Hkv, ., ., D]``."""
-  return None if x is None else jax.ShapeDtypeStruct((x.shape[2], x.shape[0], x.shape[1], x.shape[3]), x.dtype)
-
-
-def _sparse_plan(q_rows, k, v, cfg, unit, head_axis, cache):
-  """`mosaic_plan` of a sparse call (head-major shapes): blocks of index-list slots."""
-  plan_args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
-  return mosaic_plan(q_rows, k, v, block_k=cfg.block_k, num_slots=cache["indices"].shape[-1], slot_rows=unit,
-                     head_axis=head_axis, **plan_args)
-
-
-def _mosaic_sparse(q_rows, k, v, ends, *, plan, cfg, kv_layout="HND", head_axis=False, **kw):
-  """The sparse Mosaic kernel: blocks of index-list slots (``plan``)."""
-  b, hkv = q_rows.shape[:2]
-  splits = cfg.num_splits or config_lib.default_num_splits(
-      b, hkv, max(-(-kw["indices"].shape[-1] // plan.block), 1), config_lib.num_parallel_units("tpu"))
-  return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, num_splits=splits, plan=plan,
-                                              kv_layout=kv_layout, head_axis=head_axis, **kw)
+  kw = dict(num_tokens=num_tokens, softmax_scale=softmax_scale, interpret=interpret, num_splits=p.num_splits,
+            plan=p.sizes)
+  layout = {}
+  if p.read is not None:  # token-major caches read in place
+    k, v, rope = token_major
+    cache = dict(cache, k_rope=rope)
+    layout = dict(kv_layout="NHD", head_axis=p.read.axis) if p.sparse else dict(kv_layout="NHD", read=p.read)
+    if p.as_pool:  # a contiguous cache as the pool of whole pages
+      k, v, rope, quant, tables = mosaic_contiguous_as_pool(k, v, rope, tuple(cache[n] for n in _QUANT))
+      cache = dict(cache, k_rope=rope, block_tables=tables, **dict(zip(_QUANT, quant)))
+  if p.sparse:
+    return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, **kw, **layout, **cache)
+  return mosaic_partials(q_rows, ends, k, v, **kw, **layout, **cache)
 
 
 def triton_supports(k, v, cache, v_head_dim=None) -> bool:
@@ -325,23 +325,3 @@ def _materialize(x, tables, scale=None, offset=None):
   if scale is None:
     return x.astype(jnp.float32)
   return dequantize(x, scale, offset)
-
-
-def _xla_default_splits(b, hkv, s, cache, backend, kv_layout="HND", token_bytes=0):
-  """The XLA path's split count: the parallelism heuristic, raised to chunks of about
-  `config.XLA_CHUNK_TOKENS` tokens (one chunk's scores, or its gathered / dequantized
-  pages, stay cache-sized: 0.50 of the floor at S=16384 on a 2-core CPU vs 0.38 unsplit,
-  benchmarks/RESULTS.md). Contiguous float caches round down to a divisor of S so that
-  the split stays a free reshape. The chunk loops (pools, 8-bit and token-major caches)
-  also keep a chunk's K under `config.XLA_CHUNK_BYTES` (``token_bytes``: K bytes of one
-  position over all sequences), and a contiguous token-major cache's chunks are smaller
-  still (`config.XLA_TOKEN_MAJOR_CHUNK_TOKENS`: each is transposed as it loads)."""
-  n = config_lib.default_num_splits(b, hkv, max(s, 1), config_lib.num_parallel_units(backend))
-  n = max(n, s // config_lib.XLA_CHUNK_TOKENS)
-  contiguous = cache["block_tables"] is None
-  if contiguous and kv_layout == "HND" and cache["k_scale"] is None and cache["v_scale"] is None:
-    return config_lib.largest_divisor_at_most(s, n)  # no loop: one batched matmul
-  n = max(n, -(-s * token_bytes // config_lib.XLA_CHUNK_BYTES))
-  if contiguous and kv_layout == "NHD":
-    n = max(n, s // config_lib.XLA_TOKEN_MAJOR_CHUNK_TOKENS)
-  return max(n, 1)

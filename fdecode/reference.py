@@ -41,7 +41,7 @@ def reference_decode(q, k, v, lengths, *, softmax_scale=None, causal=True, mask=
     lengths: int ``[B]`` valid tokens per sequence (new tokens included).
     softmax_scale: defaults to ``1/sqrt(Dk)``.
     causal, mask, bias, alibi_slopes, window, logits_soft_cap, sinks: the score
-      modifiers of `flash_decode` (semantics in `fdecode.modifiers`), built here densely
+      modifiers of `flash_decode` (semantics in `fdecode.kernels.common.modifiers`), built here densely
       at ``[B, T, Hq, S]``.
 
   Returns:

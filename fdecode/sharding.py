@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from typing import Any
 
 import jax
@@ -33,8 +32,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from fdecode.api import flash_decode
 from fdecode.cache.layout import capacity, kv_head_axis, kv_heads, token_axis
 from fdecode.combine import apply_sinks, combine_across
-from fdecode.meshes import host_values
-from fdecode.quant import canonical_scale
+from fdecode.cache.meshes import host_values
+from fdecode.kernels.common.quant import canonical_scale
 from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, short_repr
 
 # Options laid out like the cache ([B|1, Hkv|1, S|1, n_tiles]): split with it.
@@ -348,7 +347,7 @@ def _chunk_decode(q, k, v, lengths, *, plan, kwargs):
 
 
 def _index_head_axis(indices, single_token):
-  """The kv-head axis of sparse ``indices`` (`fdecode.sparse`), None without one (or size 1):
+  """The kv-head axis of sparse ``indices`` (`fdecode.kernels.common.sparse`), None without one (or size 1):
   ``[B, Hkv, K]`` for a single-token q, ``[B, T, Hkv, K]``."""
   if indices is None:
     return None
@@ -431,39 +430,3 @@ def _check_page_ownership(tables, lengths, pool_pages, plan) -> None:
         f"shard {int(shard[i, j])} (pages [{int(shard[i, j]) * plan.pages_per_shard}, "
         f"{(int(shard[i, j]) + 1) * plan.pages_per_shard})): with seq_axis each device owns the "
         f"pages of its token range")
-
-
-_COLLECTIVE = re.compile(
-    r"=\s*(\([^)]*\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+"
-    r"(all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter|collective-broadcast)"
-    r"(?:-start)?\(")
-_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
-
-
-def collective_bytes(hlo_text: str) -> dict:
-  """Bytes each cross-device op of compiled HLO produces, per device.
-
-  Args:
-    hlo_text: ``jax.jit(f).lower(...).compile().as_text()``.
-
-  Returns:
-    ``{op name: [bytes of each instance]}`` over all-gather, all-reduce,
-    collective-permute, all-to-all, reduce-scatter (async ``*-start`` counted once).
-  """
-  out = {}
-  for m in _COLLECTIVE.finditer(hlo_text):
-    total = 0
-    for dtype, dims in _SHAPE.findall(m.group(1)):
-      if dtype in ("token", "u32") and not dims:
-        continue
-      n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-      total += n * _dtype_bytes(dtype)
-    out.setdefault(m.group(2), []).append(total)
-  return out
-
-
-def _dtype_bytes(hlo_dtype: str) -> int:
-  if hlo_dtype == "pred":
-    return 1
-  digits = "".join(c for c in hlo_dtype if c.isdigit())
-  return max(int(digits) // 8, 1) if digits else 4

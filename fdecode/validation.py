@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fdecode.quant import canonical_scale, is_quantized
+from fdecode.kernels.common.quant import canonical_scale, is_quantized
 
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
 F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32, 2**-126

@@ -115,7 +115,7 @@ def test_window_past_int32_is_a_clear_error_and_the_int32_max_is_no_window():
 def test_window_with_far_negative_ends_does_not_wrap(impl):
   """kv_offset near int32's max puts every query long before the cache: it sees nothing
   (out 0, lse -inf), also with the largest window (no int32 overflow in the bounds, in
-  `fdecode.modifiers` nor in the kernels' `row_geometry`)."""
+  `fdecode.kernels.common.modifiers` nor in the kernels' `row_geometry`)."""
   q, k, v = _qkv(t=2)
   for window in (3, 2 ** 31 - 1):
     out, lse = fdecode.flash_decode(q, k, v, np.array([2, 3]), kv_offset=2 ** 31 - 1, causal=False,

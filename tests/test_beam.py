@@ -1,4 +1,4 @@
-"""Beam search and parallel sampling over shared pages (fdecode.beam), on a tiny model.
+"""Beam search and parallel sampling over shared pages (fdecode.decoding.beam), on a tiny model.
 
 Every beam / sample is checked against the same model run on it alone (a batch-1
 contiguous cache, no sharing), so a copy-on-write that was missed or went to the wrong
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fdecode.beam import beam_search, sample_n
+from fdecode.decoding.beam import beam_search, sample_n
 from fdecode.cache import PageAllocator, PoolExhaustedError
-from fdecode.generate import ModelConfig, Transformer
+from fdecode.models.base import ModelConfig, Transformer
 
 TINY = ModelConfig(vocab=64, dim=32, layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
 SEED, PS = 3, 4

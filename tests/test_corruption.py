@@ -138,7 +138,7 @@ def test_corrupt_value_reaches_only_rows_that_see_it(request, impl, form, bad):
   """Rows of one kv head that see different slots: a non-finite value at a slot only some
   of them see (the last new token's own value; a slot one head's mask hides) turns those
   rows NaN and no other. The PV matmul shares value rows across a kv head's rows, so
-  without the per-row select (`fdecode.kernels.block.guard_values`) 0 * NaN reached the
+  without the per-row select (`fdecode.kernels.common.block.guard_values`) 0 * NaN reached the
   earlier tokens too."""
   if impl_param(request) != "xla" and bad == np.inf:
     pytest.skip("interpreted kernels run this path once (the NaN case)")

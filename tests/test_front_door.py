@@ -7,9 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from fdecode.beam import beam_search, sample_n
+from fdecode.decoding.beam import beam_search, sample_n
 from fdecode.cache import PageAllocator
-from fdecode.generate import ModelConfig, Transformer, generate
+from fdecode.decoding.generate import generate
+from fdecode.models.base import ModelConfig, Transformer
 
 TINY = ModelConfig(vocab=64, dim=32, layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
 PROMPT = np.random.default_rng(0).integers(0, TINY.vocab, 10).astype(np.int32)

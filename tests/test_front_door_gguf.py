@@ -192,5 +192,5 @@ def test_demo_prompt_bytes_from_a_real_command_line():
     (["--kernel", "--iters", "0"], "--iters must be in [1, 2**31 - 1], got 0"),
 ])
 def test_synthetic_demo_rejects_bad_sizes_cleanly(capsys, argv, message):
-  from fdecode import demo  # pylint: disable=import-outside-toplevel
+  from fdecode.cli import synthetic as demo  # pylint: disable=import-outside-toplevel
   assert message in _cli_error(capsys, demo.main, argv)

@@ -8,8 +8,8 @@ per tensor, token, head, page or tile, with and without offsets; MLA ``v=None``;
 ``k_rope``), every modifier and their combinations (causal, mask, bias, ALiBi, window,
 soft cap, sinks, kv_offset, sparse indices), lengths 0 .. S, float32 and bfloat16, and
 inf / NaN / huge garbage in every dead slot. The oracle below is plain float64 numpy,
-written from the documented semantics (`fdecode.modifiers`, `fdecode.quant`,
-`fdecode.sparse`), not from the library's reference. Some calls also put a NaN in a slot
+written from the documented semantics (`fdecode.kernels.common.modifiers`, `fdecode.kernels.common.quant`,
+`fdecode.kernels.common.sparse`), not from the library's reference. Some calls also put a NaN in a slot
 that a query *does* see (a key, a value, a scale, q, a bias entry, an ALiBi slope): its
 rows must come back NaN (every column, and the lse) on every impl and split count, never
 "no data".
@@ -89,7 +89,7 @@ def _call(impl, *args, **kw):
 
 
 def dequant64(x, scale=None, offset=None):
-  """``(x + offset) * scale`` tile-wise (`fdecode.quant`), in float64."""
+  """``(x + offset) * scale`` tile-wise (`fdecode.kernels.common.quant`), in float64."""
   x = np.asarray(x).astype(np.float64)
   if scale is None:
     return x
@@ -336,7 +336,7 @@ def valid_cases(draw, nan_at_visible=False, shapes=None):
     forms = [(b, kk)] + ([(b, hkv, kk)] if t is None else [(b, tt, kk), (b, tt, hkv, kk), (b, 1, hkv, kk)])
     shape = draw(st.sampled_from(forms))
     if len(shape) >= 3 and t is not None and shape[1] > 1 and not causal:
-      kw.pop("window", None), kw.pop("alibi_slopes", None)  # not combinable (fdecode.sparse)
+      kw.pop("window", None), kw.pop("alibi_slopes", None)  # not combinable (fdecode.kernels.common.sparse)
     kw["indices"] = rng.integers(-2, hi + 3, size=shape).astype(np.int32)
   else:
     if draw(st.integers(0, 2)) == 2:

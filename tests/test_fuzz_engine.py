@@ -1,6 +1,6 @@
-"""Property test of `fdecode.serving.Engine` (issue 32): random arrivals, prompt lengths,
+"""Property test of `fdecode.decoding.serving.Engine` (issue 32): random arrivals, prompt lengths,
 max_new_tokens, EOS and pool sizes; every request's greedy tokens must be those of
-generating it alone (`fdecode.generate.generate`, one sequence per row, contiguous cache,
+generating it alone (`fdecode.decoding.generate.generate`, one sequence per row, contiguous cache,
 no engine), cut at its EOS or max_new_tokens, and the scheduling must keep its promises
 (first come, first served by arrival; at most max_seqs running; every page back).
 
@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fdecode.generate import Transformer, generate
-from fdecode.serving import Engine, Request
+from fdecode.decoding.generate import generate
+from fdecode.models.base import Transformer
+from fdecode.decoding.serving import Engine, Request
 from test_fuzz import PROFILE
 from test_serving import CFG
 

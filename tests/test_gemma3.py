@@ -13,7 +13,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 import fdecode  # noqa: E402
-from fdecode.generate import generate  # noqa: E402
+from fdecode.decoding.generate import generate  # noqa: E402
 from fdecode.models.gemma3 import load_gemma3  # noqa: E402
 from fdecode.models.tokenizer import GGUFTokenizer  # noqa: E402
 
@@ -208,7 +208,7 @@ def test_demo_main(tiny, capsys, args):
 
 
 def test_demo_serve(tiny, capsys):
-  """scripts/demo --serve: 5 requests over 2 prompts through fdecode.serving, each checked
+  """scripts/demo --serve: 5 requests over 2 prompts through fdecode.decoding.serving, each checked
   against generate() without the engine."""
   from fdecode.cli import demo
   rc = demo.main(["--gguf", str(tiny[0]), "--prompt", "the cab", "--prompt", "a bad head to the ed",

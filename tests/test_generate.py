@@ -1,4 +1,4 @@
-"""Greedy generation (fdecode.generate) and the generation demo, on tiny models."""
+"""Greedy generation (fdecode.decoding.generate) and the generation demo, on tiny models."""
 
 import functools
 
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import fdecode
-from fdecode import demo
-from fdecode.generate import Generation, ModelConfig, Transformer, generate
+from fdecode.cli import synthetic as demo
+from fdecode.decoding.generate import Generation, generate
+from fdecode.models.base import ModelConfig, Transformer
 
 TINY = ModelConfig(vocab=64, dim=32, layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
 

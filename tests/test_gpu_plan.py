@@ -8,7 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fdecode import chips, config
+from fdecode import config
+from fdecode.kernels.common import chips
 from fdecode.kernels.triton import decode_fp8_bits, launch_plan
 
 

@@ -14,9 +14,9 @@ import pytest
 
 import fdecode
 from fdecode.cache.layout import head_major
-from fdecode.compile_check import _HLO_BYTES
+from fdecode.devtools.compile_check import _HLO_BYTES
 from fdecode.config import XLA_CHUNK_TOKENS
-from fdecode.quant import dequantize, quantize
+from fdecode.kernels.common.quant import dequantize, quantize
 from fdecode.reference import reference_decode
 from conftest import assert_attention_reordered, assert_close, impl_param, make_problem, max_abs, tol
 from test_paged_quant import paged_problem, with_garbage
@@ -281,7 +281,7 @@ def test_xla_path_reads_caches_in_place(layout, paged, dtype):
   """The CPU path (XLA) reads a token-major cache, and any pool, chunk by chunk: the
   compiled step makes no array larger than a chunk (a quarter of the tokens, in float32):
   no transpose, copy or float32 widening of the whole cache. XLA:CPU widens a 16-bit float array it slices in a loop to
-  float32 first; `fdecode.kernels.xla` reads such caches as integer words. 8-bit: fp8
+  float32 first; `fdecode.kernels.xla.dense` reads such caches as integer words. 8-bit: fp8
   values with a per-token scale."""
   b, s, hkv, g, d, ps = 2, 4 * XLA_CHUNK_TOKENS, 2, 2, 64, 16  # 4 chunks (at least)
   if paged:

@@ -163,7 +163,7 @@ def test_unsupported_names_paging_and_modifiers():
 
 
 def test_plan_fits_shared_memory_and_fills_the_gpu():
-  from fdecode import chips
+  from fdecode.kernels.common import chips
   plan = mla_plan(batch=64, num_tokens=1, group=128, seq_len=4096, softmax_scale=0.1, gpu=chips.H100)
   assert plan.grid == (2, plan.num_splits, 64) and plan.smem_bytes() <= chips.H100.smem_per_block
   # Few sequences: splits until the programs fill the SMs (8 x 1 row block -> >= 132 / 8).

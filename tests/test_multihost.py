@@ -17,7 +17,7 @@ def _free_port() -> int:
 
 def test_sequence_parallel_over_two_processes_matches_reference():
   env = {k: x for k, x in os.environ.items() if k != "XLA_FLAGS"}  # each worker sets its own
-  cmd = [sys.executable, "-m", "fdecode.multihost_demo", "2", "2", "--port", str(_free_port()),
+  cmd = [sys.executable, "-m", "fdecode.cli.multihost_demo", "2", "2", "--port", str(_free_port()),
          "--new-tokens", "3", "--timeout", "100"]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
   log = proc.stdout + proc.stderr

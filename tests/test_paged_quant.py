@@ -9,7 +9,7 @@ import pytest
 
 import fdecode
 from fdecode.cache import PageAllocator, PoolExhaustedError, gather_pages, write_contiguous, write_paged
-from fdecode.quant import dequantize, quantize
+from fdecode.kernels.common.quant import dequantize, quantize
 from fdecode.reference import reference_decode
 from conftest import assert_close, impl_param, make_problem, tol
 
@@ -315,9 +315,9 @@ def test_balanced_schedule_covers_every_block_once():
   """`fdecode.kernels.triton.balanced_schedule`: every live block of every sequence belongs to exactly
   one used item, no item exceeds ceil(blocks / (items - live)) blocks, and the items
   needed never exceed the grid, for random lengths with many empty rows."""
-  from fdecode.kernels import block as blk
+  from fdecode.kernels.common import block as blk
   from fdecode.kernels.triton import balanced_schedule as _balanced_schedule
-  from fdecode.modifiers import Modifiers
+  from fdecode.kernels.common.modifiers import Modifiers
   bk, s = 16, 1024
 
   @functools.partial(jax.jit, static_argnums=1)

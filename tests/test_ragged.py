@@ -11,7 +11,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 
 import fdecode
 from fdecode.cache import write_paged
-from fdecode.quant import quantize
+from fdecode.kernels.common.quant import quantize
 from conftest import assert_close, assert_reordered, impl_param, interpreted_once, max_abs, tol
 
 
@@ -329,7 +329,7 @@ def test_prefill_blocks_in_one_call_on_the_kernels(impl, request, monkeypatch):
   (ceil(N / 64) + min(max_seqs, N // 2) blocks, the unused ones of kv length 0); the XLA
   path loops over the real blocks. A sequence of 300 new tokens spans 5 blocks, the
   first partial; one of 2 new tokens has a 1-row block; dead slots hold NaN."""
-  import fdecode.ragged as ragged_module
+  import fdecode.ragged.decode as ragged_module
   batches = []
   real = ragged_module.flash_decode
 
@@ -357,7 +357,7 @@ def test_row_search_has_no_loop(n_edges, n_x):
   edges, values outside, both methods: all pairs below ~1M pairs, sort above), and its
   program holds no loop (jnp's default method is a scan, which XLA compiles to a while
   loop: a chain of dependent steps on GPU)."""
-  from fdecode.ragged import _searchsorted  # pylint: disable=g-import-not-at-top
+  from fdecode.ragged.decode import _searchsorted  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(n_edges)
   edges = np.sort(rng.integers(0, n_x, n_edges)).astype(np.int32)  # cu_q_lens-like: repeats
   x = np.arange(-2, n_x + 2, dtype=np.int32)

@@ -21,8 +21,9 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fdecode
-from fdecode.beam import beam_search, sample_n
-from fdecode.generate import ModelConfig, Transformer, generate
+from fdecode.decoding.beam import beam_search, sample_n
+from fdecode.decoding.generate import generate
+from fdecode.models.base import ModelConfig, Transformer
 
 # Shapes used by no other test module (a cached compile would hide the first one).
 CFG = ModelConfig(vocab=40, dim=24, layers=2, num_heads=4, num_kv_heads=2, head_dim=6, mlp_dim=40)
@@ -109,9 +110,9 @@ def test_beam_search_and_sampling_compile_their_steps_once():
 def test_demo_steps_compile_once(capsys, monkeypatch):
   """The synthetic demo on a 2x2 mesh (its fdecode and reference runs): no step after the
   first decode step compiles anything named _decode_step."""
-  from fdecode import demo
+  from fdecode.cli import synthetic as demo
   seen = {}
-  progress = demo._progress  # pylint: disable=protected-access
+  progress = demo.progress_bar
 
   def recording(label):
     bar = progress(label)
@@ -120,7 +121,7 @@ def test_demo_steps_compile_once(capsys, monkeypatch):
       bar(done, total)
     return on_step
 
-  monkeypatch.setattr(demo, "_progress", recording)
+  monkeypatch.setattr(demo, "progress_bar", recording)
   with counting_compiles() as compiles:
     rc = demo.main(["--context", "32", "--batch", "3", "--steps", "5", "--layers", "1", "--dim", "24",
                     "--heads", "4", "--kv-heads", "2", "--vocab", "40", "--mesh", "2x2"])

@@ -1,4 +1,4 @@
-"""`fdecode.serving.Engine`: continuous batching over a tiny `fdecode.generate.Transformer`.
+"""`fdecode.decoding.serving.Engine`: continuous batching over a tiny `fdecode.models.base.Transformer`.
 Served greedy tokens equal generating each request alone; pages return to the pool;
 a request that does not fit waits; malformed requests are rejected without disturbing
 the batch; each step runs the smallest bucket that holds its tokens, and each bucket
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from fdecode.generate import ModelConfig, Transformer, generate
-from fdecode.serving import Engine, Request, StepLimitError, sample, token_buckets
+from fdecode.decoding.generate import generate
+from fdecode.models.base import ModelConfig, Transformer
+from fdecode.decoding.serving import Engine, Request, StepLimitError, sample, token_buckets
 from test_recompile import counting_compiles
 
 CFG = ModelConfig(vocab=97, dim=64, layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96)

@@ -1,7 +1,7 @@
 """Sparse top-k attention (DeepSeek V3.2, FlashMLA sparse): ``flash_decode(..., indices=...)``.
 
 The oracle is `reference_decode` over the whole cache with a boolean mask built here, in
-numpy, from the index lists (independent of `fdecode.sparse`): position j is visible to a
+numpy, from the index lists (independent of `fdecode.kernels.common.sparse`): position j is visible to a
 query iff some entry of its list equals j (duplicates count once, -1 and out-of-cache
 entries select nothing), ANDed with lengths, causality and the window as usual.
 """
@@ -13,7 +13,7 @@ import pytest
 
 import fdecode
 from fdecode.cache.paged import gather_pages
-from fdecode.quant import dequantize, quantize
+from fdecode.kernels.common.quant import dequantize, quantize
 from fdecode.reference import reference_decode
 from conftest import (assert_attention_reordered, assert_close, impl_param, interpreted_once, make_problem,
                       max_abs, tol)

@@ -17,9 +17,9 @@ import pytest
 from jax import export
 
 import fdecode
-from fdecode.kernels import mosaic_tpu
-from fdecode.kernels.mosaic_tpu_plan import dma_unit
-from fdecode.quant import quantize
+from fdecode.kernels.mosaic_tpu import kernel as mosaic_tpu
+from fdecode.kernels.mosaic_tpu.plan import dma_unit
+from fdecode.kernels.common.quant import quantize
 from conftest import TPU_INTERPRET, assert_close, make_problem, tol, tpu_interpret
 
 TPU_CALL = "tpu_custom_call"
@@ -232,7 +232,7 @@ def test_whole_head_axis_read_stays_within_vmem(hkv, page_size, in_place):
   whole pages a step. 9 heads of 16-token pages are read in place (the kernel's operand
   is the token-major pool); 127 heads of 128-token pages would count more than
   `MAX_HEAD_AXIS_VMEM_BYTES` of VMEM, so that call reads a head-major copy."""
-  from fdecode.kernels.mosaic_tpu_plan import MAX_HEAD_AXIS_VMEM_BYTES, plan  # pylint: disable=g-import-not-at-top
+  from fdecode.kernels.mosaic_tpu.plan import MAX_HEAD_AXIS_VMEM_BYTES, plan  # pylint: disable=g-import-not-at-top
   pages = 17
   pool = _sds((pages, page_size, hkv, 128), jnp.bfloat16)
   tables = _sds((2, 8), jnp.int32)

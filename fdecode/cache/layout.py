@@ -15,9 +15,9 @@ How each path reads a token-major cache:
 
 * Triton: in place, its block specs take a kv head's rows at the cache's own strides.
 * XLA: in place, chunk by chunk: each chunk's rows are sliced (or its pages gathered),
-  then only those rows transposed (`fdecode.kernels.xla`).
+  then only those rows transposed (`fdecode.kernels.xla.dense`).
 * Mosaic: in place through its paged kernel (a contiguous cache viewed as a pool of
-  whole pages; `fdecode.kernels.mosaic_tpu_token_major.token_major_read`): one kv
+  whole pages; `fdecode.kernels.mosaic_tpu.token_major.token_major_read`): one kv
   head's ``[page_size, D]`` rows per DMA for float32; bfloat16 with an even Hkv and
   8-bit with Hkv a multiple of 4 as 32-bit words of 2 / 4 heads (a one-head window
   would split a packed sublane, which libtpu rejects), one program per word; every
@@ -66,6 +66,13 @@ def head_major(x, kv_layout: str, paged: bool):
   if x.shape[2] == 1:  # one kv head: the same bytes in the same order
     return jnp.reshape(x, shape)
   return jnp.asarray(x).transpose(perm)
+
+
+def read_layout(kv_layout: str, kv_heads: int) -> str:
+  """How the XLA and Triton paths read a cache stored in ``kv_layout``: as stored, except
+  that one kv head (MQA, MLA latents) is read head-major, its head-major view being a free
+  reshape (no tiled layouts on CPU / GPU: the same bytes in the same order)."""
+  return "NHD" if kv_layout == "NHD" and kv_heads > 1 else "HND"
 
 
 def token_axis(kv_layout: str) -> int:

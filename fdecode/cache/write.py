@@ -22,8 +22,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from fdecode.meshes import explicit_sharding, host_values, replicated
-from fdecode.quant import _QMAX, canonical_scale, is_quantized, quantize
+from fdecode.cache.meshes import explicit_sharding, host_values, replicated
+from fdecode.kernels.common.quant import QMAX, canonical_scale, is_quantized, quantize
 from fdecode.validation import as_array, check_int32, to_int32
 
 
@@ -36,14 +36,14 @@ def _quantize_new(new, scale, dtype, per_token):
   nt = scale.shape[-1]
   if per_token:
     return quantize(new, dtype, tile=d // nt)
-  qmax = _QMAX[jnp.dtype(dtype)]
+  qmax = QMAX[jnp.dtype(dtype)]
   y = (new.reshape(*new.shape[:-1], nt, d // nt) / scale[..., None]).reshape(new.shape)
   if jnp.dtype(dtype) == jnp.int8:
     y = jnp.round(y)
   return jnp.clip(y, -qmax, qmax).astype(dtype), None
 
 
-def _scatter(cache, index, values):
+def scatter_keeping_sharding(cache, index, values):
   """``cache.at[index].set(values, mode="drop")`` keeping the cache's sharding. On a mesh
   with Explicit axes (the `jax.make_mesh` default) JAX cannot infer a scatter's output
   sharding, so it is stated: the cache keeps its own layout and stays in place."""
@@ -155,13 +155,13 @@ def write_contiguous(k, v, k_new, v_new, positions, *, k_scale=None, v_scale=Non
   def put(cache, new, scale, name):
     new_t = new.transpose(0, 2, 1, 3)  # [B, T, Hkv, D]: k[bi, :, slots] indexes as [B, T, Hkv, D]
     if not is_quantized(cache.dtype):
-      return _scatter(cache, (bi, slice(None), slots), new_t), scale
+      return scatter_keeping_sharding(cache, (bi, slice(None), slots), new_t), scale
     sc = canonical_scale(scale, cache.shape, f"{name}_scale")
     values, token_scale = _quantize_new(new.astype(jnp.float32), sc, cache.dtype, sc.shape[2] > 1)
-    cache = _scatter(cache, (bi, slice(None), slots), values.transpose(0, 2, 1, 3))
+    cache = scatter_keeping_sharding(cache, (bi, slice(None), slots), values.transpose(0, 2, 1, 3))
     if token_scale is not None:
       full = jnp.broadcast_to(sc, cache.shape[:3] + sc.shape[-1:])
-      sc = _scatter(full, (bi, slice(None), slots), token_scale.transpose(0, 2, 1, 3))
+      sc = scatter_keeping_sharding(full, (bi, slice(None), slots), token_scale.transpose(0, 2, 1, 3))
     return cache, (sc if scale is not None and jnp.ndim(scale) else scale)
 
   k, k_scale_out = put(k, k_new, k_scale, "k")
@@ -212,16 +212,16 @@ def write_paged(k_pages, v_pages, block_tables, positions, k_new, v_new, *, k_sc
   def put(pool, new, scale, name):
     new_h = new.transpose(1, 0, 2, 3)  # [Hkv, B, T, D]: pool[:, page, slot] indexes as that
     if not is_quantized(pool.dtype):
-      return _scatter(pool, (slice(None), page, slot), new_h), scale
+      return scatter_keeping_sharding(pool, (slice(None), page, slot), new_h), scale
     sc = canonical_scale(scale, pool.shape, f"{name}_scale")  # [Hkv|1, P|1, ps|1, nt]
     per_token = sc.shape[2] > 1
     # Fixed scale [Hkv|1, 1, 1, nt] -> [1, Hkv|1, 1, nt] to broadcast over [B, Hkv, T, nt].
     values, token_scale = _quantize_new(new.astype(jnp.float32), sc.transpose(1, 0, 2, 3),
                                         pool.dtype, per_token)
-    pool = _scatter(pool, (slice(None), page, slot), values.transpose(1, 0, 2, 3))
+    pool = scatter_keeping_sharding(pool, (slice(None), page, slot), values.transpose(1, 0, 2, 3))
     if per_token:
       full = jnp.broadcast_to(sc, pool.shape[:3] + sc.shape[-1:])
-      sc = _scatter(full, (slice(None), page, slot), token_scale.transpose(1, 0, 2, 3))
+      sc = scatter_keeping_sharding(full, (slice(None), page, slot), token_scale.transpose(1, 0, 2, 3))
     return pool, (sc if jnp.ndim(scale) else scale)
 
   k_pages, k_scale_out = put(k_pages, k_new, k_scale, "k")
@@ -288,7 +288,7 @@ def copy_pages(k_pages, v_pages, src, dst, *, k_scale=None, v_scale=None):
   src = jnp.clip(to_int32(src), 0, num_pages - 1)
 
   def copy(arr):
-    return _scatter(arr, (slice(None), dst), arr[:, src])
+    return scatter_keeping_sharding(arr, (slice(None), dst), arr[:, src])
 
   k_pages, v_pages = copy(k_pages), copy(v_pages)
   if k_scale is None and v_scale is None:

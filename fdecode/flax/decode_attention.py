@@ -13,8 +13,8 @@ from flax import nnx
 
 from fdecode.api import flash_decode
 from fdecode.cache.write import write_contiguous, write_paged
-from fdecode.meshes import host_values, replicated
-from fdecode.quant import is_quantized
+from fdecode.cache.meshes import host_values, replicated
+from fdecode.kernels.common.quant import is_quantized
 from fdecode.ragged import ragged_decode, row_positions
 from fdecode.validation import (check_cache_dtype, check_cache_sizes, check_norm_eps, check_rope_theta, static_int,
                                 static_scale, static_soft_cap, static_window, to_int32)
@@ -322,7 +322,7 @@ class DecodeAttention(nnx.Module):
     return out
 
   def ragged(self, x, kv_lens, block_tables, cu_q_lens, num_seqs):
-    """A serving step over a shared page pool (`fdecode.serving`): packed new tokens of
+    """A serving step over a shared page pool (`fdecode.decoding.serving`): packed new tokens of
     several sequences, any number each, written into the pool and attended with
     `fdecode.ragged_decode` (the write fused into the call).
 

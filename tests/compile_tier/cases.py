@@ -1,4 +1,4 @@
-"""Every path fdecode ships, as compile cases for `fdecode.compile_check`.
+"""Every path fdecode ships, as compile cases for `fdecode.devtools.compile_check`.
 
 A case is ``build(target) -> (fn, args)`` with abstract args on the target's mesh. The
 same cases compile for every chip of the tier (TPU v5e / v6e with libtpu, H100 / A100
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import fdecode
-from fdecode import chips
+from fdecode.kernels.common import chips
 
 import fuzz  # tests/compile_tier/fuzz.py: this folder is on sys.path (compile_check, pytest)
 
@@ -279,7 +279,7 @@ CASES["ragged-nhd-paged16"] = functools.partial(_ragged, layout="NHD", write=Fal
 def _sharded(target, n_dev, head, seq, pod=None):
   axes = ("h", "s")
   if pod is not None:  # a named multi-host slice of the target's generation
-    from fdecode.compile_check import Target  # pylint: disable=g-import-not-at-top
+    from fdecode.devtools.compile_check import Target  # pylint: disable=g-import-not-at-top
     target = Target(pod).load()
   mesh = target.mesh(n_dev, axes)
   sd = lambda shape, dtype, spec=P(): target.spec(shape, dtype, mesh, spec)
@@ -296,7 +296,7 @@ TPU_ONLY = {"sharded-pod-v5e-4x4"}  # a 16-chip, 4-host slice (TPU topology only
 # Mosaic GPU (Hopper: TMA, wgmma, setmaxnreg) cases: sm_90 targets only.
 SM90_ONLY = {"mla-bf16-g128-mosaic-gpu"}
 # Cases whose documented TPU path is XLA, not a kernel: bf16 pages of one token split a
-# 32-bit sublane, which no Mosaic DMA addresses (`fdecode.kernels.mosaic_tpu_plan.dma_unit`);
+# 32-bit sublane, which no Mosaic DMA addresses (`fdecode.kernels.mosaic_tpu.plan.dma_unit`);
 # float16 caches, which Mosaic cannot load.
 TPU_XLA = {"paged1-bf16-d128", "float16-d128"}
 CASES["sharded-pod-v5e-4x4"] = functools.partial(_sharded, n_dev=16, head=4, seq=4, pod="v5e:4x4")

@@ -1,6 +1,6 @@
 """The randomized leg of the compile tier (issue 31): shapes drawn by hypothesis
 (tests/compile_tier/fuzz.py), each compiled deviceless for H100, A100 and TPU v5e like the
-fixed cases (`fdecode.compile_check`, one worker process per target).
+fixed cases (`fdecode.devtools.compile_check`, one worker process per target).
 
 CI: a fixed seed and ``FDECODE_COMPILE_FUZZ_EXAMPLES`` shapes (default 12: 8 decodes, 2 MLA, 2 ragged steps; each compiles
 for every target). ``FDECODE_COMPILE_FUZZ=long``: random seeds, 60 shapes. A failing
@@ -15,8 +15,8 @@ import os
 import pytest
 from hypothesis import given, settings
 
-from fdecode import chips
-from fdecode.compile_check import run_cases
+from fdecode.kernels.common import chips
+from fdecode.devtools.compile_check import run_cases
 
 import fuzz
 

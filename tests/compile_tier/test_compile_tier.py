@@ -1,6 +1,6 @@
 """The compile tier: every path fdecode ships, compiled by the real chip compilers with
 no chip (libtpu for TPU v5e / v6e / v5p / v4, XLA:GPU + ptxas for H100 sm_90a and A100
-sm_80), each case in a worker process (`fdecode.compile_check`).
+sm_80), each case in a worker process (`fdecode.devtools.compile_check`).
 
 Run by ``scripts/compile_tier`` (and so by ``scripts/test`` and CI) in ``.venv-chips``;
 the CPU tier skips this folder. Asserts, per case and chip: it compiles; on GPU every
@@ -17,8 +17,8 @@ import os
 
 import pytest
 
-from fdecode import chips
-from fdecode.compile_check import run_cases
+from fdecode.kernels.common import chips
+from fdecode.devtools.compile_check import run_cases
 
 from cases import BENCH, CASES, SM90_ONLY, TPU_XLA, names_for
 

@@ -63,9 +63,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fdecode.combine import MASK_VALUE
-from fdecode.kernels import block as blk
+from fdecode.kernels.common import block as blk
 from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS, DK, DV, HALF_DV, SWIZZLE, MlaPlan
-from fdecode.modifiers import Modifiers
+from fdecode.kernels.common.modifiers import Modifiers
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from fdecode import chips
+from fdecode.kernels.common import chips
 
 DK = 576          # latent (512) + RoPE (64) columns of a key
 DV = 512          # values: the first 512 columns of the same row
@@ -148,7 +148,7 @@ def mla_plan(*, batch: int, num_tokens: int, group: int, seq_len: int, softmax_s
     block_k: tokens per step, a multiple of 64 (wgmma's K and the swizzle); 64 fits the
       shared memory with two stages.
     stages: K tiles in flight, >= 2.
-    gpu: the target (None: `fdecode.chips.lowering_gpu`).
+    gpu: the target (None: `fdecode.kernels.common.chips.lowering_gpu`).
 
   Raises:
     ValueError: a block or stage count that does not fit or does not tile.

@@ -20,14 +20,14 @@ from jax.experimental.pallas import triton as plgpu
 
 from fdecode.cache.layout import token_axis
 from fdecode.combine import apply_sinks, merge_segments
-from fdecode.kernels import block as blk
-from fdecode.kernels.block import decode_fp8_bits
+from fdecode.kernels.common import block as blk
+from fdecode.kernels.common.block import decode_fp8_bits
 from fdecode.kernels.triton.combine import CombinePlan, combine
 from fdecode.kernels.triton.kernel import split_kernel
 from fdecode.kernels.triton.plan import (Launch, TritonPlan, block_size, combine_width, launch_plan, make_plan,
                                          row_tiling, triton_unsupported)
 from fdecode.kernels.triton.schedule import balanced_schedule
-from fdecode.sparse import Sparse, pad_slots
+from fdecode.kernels.common.sparse import Sparse, pad_slots
 
 __all__ = ["CombinePlan", "Launch", "TritonPlan", "combine", "combine_width", "balanced_schedule", "block_size", "decode_fp8_bits", "launch_plan",
            "make_plan", "row_tiling", "run", "triton_unsupported"]

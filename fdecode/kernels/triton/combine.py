@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fdecode.combine import add_sink, merge_by
-from fdecode.kernels import block as blk
+from fdecode.kernels.common import block as blk
 from fdecode.kernels.triton.plan import pow2_at_least
 
 

@@ -5,7 +5,7 @@ one block of its query rows and one contiguous range of ``bk``-token blocks; the
 query rows of that kv head are the rows of its matmuls (heads packed into the row
 dimension, as in Tenstorrent's sdpa_decode), so every cache byte is read once per row
 block. Inside a split the program runs an online softmax over blocks
-(`fdecode.kernels.block`). The loop runs only over blocks below the sequence's end:
+(`fdecode.kernels.common.block`). The loop runs only over blocks below the sequence's end:
 splits and blocks past it do no work and load nothing.
 
 Queries are read in place from ``q [B, T * Hq, Dq]`` (row r = t * G + g of kv head h is
@@ -24,7 +24,7 @@ How blocks are read (always in place: no per-call copy or transpose of the cache
   clipped into the pool). A block spans several pages of any size, page size 1 included.
 * token-major caches (``NHD``): a program's block spec takes its kv head's rows at the
   cache's own strides; the body is the same.
-* head dims in power-of-two column pieces (`fdecode.kernels.block.head_pieces`).
+* head dims in power-of-two column pieces (`fdecode.kernels.common.block.head_pieces`).
 * 8-bit caches: each piece is dequantized right after its load with its tile's scale;
   below sm_89 a float8 cache arrives as bytes and is decoded with integer ops.
 """
@@ -39,11 +39,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fdecode.combine import add_sink
-from fdecode.kernels import block as blk
-from fdecode.kernels.block import decode_fp8_bits
+from fdecode.kernels.common import block as blk
+from fdecode.kernels.common.block import decode_fp8_bits
 from fdecode.kernels.triton.plan import TritonPlan
-from fdecode.modifiers import window_start
-from fdecode.sparse import slot_range
+from fdecode.kernels.common.modifiers import window_start
+from fdecode.kernels.common.sparse import slot_range
 
 
 def _take(refs, plan: TritonPlan):

@@ -1,6 +1,6 @@
 """The Triton kernel's plan: every decision about a call, made once, before it runs.
 
-`make_plan` returns a frozen `TritonPlan` for the GPU compiled for (`fdecode.chips.Gpu`): the
+`make_plan` returns a frozen `TritonPlan` for the GPU compiled for (`fdecode.kernels.common.chips.Gpu`): the
 column pieces of each head dim, the query rows a program holds, the key block and warps
 that fit the registers and shared memory (`launch_plan`, calibrated on ptxas), the split
 count (`fdecode.config.gpu_num_splits`) or the balanced schedule's work items, and
@@ -31,11 +31,11 @@ import math
 
 import jax.numpy as jnp
 
-from fdecode import chips
+from fdecode.kernels.common import chips
 from fdecode import config as config_lib
 from fdecode.cache.layout import kv_heads, token_axis
-from fdecode.kernels import block as blk
-from fdecode.modifiers import Modifiers
+from fdecode.kernels.common import block as blk
+from fdecode.kernels.common.modifiers import Modifiers, window_tokens
 
 # tl.dot needs every dimension >= 16: row blocks, key blocks and pieces reach it.
 MIN_DOT = 16
@@ -274,18 +274,19 @@ def _convert_bytes(raw_bytes, compute_bytes, quantized, fp8_bits, gathered):
 
 def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block_tables=None, k_rope=None,
          k_scale=None, v_scale=None, k_offset=None, v_offset=None, v_head_dim=None, mods=Modifiers(),
-         has_mask_or_bias=False, has_sinks=False, index_slots=None, sparse_fold=1, num_splits=None, block_k=config_lib.DEFAULT_BLOCK_K,
+         has_mask_or_bias=False, has_sinks=False, index_slots=None, sparse_fold=1, num_splits=None, block_k=None,
          balance=False, interpret=False, gpu: chips.Gpu | None = None) -> TritonPlan:
   """The plan of one call (arguments canonical, `fdecode.dispatch`; arrays or
   `jax.ShapeDtypeStruct` s: only shapes and dtypes are read).
 
   ``q_shape``: ``[B, T, Hq, Dq]``; ``k`` / ``v`` / ``k_rope`` in ``kv_layout``, ``v`` None for
   MLA (values are ``k[..., :v_head_dim]``); scales canonical rank 4; ``index_slots``: K of a
-  sparse call's index lists (None: dense), ``sparse_fold`` its `fdecode.sparse.Sparse` fold. ``num_splits`` None: compiled, the least
+  sparse call's index lists (None: dense), ``sparse_fold`` its `fdecode.kernels.common.sparse.Sparse` fold. ``num_splits`` None: compiled, the least
   predicted time among counts that fill a wave of ``gpu`` (`fdecode.config.gpu_num_splits`);
   interpreted, `fdecode.config.default_num_splits` (see the module doc). ``balance`` with
   ``num_splits`` None on a paged cache with no mask, bias or index list: the balanced schedule.
-  ``gpu``: the target (None: `fdecode.chips.lowering_gpu`).
+  ``block_k`` None: `fdecode.config.DEFAULT_BLOCK_K`.
+  ``gpu``: the target (None: `fdecode.kernels.common.chips.lowering_gpu`).
 
   Raises ValueError, compiled, for shapes `triton_unsupported` names. The interpreter
   runs them with pieces narrower than a dot tile (no compiled plan exists to mirror)."""
@@ -317,7 +318,7 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   convert = _convert_bytes(raw_bytes, compute_bytes, k_scale is not None or v_scale is not None, fp8_bits,
                            (paged and page_size < MIN_DOT) or (index_slots is not None and compute_bytes == 4))
   launch = launch_plan(gpu, block_r=block_r, dq=dq, dv=dv, cols=cols, raw_bytes=raw_bytes,
-                       compute_bytes=compute_bytes, block_k=block_k, convert_bytes=convert,
+                       compute_bytes=compute_bytes, block_k=block_k or config_lib.DEFAULT_BLOCK_K, convert_bytes=convert,
                        row_state=row_state_factor(block_r, k_pieces + v_pieces))
   bk = launch.block
   if not paged:
@@ -328,7 +329,6 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
     extra = INTERPRET_EXTRA_ITEMS if interpret else -(-gpu.sms * launch.residency(gpu)[1] // (hkv * row_blocks))
     items, num_splits = b + extra, 1
   elif num_splits is None:
-    from fdecode.kernels.xla import window_tokens  # pylint: disable=g-import-not-at-top
     slots = index_slots if index_slots is not None else window_tokens(seq_len, t, mods)
     blocks = max(-(-slots // bk), 1)
     if interpret:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fdecode.kernels import block as blk
-from fdecode.modifiers import Modifiers
+from fdecode.kernels.common import block as blk
+from fdecode.kernels.common.modifiers import Modifiers
 
 
 def balanced_schedule(ends, items: int, bk: int, num_tokens: int, seq_len: int, mods: Modifiers):

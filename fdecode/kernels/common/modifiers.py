@@ -171,3 +171,20 @@ def window_start(ends, num_tokens: int, seq_capacity: int, mods: Modifiers):
   # The first token's position, saturating at int32's minimum (ends may be very negative).
   first = jnp.maximum(ends, jnp.iinfo(jnp.int32).min + num_tokens) - num_tokens
   return window_lo(first, mods.window, seq_capacity).astype(ends.dtype)
+
+
+# A window view's length (the XLA path's read) is rounded up to this: fewer distinct shapes.
+_WINDOW_ALIGN = 128
+
+
+def window_tokens(seq_capacity: int, num_tokens: int, mods: Modifiers, page_size: int | None = None) -> int:
+  """Tokens of the cache the XLA path reads per sequence: S, or with a window smaller
+  than the cache the ``window + T - 1`` positions the rows may see (paged: whole pages)."""
+  if mods.window is None:
+    return seq_capacity
+  span = mods.window + num_tokens - 1
+  if page_size is None:
+    w = -(-span // _WINDOW_ALIGN) * _WINDOW_ALIGN
+  else:  # a span starting anywhere in a page
+    w = (-(-(span - 1) // page_size) + 1) * page_size
+  return seq_capacity if w >= seq_capacity else w

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fdecode.modifiers import Modifiers, window_start
+from fdecode.kernels.common.modifiers import Modifiers, window_start
 from fdecode.validation import check_int32, to_int32
 
 

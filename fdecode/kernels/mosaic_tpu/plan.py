@@ -1,4 +1,5 @@
-"""Block sizes and VMEM footprint of the Mosaic (TPU) kernels (`fdecode.kernels.mosaic_tpu`).
+"""The Mosaic (TPU) kernels' plan (`fdecode.kernels.mosaic_tpu`): `make_plan` decides one
+call (read mode, fallback to XLA, block sizes, splits); `plan` sizes its blocks and VMEM.
 
 The footprint (double-buffered blocks, scratch and in-flight block values) depends on
 the block sizes only, never on S; `plan` sets ``vmem_limit_bytes`` from it.
@@ -9,9 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 
-from fdecode.modifiers import Modifiers
+from fdecode import config as config_lib
+from fdecode.kernels.common.modifiers import Modifiers, window_tokens
+from fdecode.kernels.mosaic_tpu.token_major import contiguous_as_pool, token_major_read
 
 _LANES = 128
 # Default bytes of K + V one grid step moves: large enough to amortize the ~0.35 us
@@ -99,12 +103,12 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
   It is rounded up to the cache dtype's sublane tiling (paged: to whole pages). ``v``
   None (MLA): no value stream, the values are the key block's first ``v_head_dim``
   columns; ``k_rope``: a second key stream. ``num_slots``: a sparse call's index-list
-  length K (`fdecode.kernels.mosaic_tpu_sparse`): blocks are slots of the list, each
+  length K (`fdecode.kernels.mosaic_tpu.sparse`): blocks are slots of the list, each
   ``slot_rows`` cache rows wide in VMEM (its DMA unit). ``kv_heads_per_program``: kv
   heads one program computes (a token-major pool's head words, or its whole head axis):
   the streamed blocks are that many heads wide, and the query, output, scratch and
   in-flight values are per head. ``head_axis``: the program reads a token-major pool's
-  whole head axis (`fdecode.kernels.mosaic_tpu_token_major.token_major_read`): each
+  whole head axis (`fdecode.kernels.mosaic_tpu.token_major.token_major_read`): each
   buffered token takes the 32-bit sublanes its Hkv packed rows fill, and each head is
   relaid out of the loaded block through vector registers: counted as one (4 KiB) per
   token, head, stream and 128 columns, an upper bound of what libtpu allocated on v5e
@@ -168,3 +172,97 @@ def plan(q_rows, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offse
   limit = _round_up(vmem + _VMEM_HEADROOM, 1024 * 1024)
   return Plan(paged=paged and num_slots is None, block=block, pages_per_step=pages, rows_p=rows_p,
               vmem_bytes=vmem, vmem_limit_bytes=limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPlan:
+  """One Mosaic (TPU) call, decided before it runs (`make_plan`); the dispatch runs it as it is.
+
+  Attributes:
+    backend: ``"mosaic"``, or ``"xla"``: the call takes the XLA path on TPU (a float16
+      cache: Mosaic has no float16 vectors; or pages / sparse rows that split a 32-bit
+      sublane: no DMA can address them).
+    sparse: index lists: the sparse kernel (`fdecode.kernels.mosaic_tpu.sparse`).
+    read: how token-major caches are read in place
+      (`fdecode.kernels.mosaic_tpu.token_major.TokenMajorRead`), or None: head-major.
+    as_pool: a contiguous token-major cache read as a pool of whole pages
+      (`fdecode.kernels.mosaic_tpu.token_major.contiguous_as_pool`).
+    sizes: block sizes and VMEM (`plan`); None for ``backend="xla"``.
+    num_splits: chunks of the token axis (0 for ``backend="xla"``: its own plan decides).
+    upcast_query: a float16 query computes in float32 (over a cache that is not float16).
+  """
+  backend: str
+  sparse: bool = False
+  read: object = None
+  as_pool: bool = False
+  sizes: Plan | None = None
+  num_splits: int = 0
+  upcast_query: bool = False
+
+
+def _struct(x):
+  return None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def _as_hnd(x):
+  """A token-major cache's shape as the head-major pool `plan` sizes: ``[Hkv, ., ., D]``."""
+  return None if x is None else jax.ShapeDtypeStruct((x.shape[2], x.shape[0], x.shape[1], x.shape[3]), x.dtype)
+
+
+def make_plan(q_rows, k, v, *, cache: dict, token_major=None, num_tokens: int, num_splits: int | None = None,
+              block_k: int | None = None) -> CallPlan:
+  """The plan of one Mosaic call (arrays or ShapeDtypeStructs): the read mode, the fallback
+  to XLA, the block sizes and the split count, each decided here only.
+
+  ``q_rows`` ``[B, Hkv, R, Dk]``; ``k``, ``v`` and ``cache["k_rope"]`` head-major (views);
+  ``token_major``: (k, v, k_rope) as stored when the layout is ``"NHD"``, else None.
+  ``cache``: the dispatch's canonical operands (block_tables, scales / offsets, mods,
+  mask / bias / alibi, v_head_dim; sparse, indices, index_bounds for index lists).
+  ``num_splits`` None: `config.default_num_splits` over the blocks the rows see, on one
+  program per (sequence, kv heads of a program)."""
+  b, hkv = q_rows.shape[:2]
+  tables = cache["block_tables"]
+  paged, sparse = tables is not None, "sparse" in cache
+  how = None if token_major is None else token_major_read(
+      *token_major, cache["k_scale"], cache["v_scale"], paged=paged, sparse=sparse)
+  float16_cache = any(x is not None and x.dtype == jnp.float16 for x in (k, v, cache["k_rope"]))
+  upcast = q_rows.dtype == jnp.float16 and not float16_cache
+  qs = jax.ShapeDtypeStruct(q_rows.shape, jnp.float32 if upcast else q_rows.dtype)
+  args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
+  slots = cache["indices"].shape[-1] if sparse else None
+  as_pool, p = False, None
+  if how is not None:  # token-major caches read in place
+    k_tm, v_tm, rope_tm = token_major
+    if sparse:  # each listed token's heads DMA'd
+      unit = 1 if how.axis else dma_unit(*token_major)
+      p = plan(qs, _as_hnd(k_tm), _as_hnd(v_tm), block_k=block_k, num_slots=slots, slot_rows=unit,
+               head_axis=how.axis, **dict(args, k_rope=_as_hnd(rope_tm)))
+    else:  # by the paged kernel; a contiguous cache as the pool of whole pages
+      if not paged:
+        as_pool = True
+        quant = tuple(_struct(args[n]) for n in ("k_scale", "k_offset", "v_scale", "v_offset"))
+        k_tm, v_tm, rope_tm, quant, pool_tables = jax.eval_shape(
+            contiguous_as_pool, _struct(k_tm), _struct(v_tm), _struct(rope_tm), quant)
+        args = dict(args, block_tables=pool_tables, **dict(zip(("k_scale", "k_offset", "v_scale", "v_offset"), quant)))
+      p = plan(qs, _as_hnd(k_tm), _as_hnd(v_tm), block_k=block_k, kv_heads_per_program=how.heads,
+               head_axis=how.axis, **dict(args, k_rope=_as_hnd(rope_tm)))
+    if how.axis and p.vmem_bytes > MAX_HEAD_AXIS_VMEM_BYTES:
+      how, p, as_pool = None, None, False  # (many heads of large pages) a head-major copy instead
+      args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
+  if how is None:
+    unit = dma_unit(k, v, cache["k_rope"])
+    if float16_cache or ((sparse or paged) and k.shape[2] % unit):
+      return CallPlan("xla")
+    if sparse:  # blocks of index-list slots, each token DMA'd on its own
+      p = plan(qs, k, v, block_k=block_k, num_slots=slots, slot_rows=unit, head_axis=False, **args)
+    else:
+      p = plan(qs, k, v, block_k=block_k, **args)
+  if sparse:
+    seen, programs = slots, hkv
+  else:
+    capacity = k.shape[2] if tables is None else tables.shape[1] * k.shape[2]
+    seen, programs = window_tokens(capacity, num_tokens, cache["mods"]), hkv // (1 if how is None else how.heads)
+  splits = num_splits or config_lib.default_num_splits(
+      b, programs, max(-(-seen // p.block), 1), config_lib.num_parallel_units("tpu"))
+  return CallPlan("mosaic", sparse=sparse, read=how, as_pool=as_pool, sizes=p, num_splits=splits,
+                  upcast_query=upcast)

@@ -41,9 +41,9 @@ from jax import lax
 
 from fdecode.api import flash_decode
 from fdecode.cache.layout import capacity, check_layout, token_axis
-from fdecode.cache.write import _scatter
+from fdecode.cache.write import scatter_keeping_sharding
 from fdecode.dispatch import forced_tpu_interpret
-from fdecode.ragged_checks import CALLER, PER_ROW, check_shapes, check_values
+from fdecode.ragged.checks import CALLER, PER_ROW, check_shapes, check_values
 from fdecode.validation import as_arrays, to_int32
 
 QUERY_BLOCK = 64  # rows of a prefill query block
@@ -309,17 +309,17 @@ def _write(k, v, new_k, new_v, tables, seq, pos, *, kv_layout):
     slot = jnp.maximum(pos, 0) % ps
     if kv_layout == "NHD":  # pool[page, slot]: [N, Hkv, D]
       index = (page, slot)
-      put = lambda cache, new: _scatter(cache, index, new)
+      put = lambda cache, new: scatter_keeping_sharding(cache, index, new)
     else:  # pool[:, page, slot]: [Hkv, N, D]
       index = (slice(None), page, slot)
-      put = lambda cache, new: _scatter(cache, index, new.swapaxes(0, 1))
+      put = lambda cache, new: scatter_keeping_sharding(cache, index, new.swapaxes(0, 1))
   else:
     p = jnp.where(pos >= 0, pos, k.shape[token_axis(kv_layout)])
     if kv_layout == "NHD":  # cache[seq, pos]: [N, Hkv, D]
       index = (seq, p)
     else:  # cache[seq, :, pos]: advanced indices split by a slice -> [N, Hkv, D]
       index = (seq, slice(None), p)
-    put = lambda cache, new: _scatter(cache, index, new)
+    put = lambda cache, new: scatter_keeping_sharding(cache, index, new)
   k = put(k, new_k)
   if new_v is not None:
     v = put(v, new_v)

@@ -34,7 +34,8 @@ import numpy as np
 from flax import nnx
 
 from fdecode.cache import PageAllocator, copy_pages
-from fdecode.generate import Transformer, check_prompt_ids
+from fdecode.decoding.generate import check_prompt_ids
+from fdecode.models.base import Transformer
 
 
 @dataclasses.dataclass

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
-from fdecode.kernels import block as blk
+from fdecode.kernels.common import block as blk
 
 
 def words(pool):
@@ -135,7 +135,7 @@ def token_major_read(k, v=None, k_rope=None, k_scale=None, v_scale=None, *, page
 
 
 def sparse_token_major_read(hkv, dtypes) -> TokenMajorRead | None:
-  """How the sparse kernel (`fdecode.kernels.mosaic_tpu_sparse`) reads token-major caches
+  """How the sparse kernel (`fdecode.kernels.mosaic_tpu.sparse`) reads token-major caches
   (pooled or contiguous, both in place) of ``hkv`` heads and these dtypes: one kv head a
   program, one DMA per listed token, of the rows of its heads
   ``pool[page, slot, h0:h0 + w]``:

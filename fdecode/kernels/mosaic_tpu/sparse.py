@@ -1,7 +1,7 @@
 """Sparse top-k attention on TPUs (Pallas Mosaic): only the selected tokens are DMA'd.
 
 Grid ``(B', Hkv, n_splits)``, one program per pseudo-sequence and kv head (legend and
-canonical index lists in `fdecode.sparse`). The caches (contiguous ``[B, Hkv, S, D]`` or
+canonical index lists in `fdecode.kernels.common.sparse`). The caches (contiguous ``[B, Hkv, S, D]`` or
 paged ``[Hkv, P, page_size, D]``) stay in HBM (``memory_space=pl.ANY``). A step covers
 ``bk`` slots of the program's sorted index list. Each live slot's token is copied by its
 own DMA (contiguous: ``k[b // fold, h, pos]``; paged: through the block table) into one
@@ -21,7 +21,7 @@ the window), as in every other kernel.
 Token-major caches (``kv_layout="NHD"``: contiguous ``[B, S, Hkv, D]``, paged
 ``[P, page_size, Hkv, D]``) are read in place: a listed token's DMA moves the row of
 its heads that the packed sublanes need
-(`fdecode.kernels.mosaic_tpu_token_major.sparse_token_major_read`): ``unit`` heads from
+(`fdecode.kernels.mosaic_tpu.token_major.sparse_token_major_read`): ``unit`` heads from
 ``h - h % unit`` (buffer row ``h % unit`` of the slot's unit is head h's, the others
 get position S), or the whole head axis into a ``[bk, Hkv, D]`` buffer (``head_axis``),
 whose head h is taken after the load. Per-token scales stay head-major (float32): one
@@ -37,13 +37,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fdecode.kernels import block as blk
-from fdecode.kernels.mosaic_tpu import (_all_pieces, _block_kv, _mod_operands, _out_shape, _out_specs,
-                                        _q_pieces, _store_out)
-from fdecode.kernels.mosaic_tpu_plan import Plan, dma_unit, per_token
-from fdecode.kernels.mosaic_tpu_token_major import head_rows
-from fdecode.modifiers import Modifiers, window_start
-from fdecode.sparse import Sparse, pad_slots, slot_range
+from fdecode.kernels.common import block as blk
+from fdecode.kernels.mosaic_tpu.kernel import (all_pieces, block_kv, mod_operands, partials_shape, partials_specs,
+                                        query_pieces, store_partials)
+from fdecode.kernels.mosaic_tpu.plan import Plan, dma_unit, per_token
+from fdecode.kernels.mosaic_tpu.token_major import head_rows
+from fdecode.kernels.common.modifiers import Modifiers, window_start
+from fdecode.kernels.common.sparse import Sparse, pad_slots, slot_range
 
 
 def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *refs, kinds, paged, fold,
@@ -113,7 +113,7 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
   start = lambda step, slot: each_live_slot(step, slot, lambda c: c.start())
   wait = lambda step, slot: each_live_slot(step, slot, lambda c: c.wait())
   dtype = q_ref.dtype
-  q_pieces = _q_pieces(q_ref[...], k_pieces, kinds[2] is not None)
+  q_pieces = query_pieces(q_ref[...], k_pieces, kinds[2] is not None)
   rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, mods)
   first_visible = window_start(end, num_tokens, seq_len, mods)
   slopes = None if srcs[7] is None else srcs[7][...]
@@ -131,7 +131,7 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
                                   for i, src in enumerate(srcs[:7]))
     if head_axis:  # [bk, Hkv, D] -> head h's rows
       kx, vx, rx = (None if x is None else head_rows(x, h) for x in (kx, vx, rx))
-    kb, vb = _block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
+    kb, vb = block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
     kb, bad = blk.guard_values(kb, vb, blk.rows_may_differ(num_tokens, mods))
     s = blk.block_scores(q_pieces, kb, softmax_scale)
     pos_row = pos_ref[pl.ds(step, 1), :]  # [1, bk * unit] the buffer rows' positions
@@ -148,7 +148,7 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
 
   state = lax.fori_loop(first, last, body, blk.init_state(rows_p, v_pieces))
   o_pieces, lse = blk.finalize(state)
-  _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse)
+  store_partials(o_ref, lse_ref, v_pieces, o_pieces, lse)
 
 
 def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse: Sparse, num_tokens: int,
@@ -161,12 +161,12 @@ def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse:
   ``index_bounds`` ``[B', Hi, 2]`` and ``sparse``; ``plan.block`` slots per step).
   ``kv_layout="NHD"``: k, v and k_rope are token-major (contiguous ``[B, S, Hkv, D]``,
   paged ``[P, page_size, Hkv, D]``), read in place; ``head_axis`` as
-  `fdecode.kernels.mosaic_tpu_token_major.sparse_token_major_read` says.
+  `fdecode.kernels.mosaic_tpu.token_major.sparse_token_major_read` says.
 
   Returns:
     ``(o, lse)``: float32 ``[B', Hkv, n_splits, R, Dv]`` and ``[B', Hkv, n_splits, R]``.
   """
-  del mask, bias  # not combinable with indices (`fdecode.sparse.validate`)
+  del mask, bias  # not combinable with indices (`fdecode.kernels.common.sparse.validate`)
   b, hkv, r, dq = q_rows.shape
   paged = block_tables is not None
   bk = plan.block
@@ -214,11 +214,11 @@ def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse:
             i // sparse.fold if d0 > 1 else 0, h if d1 > 1 else 0, 0, 0))
       in_specs.append(spec)
     present.append(a)
-  mod_ops, mod_specs = _mod_operands(dict(mask=None, bias=None, alibi=alibi), num_tokens, plan.rows_p, 0)
+  mod_ops, mod_specs = mod_operands(dict(mask=None, bias=None, alibi=alibi), num_tokens, plan.rows_p, 0)
   kinds.append("resident" if alibi is not None else None)
   present += mod_ops
   in_specs += [spec((), None) for spec in mod_specs]
-  k_pieces, v_pieces = _all_pieces(k, v, k_scale, v_scale, v_head_dim)
+  k_pieces, v_pieces = all_pieces(k, v, k_scale, v_scale, v_head_dim)
   kernel = functools.partial(
       _sparse_kernel, kinds=tuple(kinds), paged=paged, fold=sparse.fold, heads=heads,
       softmax_scale=softmax_scale, num_splits=num_splits, bk=bk, unit=unit, seq_len=seq_len, page_size=page_size,
@@ -232,12 +232,12 @@ def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse:
       in_specs=[pl.BlockSpec((None, heads, k_p), lambda i, h, s, *_: (i, 0, 0), memory_space=pltpu.SMEM),
                 pl.BlockSpec((None, None, k_p // bk, bk * unit), lambda i, h, s, *_: (i, per_head(h), 0, 0)),
                 pl.BlockSpec((None, None, plan.rows_p, dq), lambda i, h, s, *_: (i, h, 0, 0))] + in_specs,
-      out_specs=_out_specs(plan.rows_p, dv, lambda i, h, s, *_: (i, h, s, 0, 0)),
+      out_specs=partials_specs(plan.rows_p, dv, lambda i, h, s, *_: (i, h, s, 0, 0)),
       scratch_shapes=bufs + [pltpu.SemaphoreType.DMA((max(len(bufs), 1), 2))],
   )
   operands = (ends.astype(jnp.int32), tables, index_bounds.astype(jnp.int32).reshape(-1), idx,
               unit_pos.reshape(b, heads, k_p // bk, bk * unit), q_rows, *present)
-  out_shape = _out_shape(b, hkv, num_splits, plan.rows_p, dv, *operands)
+  out_shape = partials_shape(b, hkv, num_splits, plan.rows_p, dv, *operands)
   o, lse = pl.pallas_call(
       kernel, grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(

@@ -4,7 +4,7 @@ A kernel's tiles and launch grid come from the target's numbers (SMs, shared mem
 registers, compute capability; TensorCores and VMEM), never from one GPU's constants.
 The numbers below are NVIDIA's published limits as XLA's GPU target configs record them
 (``xla/backends/gpu/target_config/specs/``); `gpu_target_config` writes them in that
-proto's text form so the compile tier (`fdecode.compile_check`) can compile for a GPU
+proto's text form so the compile tier (`fdecode.devtools.compile_check`) can compile for a GPU
 this host does not have.
 
 `lowering_gpu` answers "which GPU is this trace for": the device kind of the mesh set

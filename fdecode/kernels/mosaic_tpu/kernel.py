@@ -1,6 +1,6 @@
 """FlashDecode split-KV kernels for TPUs (Pallas Mosaic).
 
-The block math is `fdecode.kernels.block`, shared with the Triton kernel; what differs
+The block math is `fdecode.kernels.common.block`, shared with the Triton kernel; what differs
 is how blocks reach VMEM, the way Mosaic wants it:
 
 * **Contiguous cache** ``[B, Hkv, S, D]``: grid ``(B, Hkv, n_splits, steps)`` with the
@@ -21,10 +21,10 @@ is how blocks reach VMEM, the way Mosaic wants it:
   the packed sublane pair, which libtpu rejects; 8-bit as words of four heads. Other
   16- and 8-bit caches (one kv head: MQA, MLA latents; odd head counts; fp8 with
   k_rope) DMA the whole head axis, ``[page_size, Hkv, D]``, one program for all heads
-  (`fdecode.kernels.mosaic_tpu_token_major.token_major_read`).
+  (`fdecode.kernels.mosaic_tpu.token_major.token_major_read`).
 * **8-bit caches**: per-token scales / offsets travel with their block (BlockSpec or DMA);
   per-head / per-tensor ones are one small resident block. Dequantization happens after
-  the load, per scale tile (`fdecode.kernels.block.head_pieces`).
+  the load, per scale tile (`fdecode.kernels.common.block.head_pieces`).
 * **Any head dim**: blocks span the full head dim (legal for Mosaic at any size);
   query rows are padded to the dtype's sublane tiling.
 
@@ -41,18 +41,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fdecode.kernels import block as blk
-from fdecode.modifiers import Modifiers, window_start
+from fdecode.kernels.common import block as blk
+from fdecode.kernels.common.modifiers import Modifiers, window_start
 
-from fdecode.kernels.mosaic_tpu_plan import Plan, per_token as _per_token, plan  # noqa: F401 (re-exported)
-from fdecode.kernels.mosaic_tpu_token_major import TokenMajorRead, head_rows, pack_heads, unpack_head, words as _words
+from fdecode.kernels.mosaic_tpu.plan import Plan, per_token as _per_token, plan  # noqa: F401 (re-exported)
+from fdecode.kernels.mosaic_tpu.token_major import TokenMajorRead, head_rows, pack_heads, unpack_head, words as _words
 
 
 def _pieces(d, scale, limit=None):
   return blk.head_pieces(d, 1 if scale is None else scale.shape[-1], pow2=False, limit=limit)
 
 
-def _all_pieces(k, v, k_scale, v_scale, v_head_dim):
+def all_pieces(k, v, k_scale, v_scale, v_head_dim):
   """(k pieces, v pieces): MLA values (``v`` None) are k's leading pieces."""
   k_pieces = _pieces(k.shape[-1], k_scale)
   v_pieces = _pieces(k.shape[-1], k_scale, limit=v_head_dim) if v is None else _pieces(v.shape[-1], v_scale)
@@ -73,7 +73,7 @@ def _dequant_pieces(x, pieces, scale, offset, dtype, done=None):
   return out
 
 
-def _block_kv(kx, vx, rx, k_pieces, v_pieces, quant, dtype):
+def block_kv(kx, vx, rx, k_pieces, v_pieces, quant, dtype):
   """Loaded blocks (k, v or None for MLA, k_rope or None) -> (key pieces, value pieces)."""
   kb = _dequant_pieces(kx, k_pieces, quant[0], quant[1], dtype)
   if vx is None:  # MLA: the values are the key block's first columns, read once
@@ -83,7 +83,7 @@ def _block_kv(kx, vx, rx, k_pieces, v_pieces, quant, dtype):
   return kb + ([] if rx is None else [rx.astype(dtype)]), vb
 
 
-def _q_pieces(q, k_pieces, rope):
+def query_pieces(q, k_pieces, rope):
   """q ``[R_p, Dq]`` split like the key pieces (and k_rope's columns after them)."""
   out = [q if len(k_pieces) == 1 and not rope else q[:, p.offset:p.offset + p.width] for p in k_pieces]
   if rope:
@@ -125,9 +125,9 @@ def _contiguous_kernel(ends_ref, q_ref, k_ref, *refs, has_v, has_rope, has_quant
   @pl.when(first + step < last)
   def _compute():
     dtype = q_ref.dtype
-    q_pieces = _q_pieces(q_ref[...], k_pieces, has_rope)
+    q_pieces = query_pieces(q_ref[...], k_pieces, has_rope)
     load = lambda ref: None if ref is None else ref[...]
-    kb, vb = _block_kv(k_ref[...], load(v_ref), load(rope_ref), k_pieces, v_pieces,
+    kb, vb = block_kv(k_ref[...], load(v_ref), load(rope_ref), k_pieces, v_pieces,
                        [load(x) for x in quant], dtype)
     kb, bad = blk.guard_values(kb, vb, blk.rows_may_differ(num_tokens, mods))
     rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, mods)
@@ -144,7 +144,7 @@ def _contiguous_kernel(ends_ref, q_ref, k_ref, *refs, has_v, has_rope, has_quant
   @pl.when(step == steps_per_split - 1)
   def _finish():
     o_pieces, lse = blk.finalize((tuple(ref[...] for ref in acc_refs), m_ref[...], l_ref[...]))
-    _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse)
+    store_partials(o_ref, lse_ref, v_pieces, o_pieces, lse)
 
 
 def _modify(s, mods, rows, start, live_end, bk, loaded, *, end, seq_len, group, num_tokens):
@@ -164,7 +164,7 @@ def _modify(s, mods, rows, start, live_end, bk, loaded, *, end, seq_len, group, 
   return s, visible, live
 
 
-def _store_out(o_ref, lse_ref, v_pieces, o_pieces, lse):
+def store_partials(o_ref, lse_ref, v_pieces, o_pieces, lse):
   if len(v_pieces) == 1:
     o_ref[...] = o_pieces[0]
   else:
@@ -199,9 +199,9 @@ def _contiguous_call(q_rows, ends, k, v, k_rope, quant, mod_arrays, p: Plan, *, 
 
   streams = [x for x in (k, v, k_rope) if x is not None]
   present = [a for a in quant if a is not None]
-  mod_ops, mod_specs = _mod_operands(mod_arrays, num_tokens, p.rows_p, num_blocks * bk)
+  mod_ops, mod_specs = mod_operands(mod_arrays, num_tokens, p.rows_p, num_blocks * bk)
   mod_specs = [spec((bk,), lambda i, h, s, t, e: (i, h, kv_block(i, h, s, t, e))) for spec in mod_specs]
-  k_pieces, v_pieces = _all_pieces(k, v, quant[0], quant[2], v_head_dim)
+  k_pieces, v_pieces = all_pieces(k, v, quant[0], quant[2], v_head_dim)
   kernel = functools.partial(
       _contiguous_kernel, has_v=v is not None, has_rope=k_rope is not None,
       has_quant=tuple(a is not None for a in quant),
@@ -213,12 +213,12 @@ def _contiguous_call(q_rows, ends, k, v, k_rope, quant, mod_arrays, p: Plan, *, 
       grid=(b, hkv, num_splits, steps),
       in_specs=[pl.BlockSpec((None, None, p.rows_p, dq), lambda i, h, s, t, e: (i, h, 0, 0))]
       + [cache_spec(x.shape[-1]) for x in streams] + [quant_spec(a) for a in present] + mod_specs,
-      out_specs=_out_specs(p.rows_p, dv, lambda i, h, s, t, e: (i, h, s, 0, 0)),
+      out_specs=partials_specs(p.rows_p, dv, lambda i, h, s, t, e: (i, h, s, 0, 0)),
       scratch_shapes=[pltpu.VMEM((p.rows_p, 1), jnp.float32), pltpu.VMEM((p.rows_p, 1), jnp.float32)]
       + [pltpu.VMEM((p.rows_p, vp.width), jnp.float32) for vp in v_pieces],
   )
   operands = (ends, q_rows, *streams, *present, *mod_ops)
-  out_shape = _out_shape(b, hkv, num_splits, p.rows_p, dv, *operands)
+  out_shape = partials_shape(b, hkv, num_splits, p.rows_p, dv, *operands)
   return pl.pallas_call(
       kernel, grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(
@@ -230,7 +230,7 @@ def _contiguous_call(q_rows, ends, k, v, k_rope, quant, mod_arrays, p: Plan, *, 
   )(*operands)
 
 
-def _mod_operands(mod_arrays, num_tokens, rows_p, positions):
+def mod_operands(mod_arrays, num_tokens, rows_p, positions):
   """Kernel operands of the modifiers and a BlockSpec maker for each.
 
   mask -> int32 ``[Bm, Hm, M, positions]`` (zero-padded: no partial block), bias likewise
@@ -263,14 +263,14 @@ def _mod_operands(mod_arrays, num_tokens, rows_p, positions):
   return ops, specs
 
 
-def _out_specs(rows_p, dv, index_map, heads=None):
+def partials_specs(rows_p, dv, index_map, heads=None):
   """o and lse blocks of one (sequence, kv head, split); with ``heads``, of that many
   kv heads (a leading block axis)."""
   return [pl.BlockSpec((None, heads, None, rows_p, dv), index_map),
           pl.BlockSpec((None, heads, None, rows_p, 1), index_map)]
 
 
-def _out_shape(b, hkv, n, rows_p, dv, *inputs):
+def partials_shape(b, hkv, n, rows_p, dv, *inputs):
   return [blk.out_struct((b, hkv, n, rows_p, dv), jnp.float32, *inputs),
           blk.out_struct((b, hkv, n, rows_p, 1), jnp.float32, *inputs)]
 
@@ -355,7 +355,7 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
       pl.when(needed)(copy.wait)
 
   dtype = q_ref.dtype
-  q_pieces = [_q_pieces(q_ref[hh], k_pieces, kinds[2] is not None) for hh in range(heads)]
+  q_pieces = [query_pieces(q_ref[hh], k_pieces, kinds[2] is not None) for hh in range(heads)]
   rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, mods)
 
   def body(step, states):
@@ -382,7 +382,7 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
         # alibi [heads, R_p, 1] and resident scales of several heads [heads, 1, nt]: this head's
         return src[hh] if i == _ALIBI or (heads > 1 and src.ndim == 3) else src[...]
       kx, vx, rx, ks, ko, vs, vo, mask, bias, slopes = (operand(i, src) for i, src in enumerate(srcs))
-      kb, vb = _block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
+      kb, vb = block_kv(kx, vx, rx, k_pieces, v_pieces, (ks, ko, vs, vo), dtype)
       kb, bad = blk.guard_values(kb, vb, blk.rows_may_differ(num_tokens, mods))
       s = blk.block_scores(q_pieces[hh], kb, softmax_scale)
       s, visible, live = _modify(s, mods, rows, step * block, live_end, block, (mask, bias, slopes),
@@ -397,7 +397,7 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
   states = lax.fori_loop(first, last, body, tuple(blk.init_state(rows_p, v_pieces) for _ in range(heads)))
   for hh, state in enumerate(states):
     o_pieces, lse = blk.finalize(state)
-    _store_out(o_ref.at[hh], lse_ref.at[hh], v_pieces, o_pieces, lse)
+    store_partials(o_ref.at[hh], lse_ref.at[hh], v_pieces, o_pieces, lse)
 
 
 def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, *, num_rows, num_tokens,
@@ -443,7 +443,7 @@ def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, 
       else:
         in_specs.append(pl.BlockSpec((None, 1, nt), lambda i, h, s, e, t, d0=d0: (h if d0 > 1 else 0, 0, 0)))
     present.append(a)
-  mod_ops, _ = _mod_operands(mod_arrays, num_tokens, p.rows_p, steps * p.block)
+  mod_ops, _ = mod_operands(mod_arrays, num_tokens, p.rows_p, steps * p.block)
   mod_ops = iter(mod_ops)
   for name in ("mask", "bias", "alibi"):
     if mod_arrays[name] is None:
@@ -458,7 +458,7 @@ def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, 
       kinds.append("step")
       in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
       bufs.append(pltpu.VMEM((2, heads, a.shape[2], p.block), a.dtype))
-  k_pieces, v_pieces = _all_pieces(k, v, k_scale, v_scale, v_head_dim)
+  k_pieces, v_pieces = all_pieces(k, v, k_scale, v_scale, v_head_dim)
   kernel = functools.partial(
       _paged_kernel, kinds=tuple(kinds), softmax_scale=softmax_scale, num_splits=num_splits,
       heads=heads, token_major=token_major, pages_per_step=p.pages_per_step, page_size=page_size,
@@ -469,11 +469,11 @@ def _paged_call(q_rows, ends, k, v, k_rope, tables, quant, mod_arrays, p: Plan, 
       num_scalar_prefetch=2,
       grid=(b, hkv // heads, num_splits),
       in_specs=[pl.BlockSpec((None, heads, p.rows_p, dq), lambda i, h, s, e, t: (i, h, 0, 0))] + in_specs,
-      out_specs=_out_specs(p.rows_p, dv, lambda i, h, s, e, t: (i, h, s, 0, 0), heads=heads),
+      out_specs=partials_specs(p.rows_p, dv, lambda i, h, s, e, t: (i, h, s, 0, 0), heads=heads),
       scratch_shapes=bufs + [pltpu.SemaphoreType.DMA((max(len(bufs), 1), 2))],
   )
   operands = (ends, tables.reshape(-1), q_rows, *present)
-  out_shape = _out_shape(b, hkv, num_splits, p.rows_p, dv, *operands)
+  out_shape = partials_shape(b, hkv, num_splits, p.rows_p, dv, *operands)
   return pl.pallas_call(
       kernel, grid_spec=grid_spec, out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(

@@ -31,23 +31,8 @@ from jax import lax
 from fdecode.cache.layout import capacity, token_axis
 from fdecode.cache.paged import gather_pages_head_major, gather_scale_head_major, gather_token_major_pages
 from fdecode.combine import MASK_VALUE, finalize_state
-from fdecode.modifiers import Modifiers, row_bounds, window_start
-from fdecode.quant import dequantize
-
-_WINDOW_ALIGN = 128  # a window view's length is rounded up to this (fewer distinct shapes)
-
-
-def window_tokens(seq_capacity: int, num_tokens: int, mods: Modifiers, page_size: int | None = None) -> int:
-  """Tokens of the cache the XLA path reads per sequence: S, or with a window smaller
-  than the cache the ``window + T - 1`` positions the rows may see (paged: whole pages)."""
-  if mods.window is None:
-    return seq_capacity
-  span = mods.window + num_tokens - 1
-  if page_size is None:
-    w = -(-span // _WINDOW_ALIGN) * _WINDOW_ALIGN
-  else:  # a span starting anywhere in a page
-    w = (-(-(span - 1) // page_size) + 1) * page_size
-  return seq_capacity if w >= seq_capacity else w
+from fdecode.kernels.common.modifiers import Modifiers, row_bounds, window_start, window_tokens
+from fdecode.kernels.common.quant import dequantize
 
 
 def _slice_seq(x, starts, size, axis):
@@ -62,7 +47,7 @@ def _slice_seq(x, starts, size, axis):
   return jnp.concatenate([one(b) for b in range(starts.shape[0])])
 
 
-class _Geometry:
+class Geometry:
   """Rows and modifiers of one call, applied to chunk scores ``[B, Hkv, n, R, C]`` viewed
   as ``[B, Hkv, n, T, G, C]``: a mask / bias keeps its canonical ``[Bm, Hm, Tm, Gm, S]``
   form and broadcasts there (never expanded to rows in memory)."""
@@ -79,7 +64,7 @@ class _Geometry:
                             for x in (self.mask, self.bias))
 
   def pad(self, total):
-    self.mask, self.bias = (None if x is None else _pad_tokens(x, total, axis=4)
+    self.mask, self.bias = (None if x is None else pad_tokens(x, total, axis=4)
                             for x in (self.mask, self.bias))
 
   def _chunk(self, x, first, n, c):
@@ -122,7 +107,7 @@ def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=F
 
   Scores of slots a row may not see are selected away. ``select_dead``: value rows no
   row sees are selected to 0 too (they may hold inf / NaN); False skips that select
-  (`_contiguous_states` checks the result instead).
+  (`contiguous_states` checks the result instead).
 
   ``heads_outer``: q_rows, kc, vc and the results have their two batch axes swapped
   (``[Hkv, B, ...]``, a paged pool's gather order, so the cache chunk is never transposed).
@@ -165,7 +150,7 @@ def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=F
   return finalize_state(acc if v_cols is None else acc[..., :v_cols], m, l)
 
 
-def _contiguous_states(q_rows, kc, vc, geo, base, softmax_scale, pos=None, v_cols=None):
+def contiguous_states(q_rows, kc, vc, geo, base, softmax_scale, pos=None, v_cols=None):
   """`_chunk_states` of a contiguous cache (or of gathered sparse slots at ``pos``), paying
   for the dead-slot select only when a dead slot holds inf or NaN.
 
@@ -205,7 +190,7 @@ def _from_words(x, dtype):
   return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
 
 
-def _pad_tokens(x, total, axis=2, broadcast_ok=False):
+def pad_tokens(x, total, axis=2, broadcast_ok=False):
   """Zero-pads ``axis`` to ``total``; with ``broadcast_ok`` a size-1 axis (a scale that
   broadcasts over tokens) is left alone."""
   if x.shape[axis] == total or (broadcast_ok and x.shape[axis] == 1):
@@ -226,7 +211,7 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
       of a kv head as rows (r = t * G + g); cache blocks are cast to it after the load.
     k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables [B, n]``, paged
       ``[Hkv, P, page_size, D]``; float, or 8-bit with canonical rank-4 scales
-      (`fdecode.quant.canonical_scale`) and optional offsets. ``v`` None: the values are
+      (`fdecode.kernels.common.quant.canonical_scale`) and optional offsets. ``v`` None: the values are
       the loaded (dequantized) ``k[..., :v_head_dim]`` (MLA).
     k_rope: optional key-only columns laid out like k (float), after k's own.
     kv_layout: the layout of k, v and k_rope: ``"NHD"`` caches ``[B, S, Hkv, D]`` and
@@ -238,7 +223,7 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
     softmax_scale: multiplies the scores (in float32).
     num_splits: ``n`` chunks (of the window view, with a window). A contiguous float
       cache that ``n`` does not divide is padded (a copy); the heuristic only picks divisors.
-    mods, mask, bias, alibi: `fdecode.modifiers.Modifiers` and their canonical arrays.
+    mods, mask, bias, alibi: `fdecode.kernels.common.modifiers.Modifiers` and their canonical arrays.
 
   Returns:
     ``(o, lse)``: float32 ``[B, Hkv, n, R, Dv]`` and ``[B, Hkv, n, R]``. With a window,
@@ -282,7 +267,7 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
   page_size = k.shape[tok] if paged else None
   s = capacity(k.shape, kv_layout, block_tables)
   gather = gather_token_major_pages if kv_layout == "NHD" else gather_pages_head_major
-  geo = _Geometry(ends, num_tokens, r // num_tokens, s, mods, mask, bias, alibi)
+  geo = Geometry(ends, num_tokens, r // num_tokens, s, mods, mask, bias, alibi)
   base = jnp.zeros((b,), jnp.int32)
   w = window_tokens(s, num_tokens, mods, page_size)
   if w < s:  # read only each sequence's window
@@ -307,19 +292,19 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
   quantized = k_scale is not None or v_scale is not None
   if not paged and not quantized and kv_layout == "HND":
     chunk = max(-(-s // n), 1)
-    k, v, k_rope = (maybe(lambda x: _pad_tokens(x, chunk * n), x) for x in (k, v, k_rope))
+    k, v, k_rope = (maybe(lambda x: pad_tokens(x, chunk * n), x) for x in (k, v, k_rope))
     geo.pad(chunk * n)
     chunks = lambda x: x.reshape(b, hkv, n, chunk, x.shape[-1])
     kc = chunks(k)
     vc = kc if v is None else chunks(v)  # MLA: the values are k's first v_head_dim columns
     keys = kc if k_rope is None else (kc, chunks(k_rope))
-    return _contiguous_states(q_rows, keys, vc.astype(q_rows.dtype), geo, base, softmax_scale,
+    return contiguous_states(q_rows, keys, vc.astype(q_rows.dtype), geo, base, softmax_scale,
                               v_cols=v_head_dim if v is None else None)
 
   compute_dtype = q_rows.dtype
   if paged:
     pages_per_chunk = -(-block_tables.shape[1] // n)
-    tables = _pad_tokens(block_tables, pages_per_chunk * n, axis=1)
+    tables = pad_tokens(block_tables, pages_per_chunk * n, axis=1)
     chunk = pages_per_chunk * page_size
 
     def load(i, x, scale, offset):  # -> [Hkv, B, C, D]: the pool's order, no transpose
@@ -332,9 +317,9 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
       return x
   else:
     chunk = max(-(-s // n), 1)
-    k, v, k_rope = (maybe(lambda x: _pad_tokens(x, chunk * n, axis=tok), x) for x in (k, v, k_rope))
+    k, v, k_rope = (maybe(lambda x: pad_tokens(x, chunk * n, axis=tok), x) for x in (k, v, k_rope))
     k_scale, v_scale, k_offset, v_offset = (
-        None if a is None else _pad_tokens(a, chunk * n, broadcast_ok=True)
+        None if a is None else pad_tokens(a, chunk * n, broadcast_ok=True)
         for a in (k_scale, v_scale, k_offset, v_offset))
 
     def load(i, x, scale, offset):  # -> [B, Hkv, C, D]: a token-major chunk's rows transposed

@@ -1,5 +1,5 @@
-"""`fdecode.serving`: a small continuous-batching engine over any model whose attention
-layers are `fdecode.flax.DecodeAttention` (`fdecode.generate.Transformer`, Gemma 3).
+"""`fdecode.decoding.serving`: a small continuous-batching engine over any model whose attention
+layers are `fdecode.flax.DecodeAttention` (`fdecode.models.base.Transformer`, Gemma 3).
 
 Each step packs up to ``token_budget`` new tokens of up to ``max_seqs`` requests (decodes
 first, one token each, then prefill chunks of the prompts still being read) and runs
@@ -16,7 +16,7 @@ batch-1 decode step, not a full-budget step. Each bucket compiles once, on its f
 use, and serves every mix that fits it: at most ``len(buckets)`` compilations for an
 engine (engines over equal models with equal pools share them).
 
-The weights go into the step as inputs and do not come out (`fdecode.generate.Graph`):
+The weights go into the step as inputs and do not come out (`fdecode.decoding.generate.Graph`):
 only the caches come back, donated, so the pool is updated in place.
 
 Pages come from a `fdecode.cache.PageAllocator`. A request is admitted (first come,
@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 
 from fdecode.cache.allocator import PageAllocator
-from fdecode.generate import check_prompt_ids, model_state, split_model
+from fdecode.decoding.generate import check_prompt_ids, model_state, split_model
 from fdecode.validation import INT32_MAX, describe
 
 
@@ -132,7 +132,7 @@ class Engine:
   """Continuous batching over one model (see the module docstring).
 
   Args:
-    model: a `fdecode.generate.Transformer` (or subclass, e.g. `fdecode.models.gemma3.Gemma3`);
+    model: a `fdecode.models.base.Transformer` (or subclass, e.g. `fdecode.models.gemma3.Gemma3`);
       its caches are replaced by one page pool per layer.
     max_seqs: M, sequences per step.
     token_budget: N, new tokens per step (>= max_seqs).
@@ -326,7 +326,7 @@ class Engine:
 
 def _checked(req: Request, vocab: int, max_len: int, alloc: PageAllocator) -> Request:
   if not isinstance(req, Request):
-    raise ValueError(f"Engine.submit: want a fdecode.serving.Request; got {type(req).__name__}")
+    raise ValueError(f"Engine.submit: want a fdecode.decoding.serving.Request; got {type(req).__name__}")
   prompt = np.asarray(req.prompt)
   if prompt.ndim != 1 or prompt.size == 0:
     raise ValueError(f"Engine.submit: prompt must be a non-empty 1-D list of token ids; got {describe(req.prompt)}")

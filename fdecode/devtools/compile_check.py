@@ -32,7 +32,7 @@ import tempfile
 import time
 import traceback
 
-from fdecode import chips
+from fdecode.kernels.common import chips
 
 KERNEL_PREFIX = "fdecode_"
 
@@ -254,7 +254,7 @@ def run_cases(target_name: str, cases_path: str, names: list[str], *, timeout: f
   while todo:
     with tempfile.TemporaryFile("w+") as err:
       proc = subprocess.Popen(
-          [sys.executable, "-m", "fdecode.compile_check", target_name, cases_path, *todo],
+          [sys.executable, "-m", "fdecode.devtools.compile_check", target_name, cases_path, *todo],
           stdout=subprocess.PIPE, stderr=err, text=True, env=env)
       current = None
       deadline = time.time() + timeout

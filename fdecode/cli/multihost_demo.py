@@ -1,7 +1,7 @@
 """`scripts/multihost_demo`: sequence-parallel decode over N local processes x M CPU devices.
 
 Without ``--process-id`` this is the launcher: it picks a free port, starts N workers
-(``python -m fdecode.multihost_demo --process-id i ...``), waits for them and prints OK if
+(``python -m fdecode.cli.multihost_demo --process-id i ...``), waits for them and prints OK if
 all agree with the reference. Each worker joins the JAX distributed runtime (gloo CPU
 collectives), builds one mesh over all N*M devices, splits the cache's token axis over
 it, runs `fdecode.sharded_flash_decode` and checks its result against
@@ -47,7 +47,7 @@ def _launch(a) -> int:
         f"coordinator 127.0.0.1:{port}", flush=True)
   common = [str(a.num_processes), str(a.local_devices), "--port", str(port),
             "--tokens-per-device", str(a.tokens_per_device), "--new-tokens", str(a.new_tokens)]
-  procs = [subprocess.Popen([sys.executable, "-m", "fdecode.multihost_demo", *common,
+  procs = [subprocess.Popen([sys.executable, "-m", "fdecode.cli.multihost_demo", *common,
                              "--process-id", str(i)])
            for i in range(a.num_processes)]
   deadline = time.monotonic() + a.timeout

@@ -37,7 +37,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-_QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
+QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
 
 
 def is_quantized(dtype) -> bool:
@@ -107,7 +107,7 @@ def quantize(x, dtype, *, tile=None, per_tensor=False):
     raise ValueError(f"quantize: dtype must be one of {[str(d) for d in QUANT_DTYPES]}, got {dtype}")
   x = jnp.asarray(x, jnp.float32)
   d = x.shape[-1]
-  qmax = _QMAX[dtype]
+  qmax = QMAX[dtype]
   if per_tensor:
     amax = jnp.max(jnp.abs(x))
     scale = jnp.where(amax > 0, amax / qmax, 1.0)

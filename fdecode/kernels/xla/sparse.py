@@ -1,7 +1,7 @@
 """Sparse top-k attention in plain jnp (the CPU default for ``flash_decode(..., indices=)``).
 
 Only the selected tokens are read: each pseudo-sequence's canonical index list
-(`fdecode.sparse`) gathers its K token rows from the cache (contiguous: by position;
+(`fdecode.kernels.common.sparse`) gathers its K token rows from the cache (contiguous: by position;
 paged: through the block table), dequantizes them after the gather, and attends over
 them with the rows' usual visibility rules applied to the gathered positions. The list
 is cut into ``n`` chunks whose states `merge_states` combines.
@@ -12,10 +12,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fdecode.kernels.xla import _contiguous_states, _Geometry, _pad_tokens
-from fdecode.modifiers import Modifiers
-from fdecode.quant import dequantize
-from fdecode.sparse import Sparse
+from fdecode.kernels.xla.dense import contiguous_states, Geometry, pad_tokens
+from fdecode.kernels.common.modifiers import Modifiers
+from fdecode.kernels.common.quant import dequantize
+from fdecode.kernels.common.sparse import Sparse
 
 
 def _gather(x, idx, src, block_tables, page_size, fold=False, scale=False):
@@ -61,7 +61,7 @@ def sparse_partials(q_rows, k, v, ends, *, indices, index_bounds, sparse: Sparse
     k, v, k_rope, scales: as `fdecode.kernels.xla.xla_partials` (``v`` None: MLA).
     ends: int32 ``[B']`` each pseudo-sequence's end relative to the cache.
     indices, index_bounds: canonical lists ``[B', Hi, K]`` and their live slots
-      (`fdecode.sparse.canonicalize`); ``sparse.fold``: row b' reads the contiguous cache
+      (`fdecode.kernels.common.sparse.canonicalize`); ``sparse.fold``: row b' reads the contiguous cache
       of sequence ``b' // fold`` (paged tables are already one row per pseudo-sequence).
     num_splits: chunks of the K list.
 
@@ -75,7 +75,7 @@ def sparse_partials(q_rows, k, v, ends, *, indices, index_bounds, sparse: Sparse
   s = block_tables.shape[1] * page_size if paged else k.shape[2]
   src = jnp.arange(b, dtype=jnp.int32) // sparse.fold
   n = num_splits
-  idx = _pad_tokens(indices, -(-indices.shape[-1] // n) * n, axis=2)  # pads with 0 ...
+  idx = pad_tokens(indices, -(-indices.shape[-1] // n) * n, axis=2)  # pads with 0 ...
   pad = jnp.arange(idx.shape[-1]) >= indices.shape[-1]
   idx = jnp.where(pad, s, idx)  # ... replaced by the sentinel: a dropped slot
   c = idx.shape[-1] // n
@@ -92,9 +92,9 @@ def sparse_partials(q_rows, k, v, ends, *, indices, index_bounds, sparse: Sparse
   values = keys if v is None else load(v, v_scale, v_offset)  # MLA: one gather, k's first columns
   chunks = lambda x: x.reshape(b, hkv, n, c, x.shape[-1])
   kc = chunks(keys) if k_rope is None else (chunks(keys), chunks(load(k_rope, None, None)))
-  geo = _Geometry(ends, num_tokens, r // num_tokens, s, mods, None, None, alibi)
+  geo = Geometry(ends, num_tokens, r // num_tokens, s, mods, None, None, alibi)
   pos = idx.reshape(b, idx.shape[1], n, 1, c)
   # Dropped slots (clipped gathers) meet probability 0 and are selected away only when
-  # one holds inf / NaN (`_contiguous_states`: always selecting costs a pass over V on CPU).
-  return _contiguous_states(q_rows, kc, chunks(values), geo, jnp.zeros((b,), jnp.int32), softmax_scale,
+  # one holds inf / NaN (`contiguous_states`: always selecting costs a pass over V on CPU).
+  return contiguous_states(q_rows, kc, chunks(values), geo, jnp.zeros((b,), jnp.int32), softmax_scale,
                             pos=pos, v_cols=v_head_dim if v is None else None)

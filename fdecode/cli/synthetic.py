@@ -3,7 +3,7 @@ FlashDecode sharded over 8 (simulated) devices, timed and checked token for toke
 the same model with the float32 reference attention on one device.
 
 The mesh splits kv heads over "heads" and the cache's token axis over "seq"
-(`fdecode.sharded_flash_decode`). ``python -m fdecode.demo --kernel --help``: the
+(`fdecode.sharded_flash_decode`). ``python -m fdecode.cli.synthetic --kernel --help``: the
 single-step kernel benchmark (one FlashDecode call over a 16K-token cache).
 """
 
@@ -23,7 +23,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fdecode
-from fdecode.generate import ModelConfig, Transformer, generate
+from fdecode.decoding.generate import generate
+from fdecode.models.base import ModelConfig, Transformer
 
 _KERNEL_DOC = "One FlashDecode step over a long cache, timed and checked against the reference."
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
   return generate_main(argv)
 
 
-def _ensure_host_devices(n: int) -> None:
+def ensure_host_devices(n: int) -> None:
   """Asks XLA for ``n`` simulated CPU devices. JAX reads XLA_FLAGS when its backend first
   starts (the first device query or computation, not the import), so this works from
   ``main`` unless something already started it (then the existing devices are used)."""
@@ -70,7 +71,7 @@ def _check_memory(p: argparse.ArgumentParser, nbytes: int, what: str) -> None:
             f"{total / 2**30:.4g} GiB of memory; use smaller sizes")
 
 
-def _progress(label: str):
+def progress_bar(label: str):
   """A ``\\r`` text progress bar on stderr: ``on_step(done, total)``."""
   t0 = time.perf_counter()
   def on_step(done, total):
@@ -86,7 +87,7 @@ def _progress(label: str):
 
 
 # --cache kinds: DecodeAttention.init_cache options.
-_CACHE_KINDS = {
+CACHE_KINDS = {
     "contiguous": dict(cache_dtype=None, page_size=None),
     "paged": dict(cache_dtype=None, page_size=16),
     "int8": dict(cache_dtype=jnp.int8, page_size=None),
@@ -96,12 +97,12 @@ _CACHE_KINDS = {
 def _generate_args(argv):
   """The generation demo's arguments -> (args, `ModelConfig`, (HEADS, SEQ) mesh sizes);
   argparse-style errors (usage, message, exit 2) for sizes no run could use."""
-  p = argparse.ArgumentParser(prog="python -m fdecode.demo", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m fdecode.cli.synthetic", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--context", type=int, default=4096, help="cache capacity S (tokens)")
   p.add_argument("--batch", type=int, default=4, help="sequences B, with different prompt lengths")
   p.add_argument("--steps", type=int, default=32, help="new tokens per sequence")
-  p.add_argument("--cache", choices=sorted(_CACHE_KINDS), default="contiguous",
+  p.add_argument("--cache", choices=sorted(CACHE_KINDS), default="contiguous",
                  help="KV cache: contiguous float32, paged float32 (pages of 16), or contiguous int8 "
                       "with per-token scales")
   p.add_argument("--layers", type=int, default=4)
@@ -143,7 +144,7 @@ def _generate_args(argv):
 
 def generate_main(argv) -> int:
   a, cfg, (n_heads_axis, n_seq_axis) = _generate_args(argv)
-  _ensure_host_devices(max(8, n_heads_axis * n_seq_axis))
+  ensure_host_devices(max(8, n_heads_axis * n_seq_axis))
   hq, hkv = cfg.num_heads, cfg.num_kv_heads
   s, b, steps = a.context, a.batch, a.steps
 
@@ -174,7 +175,7 @@ def generate_main(argv) -> int:
     heads = "heads" if hkv % n_heads_axis == 0 else None
     # Contiguous [B, Hkv, S, D] (and its scales) or a page pool [Hkv, P, page_size, D]:
     # kv heads over "heads", tokens (pages) over "seq".
-    spec = P(heads, "seq", None, None) if _CACHE_KINDS[a.cache]["page_size"] else P(None, heads, "seq", None)
+    spec = P(heads, "seq", None, None) if CACHE_KINDS[a.cache]["page_size"] else P(None, heads, "seq", None)
     cache_sharding = NamedSharding(mesh, spec)
     where = f"mesh heads={n_heads_axis} x seq={n_seq_axis}"
   else:
@@ -185,7 +186,7 @@ def generate_main(argv) -> int:
     print(f"  FALLBACK: single-device flash_decode, not sharded_flash_decode ({why_not})")
   model = Transformer(cfg, decode_fn=decode_fn, seed=a.seed)
   n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  model.init_cache(b, s, **_CACHE_KINDS[a.cache])
+  model.init_cache(b, s, **CACHE_KINDS[a.cache])
   cache_mib = model.cache_bytes() / 2**20
   print(f"  model: {cfg.layers} layers, E={cfg.dim}, Hq={hq}, Hkv={hkv}, D={cfg.head_dim}, "
         f"F={cfg.mlp_dim}, V={cfg.vocab}, float32, {n_params / 1e6:.2f}M random params (seed {a.seed})")
@@ -194,11 +195,11 @@ def generate_main(argv) -> int:
   print(f"  prompts: lengths {lengths.tolist()} (right-padded to {max_prompt}), {steps} new tokens each")
 
   gen = generate(model, prompts, lengths, steps, cache_sharding=cache_sharding,
-                 on_step=_progress("flash"))
+                 on_step=progress_bar("flash"))
   ref_model = Transformer(cfg, decode_fn=functools.partial(fdecode.flash_decode, impl="reference"),
                           seed=a.seed)
-  ref_model.init_cache(b, s, **_CACHE_KINDS[a.cache])  # the same cache, read by the reference
-  ref = generate(ref_model, prompts, lengths, steps, on_step=_progress("reference"))
+  ref_model.init_cache(b, s, **CACHE_KINDS[a.cache])  # the same cache, read by the reference
+  ref = generate(ref_model, prompts, lengths, steps, on_step=progress_bar("reference"))
 
   timed = gen.step_s[1:] or gen.step_s  # the first decode step includes compilation
   ms = statistics.median(timed) * 1e3 if timed else float("nan")
@@ -246,7 +247,7 @@ def _compare(gen, ref) -> tuple[bool, str]:
 
 def kernel_main(argv=None) -> int:
   """The single-step kernel benchmark (``--kernel``)."""
-  p = argparse.ArgumentParser(prog="python -m fdecode.demo --kernel", description=_KERNEL_DOC)
+  p = argparse.ArgumentParser(prog="python -m fdecode.cli.synthetic --kernel", description=_KERNEL_DOC)
   p.add_argument("--batch", type=int, default=4)
   p.add_argument("--context", type=int, default=16384, help="cache capacity S (tokens)")
   p.add_argument("--q-heads", type=int, default=32)

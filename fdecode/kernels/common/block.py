@@ -8,7 +8,7 @@ one block.
 
 Pieces. A kernel may not be able to load a whole head dim at once: Triton tensors must
 have power-of-two sizes (Dk = 80, 96, 112, 192, 576 are not), and a tile-wise 8-bit scale
-(`fdecode.quant`) covers only ``D / n_tiles`` columns. So a head dim is read as static
+(`fdecode.kernels.common.quant`) covers only ``D / n_tiles`` columns. So a head dim is read as static
 column *pieces* ``(offset, width)``: each lies inside one scale tile, and on Triton each
 width is a power of two (80 = 64 + 16, 576 = 512 + 64). Scores sum the pieces' dot
 products; the output keeps one accumulator per value piece. Every byte of the cache is
@@ -32,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from fdecode.combine import MASK_VALUE, corrupt_rows, finalize_state
-from fdecode.modifiers import Modifiers, window_lo, window_start
-from fdecode.quant import dequantize
+from fdecode.kernels.common.modifiers import Modifiers, window_lo, window_start
+from fdecode.kernels.common.quant import dequantize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,10 +226,10 @@ class Rows(NamedTuple):
 def row_geometry(end, num_rows: int, rows_p: int, group: int, num_tokens: int, seq_len: int,
                  mods: Modifiers, first_row=0) -> Rows:
   """Row r (query token ``t = r // group`` at position ``end - T + t``): its visible range
-  under causality and the window (`fdecode.modifiers`); padding rows see nothing. A
+  under causality and the window (`fdecode.kernels.common.modifiers`); padding rows see nothing. A
   program holding rows ``[first_row, first_row + rows_p)`` gets theirs."""
   rows = first_row + lax.broadcasted_iota(jnp.int32, (rows_p, 1), 0)
-  # Overflow-free int32 (as `fdecode.modifiers.row_bounds`): a far-negative end saturates.
+  # Overflow-free int32 (as `fdecode.kernels.common.modifiers.row_bounds`): a far-negative end saturates.
   end = jnp.maximum(end, jnp.iinfo(jnp.int32).min + num_tokens)
   qpos = end - num_tokens + rows // group
   hi = jnp.clip(qpos + 1, 0, seq_len) if mods.causal else jnp.broadcast_to(jnp.clip(end, 0, seq_len), qpos.shape)
@@ -290,7 +290,7 @@ def expand_rows(block, rows_p: int, group: int, num_tokens: int, form, *, finite
 
 
 def modify_scores(s, mods: Modifiers, rows: Rows, pos_row, slopes=None, bias=None):
-  """Soft cap, ALiBi and additive bias on float32 scores ``[R_p, bk]`` (`fdecode.modifiers`).
+  """Soft cap, ALiBi and additive bias on float32 scores ``[R_p, bk]`` (`fdecode.kernels.common.modifiers`).
 
   pos_row: int32 ``[1, bk]`` key positions; slopes: float32 ``[R_p, 1]``; bias: float32
   ``[R_p | 1, bk]``.
@@ -317,7 +317,7 @@ def block_masks(rows: Rows, load_start, start, live_end, bk: int, *, first_visib
   Args:
     rows: `row_geometry`.
     live_end: the sequence's end in the cache (clipped to S).
-    first_visible: the first position any row may see (`fdecode.modifiers.window_start`).
+    first_visible: the first position any row may see (`fdecode.kernels.common.modifiers.window_start`).
     mask: bool ``[R_p | 1, bk]`` the caller's mask for this block, or None.
 
   Returns ``(visible [R_p, bk], live [bk, 1])``: ``live`` = some row sees slot j (without
@@ -336,7 +336,7 @@ def block_masks(rows: Rows, load_start, start, live_end, bk: int, *, first_visib
 
 
 def sparse_block_masks(rows: Rows, pos_row, live_end, first_visible, pos_col=None):
-  """Masks of a block of sparse index slots (`fdecode.sparse`): slot j holds the key at
+  """Masks of a block of sparse index slots (`fdecode.kernels.common.sparse`): slot j holds the key at
   position ``pos[j]`` (a dropped slot holds S, past every row's end).
 
   Args:
