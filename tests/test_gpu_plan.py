@@ -154,7 +154,7 @@ def test_issue31_row_counts_match_the_reference(name, splits):
 def test_issue31_int8_t5_g8_matches_the_reference():
   """int8 cache with per-token scales at T=5, G=8 (40 rows: one block of 64), interpreted with
   the H100 plan, one and three splits, against the reference on the same quantized cache."""
-  from fdecode.quant import quantize  # pylint: disable=g-import-not-at-top
+  from fdecode.kernels.common.quant import quantize  # pylint: disable=g-import-not-at-top
   q, k, v = make_problem(3, b=2, t=5, hq=16, hkv=2, s=70, dk=64)
   (kq, ks), (vq, vs) = quantize(k, jnp.int8), quantize(v, jnp.int8)
   lengths = jnp.array([70, 33], jnp.int32)
