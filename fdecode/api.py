@@ -86,11 +86,9 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       platform being lowered for: XLA on CPU, the Triton kernel on GPU, the Mosaic
       kernel on TPU. On GPU it falls back to XLA only where Triton's ``tl.dot`` cannot
       tile: a head dim, or an 8-bit scale tile, that is not a multiple of 16 (then
-      ``impl="pallas"`` raises ValueError when traced on a GPU host, and a cross-platform
-      export from another host embeds the XLA path for CUDA). On TPU, ``None`` and
-      ``"pallas"`` take the XLA path for a paged cache whose page size splits a 32-bit
-      sublane (bf16 page size 1; 8-bit page sizes not a multiple of 4), which no Mosaic
-      DMA can address; libtpu compiles the kernel for every other shape fdecode takes.
+      ``impl="pallas"`` raises ValueError when traced on a GPU host). On TPU, a paged
+      cache whose page size splits a 32-bit sublane takes the XLA path
+      (``docs/semantics.md``, Backends). `fdecode.plan` shows what a call would run.
     interpret: with ``impl="pallas"``: ``None`` / ``False`` compile the kernel for the
       lowering platform (Triton on GPU, Mosaic on TPU; CPU has only the interpreter and
       runs the Triton kernel interpreted); ``True`` runs the Triton kernel in Pallas'
@@ -115,11 +113,7 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       through the block table when paged). Positions outside the cache, at or past the
       length, or hidden by causality / the window are masked; duplicates count once.
       Not combinable with ``mask`` / ``bias``. ``K = 0`` selects nothing (out 0, lse -inf).
-      Exact semantics: `fdecode.kernels.common.sparse`. On TPU
-      the kernel DMAs each token's 32-bit sublane (2 rows of a 16-bit cache, 4 of an
-      8-bit one: the finest row Mosaic addresses); a cache whose length (contiguous) or
-      page size (paged) is not a multiple of that takes the XLA path instead (so does
-      any paged cache on TPU with such pages, e.g. page size 1 of bf16).
+      Exact semantics: `fdecode.kernels.common.sparse`; on TPU: ``docs/semantics.md``.
 
   Score modifiers (all off by default; exact semantics in `fdecode.kernels.common.modifiers`). With
   ``p = lengths - T + t`` the position of query t and ``j`` a key position:
@@ -148,34 +142,15 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       merge partial results yourself, compute them without sinks, merge, then call
       `fdecode.combine.apply_sinks` once.
 
-  Dtypes: the matmuls read q's dtype promoted with every float cache's dtype (8-bit
-  caches are dequantized to q's dtype); softmax and accumulation are float32. So a
-  float32 query on a bfloat16 cache is never rounded to bfloat16, on any impl.
-
-  Dead slots: a cache slot no query may see (past a length, the tail of a sequence's
-  last page, table entries past its length, their 8-bit scales and offsets) never
-  influences the result, whatever it holds (inf and NaN included): every impl selects
-  it away rather than multiplying it by 0.
-
-  Corruption a query sees propagates: a NaN key, value, scale, bias, ALiBi slope or
-  sink it sees (or a NaN / +inf score), or an inf value it sees, gives NaN in every
-  column of its row's out and in its lse, on every impl (XLA, Triton, Mosaic, the
-  reference), split count and device count, for single tokens and prefill rows alike.
-  "No visible key" is decided from positions (lengths, causality, window, mask,
-  indices) or visible scores all -inf, never from a NaN. A sink of +inf gives out 0,
-  lse +inf (its limit); -inf is no sink. A corrupt value reaches only the rows that see
-  it, also with T > 1 or per-head masks (`fdecode.kernels.common.block.guard_values`).
+  Dtypes, dead slots, NaN propagation and layouts, in full: ``docs/semantics.md``. In
+  short: softmax and accumulation are float32; a slot no query may see never influences
+  any output, whatever it holds; a NaN a query sees gives NaN in its whole row and lse.
 
   Layout:
     kv_layout: ``"HND"`` (default, head-major, the shapes above) or ``"NHD"``
-      (token-major, as Flax / vLLM / JAX's ragged paged attention hold it): contiguous
-      ``[B, S, Hkv, D]``, paged ``[P, page_size, Hkv, D]``; scales, offsets and k_rope
-      follow the same layout. Every kernel reads a token-major cache in place (the Mosaic
-      kernels: all but a dense call on a contiguous S with no power-of-two factor of 8 or
-      more, and a whole-head-axis read (a packed Hkv that does not fill 32-bit words)
-      past 128 heads or its VMEM budget, which read a head-major copy;
-      `fdecode.cache.layout`). float16 caches take the XLA path on TPU (Mosaic has no
-      float16 vectors).
+      (token-major: contiguous ``[B, S, Hkv, D]``, paged ``[P, page_size, Hkv, D]``;
+      scales, offsets and k_rope follow it). Read in place where the kernel can
+      (``docs/semantics.md``, Layouts).
 
   Returns:
     ``out`` shaped like ``q`` with last dim Dv, dtype ``q.dtype``; with ``return_lse``

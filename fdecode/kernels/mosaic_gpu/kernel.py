@@ -121,6 +121,36 @@ class _Ops:
     return pl.run_state(accumulate)(plgpu.ACC.init(scaled))
 
 
+def _select_dead_values(k_tile, ld, start, live_end, ops):
+  """Value rows of one K stage ``k_tile`` [bk, 576] loaded from ``ld`` that lie before the
+  block's ``start`` or at / past ``live_end`` become 0 in place (a select, never a product)."""
+  bk = k_tile.shape[0]
+  v_pos = ld + ops.iota((bk, _TILE_COLS), 0)
+  keep = (v_pos >= start) & (v_pos < live_end)
+  for c in range(DV // _TILE_COLS):
+    tile = k_tile.at[:, pl.ds(c * _TILE_COLS, _TILE_COLS)]
+    v = tile[...]
+    tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
+
+
+def _finish(half, acc, m, l, rows_smem, done, o_tile, lse_rows, ops):
+  """Warpgroup ``half``'s epilogue: warpgroup 0 hands its row max ``m`` and sum ``l`` to 1
+  through ``rows_smem``; each normalizes its half of the output into ``o_tile``; warpgroup
+  0 writes the lse (-inf for rows that saw no key: out 0)."""
+  if half == 0:
+    rows_smem.at[1][...] = m
+    rows_smem.at[2][...] = l
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(done)
+  else:
+    plgpu.barrier_wait(done)
+    m, l = ops.load_rows(rows_smem.at[1]), ops.load_rows(rows_smem.at[2])
+  empty = l == 0.0
+  o_tile[...] = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
+  if half == 0:
+    lse_rows[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+
+
 def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows_smem, barriers, *,
             plan: MlaPlan, ops: _Ops):
   # ends_ref i32[B]; q_ref bf16[B, R_p, 576]; k_ref bf16[B, S_c, 576];
@@ -192,15 +222,8 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
         l = l * alpha + p.sum(axis=1)
         m = m_new
 
-        # Dead value rows (before the block's start, at or past the end) to 0 in place.
-        @pl.when((ld < start) | (ld + bk > live_end))
-        def _():
-          v_pos = ld + ops.iota((bk, _TILE_COLS), 0)
-          keep = (v_pos >= start) & (v_pos < live_end)
-          for c in range(DV // _TILE_COLS):
-            tile = k_smem.at[slot, :, pl.ds(c * _TILE_COLS, _TILE_COLS)]
-            v = tile[...]
-            tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
+        pl.when((ld < start) | (ld + bk > live_end))(
+            functools.partial(_select_dead_values, k_smem.at[slot], ld, start, live_end, ops))
 
         @pl.when(step > 0)  # warpgroup 1 is done with the previous P
         def _():
@@ -222,20 +245,9 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
       return acc, m, l
 
     acc, m, l = lax.fori_loop(0, steps, step_body, (acc0, m0, l0))
-    if scores:
-      rows_smem.at[1][...] = m
-      rows_smem.at[2][...] = l
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(done.at[0])
-    else:
-      plgpu.barrier_wait(done.at[0])
-      m, l = ops.load_rows(rows_smem.at[1]), ops.load_rows(rows_smem.at[2])
-    empty = l == 0.0
-    o = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
     out_rows = pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)
-    o_ref.at[b, split, out_rows, pl.ds(half * HALF_DV, HALF_DV)][...] = o
-    if scores:
-      lse_ref.at[b, split, out_rows][...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+    _finish(half, acc, m, l, rows_smem, done.at[0], o_ref.at[b, split, out_rows, pl.ds(half * HALF_DV, HALF_DV)],
+            lse_ref.at[b, split, out_rows], ops)
 
   pl.when(wg == 0)(functools.partial(compute, 0))
   pl.when(wg == 1)(functools.partial(compute, 1))
