@@ -279,6 +279,29 @@ def partials_shape(b, hkv, n, rows_p, dv, *inputs):
 # Paged cache: pools in HBM, pages DMA'd into a two-slot VMEM buffer.
 
 
+def double_buffered(first, last, start, wait, body, init):
+  """The Mosaic kernels' DMA loop over steps ``[first, last)`` with two buffer slots:
+  ``start(step, slot)`` / ``wait(step, slot)`` issue and await a step's copies,
+  ``body(step, slot, carry) -> carry`` computes on the loaded slot while the next step's
+  copies fly into the other one. Returns the final carry (``init`` when no step runs)."""
+
+  @pl.when(first < last)
+  def _first_fetch():
+    start(first, 0)
+
+  def step_fn(step, carry):
+    slot = (step - first) % 2
+
+    @pl.when(step + 1 < last)
+    def _prefetch():
+      start(step + 1, 1 - slot)
+
+    wait(step, slot)
+    return body(step, slot, carry)
+
+  return lax.fori_loop(first, last, step_fn, init)
+
+
 _ALIBI = 9  # the slopes' place in `_paged_kernel`'s operands (per head: [heads, R_p, 1])
 
 
@@ -358,14 +381,7 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
   q_pieces = [query_pieces(q_ref[hh], k_pieces, kinds[2] is not None) for hh in range(heads)]
   rows = blk.row_geometry(end, num_rows, rows_p, group, num_tokens, seq_len, mods)
 
-  def body(step, states):
-    slot = (step - first) % 2
-
-    @pl.when(step + 1 < last)
-    def _prefetch():
-      start(step + 1, 1 - slot)
-
-    wait(step, slot)
+  def body(step, slot, states):
     buf_of = dict(zip(dma_ids, bufs))
     new_states = []
     for hh, state in enumerate(states):
@@ -390,11 +406,8 @@ def _paged_kernel(ends_ref, tables_ref, q_ref, *refs, kinds, softmax_scale, num_
       new_states.append(blk.online_update(state, s, visible, live, vb, bad))
     return tuple(new_states)
 
-  @pl.when(first < last)
-  def _first_fetch():
-    start(first, 0)
-
-  states = lax.fori_loop(first, last, body, tuple(blk.init_state(rows_p, v_pieces) for _ in range(heads)))
+  states = double_buffered(first, last, start, wait, body,
+                           tuple(blk.init_state(rows_p, v_pieces) for _ in range(heads)))
   for hh, state in enumerate(states):
     o_pieces, lse = blk.finalize(state)
     store_partials(o_ref.at[hh], lse_ref.at[hh], v_pieces, o_pieces, lse)

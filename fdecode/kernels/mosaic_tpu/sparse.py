@@ -38,8 +38,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from fdecode.kernels.common import block as blk
-from fdecode.kernels.mosaic_tpu.kernel import (all_pieces, block_kv, mod_operands, partials_shape, partials_specs,
-                                        query_pieces, store_partials)
+from fdecode.kernels.mosaic_tpu.kernel import (all_pieces, block_kv, double_buffered, mod_operands,
+                                               partials_shape, partials_specs, query_pieces, store_partials)
 from fdecode.kernels.mosaic_tpu.plan import Plan, dma_unit, per_token
 from fdecode.kernels.mosaic_tpu.token_major import head_rows
 from fdecode.kernels.common.modifiers import Modifiers, window_start
@@ -118,14 +118,7 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
   first_visible = window_start(end, num_tokens, seq_len, mods)
   slopes = None if srcs[7] is None else srcs[7][...]
 
-  def body(step, state):
-    slot = (step - first) % 2
-
-    @pl.when(step + 1 < last)
-    def _prefetch():
-      start(step + 1, 1 - slot)
-
-    wait(step, slot)
+  def body(step, slot, state):
     buf_of = dict(zip(streams, bufs))
     kx, vx, rx, ks, ko, vs, vo = (buf_of[i][slot] if i in buf_of else None if src is None else src[...]
                                   for i, src in enumerate(srcs[:7]))
@@ -142,11 +135,7 @@ def _sparse_kernel(ends_ref, tables_ref, bounds_ref, idx_ref, pos_ref, q_ref, *r
     visible, live = blk.sparse_block_masks(rows, pos_row, live_end, first_visible)
     return blk.online_update(state, s, visible, live, vb, bad)
 
-  @pl.when(first < last)
-  def _first_fetch():
-    start(first, 0)
-
-  state = lax.fori_loop(first, last, body, blk.init_state(rows_p, v_pieces))
+  state = double_buffered(first, last, start, wait, body, blk.init_state(rows_p, v_pieces))
   o_pieces, lse = blk.finalize(state)
   store_partials(o_ref, lse_ref, v_pieces, o_pieces, lse)
 
