@@ -31,7 +31,10 @@ def prompts(seed, lengths):
 
 
 def test_served_greedy_tokens_equal_generation_alone():
-  engine = Engine(Transformer(CFG, seed=0), max_seqs=4, token_budget=24, max_len=64, page_size=8)
+  # Two buckets (a small one and the budget): steps of both sizes, two compilations instead of
+  # the default ladder's six (the ladder itself: test_each_step_runs_its_smallest_bucket_compiled_once).
+  engine = Engine(Transformer(CFG, seed=0), max_seqs=4, token_budget=24, max_len=64, page_size=8,
+                  buckets=(8, 24))
   lengths = [3, 30, 1, 17, 9, 5]
   ps = prompts(0, lengths)
   news = [6, 4, 9, 5, 7, 3]
@@ -45,6 +48,7 @@ def test_served_greedy_tokens_equal_generation_alone():
   assert mixed, "no step mixed decodes with a prefill chunk"
   assert max(s.running for s in engine.history) == 4  # slots were full at some point
   assert engine.alloc.num_free == engine.alloc.num_pages  # every page back in the pool
+  assert {s.rows for s in engine.history} == {8, 24}, [s.rows for s in engine.history]
 
 
 def test_a_request_that_does_not_fit_waits():
