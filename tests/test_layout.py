@@ -34,10 +34,17 @@ def both_layouts(q, k, v, lengths, *, paged=False, k_rope=None, k_scale=None, v_
   """(head-major result, token-major result) of the same call, each (out, lse)."""
   quant = dict(k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset)
   hm = fdecode.flash_decode(q, k, v, lengths, k_rope=k_rope, **quant, return_lse=True, **kw)
-  tm = fdecode.flash_decode(q, nhd(k, paged), nhd(v, paged), lengths, k_rope=nhd(k_rope, paged),
-                            **{n: nhd(x, paged) for n, x in quant.items()}, kv_layout="NHD",
-                            return_lse=True, **kw)
-  return hm, tm
+  return hm, token_major_call(q, k, v, lengths, paged=paged, k_rope=k_rope, **quant, **kw)
+
+
+QUANT_ARRAYS = ("k_scale", "v_scale", "k_offset", "v_offset")
+
+
+def token_major_call(q, k, v, lengths, *, paged, k_rope=None, **kw):
+  """flash_decode (out, lse) of head-major-shaped caches (and rank-4 scales) stored token-major."""
+  arrays = {n: nhd(x, paged) if n in QUANT_ARRAYS else x for n, x in kw.items()}
+  return fdecode.flash_decode(q, nhd(k, paged), nhd(v, paged), lengths, k_rope=nhd(k_rope, paged),
+                              kv_layout="NHD", return_lse=True, **arrays)
 
 
 def assert_same(a, b):
@@ -228,26 +235,26 @@ def test_packed_heads_in_place(request, impl, hkv, kind, page_size):
            {n: bad(x, jnp.nan if n.startswith("k") else jnp.inf) if x.ndim == 4 and x.shape[2] == s else x
             for n, x in clean[2].items()},
            bad(rope, jnp.nan))
-  results = []
-  for kq, vq, scales, rr in (dirty, clean):
-    kq, vq, rr = to_pool(kq), to_pool(vq), to_pool(rr)
-    scales = {n: to_pool(x) for n, x in scales.items()}
-    hm, tm = both_layouts(q, kq, vq, lengths, paged=page_size is not None, k_rope=rr, **scales, **kw)
-    if impl_param(request) == "mosaic" and page_size == 1:
-      # A head-major pool of 1-token 16- / 8-bit pages takes the XLA path on TPU (no DMA
-      # addresses a lone packed row); the token-major one the kernel (whole tile rows).
-      assert_close(tm[0], hm[0], atol=t["atol"], rtol=t["rtol"])
-      assert_close(tm[1], hm[1], atol=t["lse"], rtol=t["lse"], what="lse")
-    else:
-      assert_layouts_agree(hm, tm, q, lengths, max_abs(kf[..., :32] if vf is None else vf))
-    results.append(tm)
-  assert_same(results[1], results[0])
+  # The dirty caches in both layouts; the clean ones token-major only (the same program as
+  # the dirty token-major call, so bit for bit; head-major dead slots are test_dead_slots').
+  pooled = lambda kq, vq, scales, rr: (to_pool(kq), to_pool(vq), to_pool(rr), {n: to_pool(x) for n, x in scales.items()})
+  kq, vq, rr, scales = pooled(*dirty)
+  hm, tm = both_layouts(q, kq, vq, lengths, paged=page_size is not None, k_rope=rr, **scales, **kw)
+  if impl_param(request) == "mosaic" and page_size == 1:
+    # A head-major pool of 1-token 16- / 8-bit pages takes the XLA path on TPU (no DMA
+    # addresses a lone packed row); the token-major one the kernel (whole tile rows).
+    assert_close(tm[0], hm[0], atol=t["atol"], rtol=t["rtol"])
+    assert_close(tm[1], hm[1], atol=t["lse"], rtol=t["lse"], what="lse")
+  else:
+    assert_layouts_agree(hm, tm, q, lengths, max_abs(kf[..., :32] if vf is None else vf))
+  kq, vq, rr, scales = pooled(*clean)
+  assert_same(token_major_call(q, kq, vq, lengths, paged=page_size is not None, k_rope=rr, **scales, **kw), tm)
   kf, vf = (None if x is None else x.astype(jnp.float32) for x in (kf, vf))
   if rope is not None:
     kf, vf = jnp.concatenate([kf, rope.astype(jnp.float32)], -1), kf[..., :32]
   ref, ref_lse = reference_decode(q, kf, vf, lengths)
-  assert_close(results[0][0], ref, atol=t["atol"], rtol=t["rtol"])
-  assert_close(results[0][1], ref_lse, atol=t["lse"], rtol=t["lse"], what="lse")
+  assert_close(tm[0], ref, atol=t["atol"], rtol=t["rtol"])
+  assert_close(tm[1], ref_lse, atol=t["lse"], rtol=t["lse"], what="lse")
 
 
 def test_errors_name_the_token_major_shapes():
