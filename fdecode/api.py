@@ -13,8 +13,8 @@ from jax.experimental.pallas import tpu as pltpu
 from fdecode import config as config_lib
 from fdecode.kernels.common import modifiers
 from fdecode.kernels.common import sparse as sparse_lib
-from fdecode.cache.layout import check_layout, head_major, shape_names
-from fdecode.dispatch import decode, forced_tpu_interpret, recording, recording_plans, seq_capacity
+from fdecode.cache.layout import CacheView
+from fdecode.dispatch import decode, forced_tpu_interpret, recording, recording_plans
 from fdecode.cache.tables import check_concrete_page_ids
 from fdecode.validation import (as_arrays, check_concrete_lengths, check_kv_offset, describe,
                                 static_scale, to_int32, validate_args, validate_quant)
@@ -172,15 +172,12 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
        q=q, k=k, v=v, lengths=lengths, block_tables=block_tables, k_scale=k_scale, v_scale=v_scale,
        k_offset=k_offset, v_offset=v_offset, kv_offset=kv_offset, mask=mask, bias=bias,
        alibi_slopes=alibi_slopes, sinks=sinks, k_rope=k_rope, indices=indices)
-  # The caches go to `decode` as stored (the Triton kernel reads token-major ones in place);
-  # the checks below see head-major shape-only views of them.
-  stored = (k, v, k_rope)
-  if kv_layout == "NHD":
-    k, v, k_rope = (x if x is None or np.ndim(x) != 4 else jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
-                    for x in stored)
-  k, v, k_rope, k_scale, v_scale, k_offset, v_offset = to_head_major(
-      kv_layout, block_tables is not None, k=k, v=v, k_rope=k_rope, k_scale=k_scale, v_scale=v_scale,
-      k_offset=k_offset, v_offset=v_offset)
+  # The cache layout, resolved once: the view goes down to `decode` and each path as it is
+  # (the Triton kernel reads token-major caches in place); the checks see head-major shapes.
+  view = CacheView.of(k, v, block_tables=block_tables, k_rope=k_rope, k_scale=k_scale, v_scale=v_scale,
+                      k_offset=k_offset, v_offset=v_offset, kv_layout=kv_layout)
+  k, v, k_rope = view.head_major_shapes()
+  k_scale, v_scale, k_offset, v_offset = view.k_scale, view.v_scale, view.k_offset, view.v_offset
   try:
     single_token, dv = validate_args(q, k, v, lengths, block_tables, v_head_dim=v_head_dim, k_rope=k_rope)
     k_scale, k_offset = validate_quant("k", k, k_scale, k_offset)
@@ -189,11 +186,11 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
                        "v_head_dim columns and use k_scale / k_offset")
     v_scale, v_offset = (None, None) if v is None else validate_quant("v", v, v_scale, v_offset)
   except ValueError as e:
-    if kv_layout == "HND":
+    if view.layout == "HND":
       raise
-    given = ", ".join(f"{n}.shape={tuple(np.shape(x))}" for n, x in zip(("k", "v", "k_rope"), stored)
+    given = ", ".join(f"{n}.shape={tuple(np.shape(x))}" for n, x in zip(("k", "v", "k_rope"), (view.k, view.v, view.k_rope))
                       if x is not None)
-    raise ValueError(f"{e} (cache shapes shown head-major; with kv_layout={kv_layout!r} the caches "
+    raise ValueError(f"{e} (cache shapes shown head-major; with kv_layout={view.layout!r} the caches "
                      f"given are {given})") from None
   if impl is not None and impl not in IMPLS:
     raise ValueError(f"flash_decode: impl must be one of {IMPLS} or None, got {describe(impl)}")
@@ -208,25 +205,25 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   if isinstance(interpret, np.bool_):
     interpret = bool(interpret)
   cfg = config_lib.Config.from_args(num_splits, block_k).bounded(
-      max(seq_capacity(k, block_tables), 0 if indices is None else np.shape(indices)[-1]))
+      max(view.capacity, 0 if indices is None else np.shape(indices)[-1]))
   scale = static_scale(softmax_scale, q.shape[-1])
-  check_concrete_lengths(lengths, None if kv_offset is not None else seq_capacity(k, block_tables))
+  check_concrete_lengths(lengths, None if kv_offset is not None else view.capacity)
   if kv_offset is not None:
     check_kv_offset(kv_offset, lengths, q.shape[0])
   if block_tables is not None:
-    check_concrete_page_ids(block_tables, lengths, k.shape[1], k.shape[2],
+    check_concrete_page_ids(block_tables, lengths, view.num_pages, view.page_size,
                              num_tokens=1 if single_token else q.shape[1], window=window)
   q4 = q[:, None] if single_token else q
-  hkv = k.shape[0] if block_tables is not None else k.shape[1]
+  hkv = view.kv_heads
   mods, mod_arrays, sinks = modifiers.canonicalize(
-      q4.shape, hkv, seq_capacity(k, block_tables), causal=causal, mask=mask, bias=bias,
+      q4.shape, hkv, view.capacity, causal=causal, mask=mask, bias=bias,
       alibi_slopes=alibi_slopes, sinks=sinks, window=window, logits_soft_cap=logits_soft_cap)
   if indices is not None:
     indices = sparse_lib.validate(indices, q.shape, hkv, mods=mods, has_mask=mask is not None,
                                   has_bias=bias is not None)
-  cache = dict(block_tables=None if block_tables is None else to_int32(block_tables),
-               k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset,
-               k_rope=None if stored[2] is None else jnp.asarray(stored[2]))
+  view = view.with_arrays(block_tables=None if block_tables is None else to_int32(block_tables),
+                          k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset,
+                          k_rope=None if view.k_rope is None else jnp.asarray(view.k_rope))
   # The kernels take each sequence's end relative to the cache's first token.
   ends = to_int32(lengths)
   if kv_offset is not None:
@@ -237,13 +234,13 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     lse = jnp.full(q4.shape[:-1], -jnp.inf, jnp.float32)
   else:
     b, t = q4.shape[:2]
-    sparse = None
+    sparse, lists = None, {}
     if indices is not None:
-      q4, ends, sparse = _sparse_setup(q4, ends, indices, cache, kv_offset, seq_capacity(k, block_tables), mods)
+      q4, ends, sparse, lists, view = _sparse_setup(q4, ends, indices, view, kv_offset, mods)
     run = decode.__wrapped__ if recording() else decode  # `plan`: traced anew, not from jit's cache
-    out, lse = run(q4, *stored[:2], ends, cache, mod_arrays, sinks, impl=impl, softmax_scale=scale,
-                      cfg=cfg, interpret=interpret, mods=mods, v_head_dim=None if v is not None else dv,
-                      sparse=sparse, kv_layout=kv_layout)
+    out, lse = run(q4, view, ends, lists, mod_arrays, sinks, impl=impl, softmax_scale=scale,
+                   cfg=cfg, interpret=interpret, mods=mods, v_head_dim=None if v is not None else dv,
+                   sparse=sparse)
     out, lse = out.reshape(b, t, *out.shape[2:]), lse.reshape(b, t, -1)  # undo a sparse fold
   if single_token:
     out, lse = out[:, 0], lse[:, 0]
@@ -271,29 +268,18 @@ def plan(q, k, v, lengths, *, platform: str | None = None, **kwargs) -> tuple:
   return tuple(p for where, p in log if where in (None, platform))
 
 
-def to_head_major(kv_layout, paged, caller="flash_decode", **caches):
-  """The cache arrays (k, v, k_rope, scales, offsets, in that order) in the head-major
-  layout the paths take (`fdecode.cache.layout`); checks ``kv_layout`` and the caches' rank."""
-  check_layout(kv_layout, caller)
-  if kv_layout != "HND":
-    for name in ("k", "v", "k_rope"):
-      x = caches[name]
-      if x is not None and np.ndim(x) != 4:
-        raise ValueError(f"{caller}: with kv_layout={kv_layout!r}, {name} must be "
-                         f"{shape_names(kv_layout, paged)}; got {name}.shape={tuple(np.shape(x))}")
-  return tuple(head_major(x, kv_layout, paged) for x in caches.values())
-
-
-def _sparse_setup(q4, ends, indices, cache, kv_offset, seq_capacity, mods):
-  """Canonical index lists into ``cache`` (`fdecode.kernels.common.sparse.canonicalize`); per-token lists
-  fold the T new tokens into the batch: q ``[B*T, 1, Hq, Dk]``, one end per token, a paged
-  table repeated per token (contiguous caches are read at row ``b' // fold``)."""
-  sparse, cache["indices"], cache["index_bounds"], ends = sparse_lib.canonicalize(
-      indices, ends, 0 if kv_offset is None else kv_offset, seq_capacity, q4.shape[1], mods)
+def _sparse_setup(q4, ends, indices, view, kv_offset, mods):
+  """Canonical index lists into the cache (`fdecode.kernels.common.sparse.canonicalize`): returns
+  (q4, ends, sparse, lists: indices / index_bounds, view). Per-token lists fold the T new tokens
+  into the batch: q ``[B*T, 1, Hq, Dk]``, one end per token, a paged table repeated per token
+  (contiguous caches are read at row ``b' // fold``)."""
+  lists = {}
+  sparse, lists["indices"], lists["index_bounds"], ends = sparse_lib.canonicalize(
+      indices, ends, 0 if kv_offset is None else kv_offset, view.capacity, q4.shape[1], mods)
   if sparse.fold > 1:
     b, t = q4.shape[:2]
     q4 = q4.reshape(b * t, 1, *q4.shape[2:])
-    if cache["block_tables"] is not None:
-      cache["block_tables"] = jnp.repeat(cache["block_tables"], t, axis=0)
+    if view.paged:
+      view = view.with_arrays(block_tables=jnp.repeat(view.block_tables, t, axis=0))
       sparse = dataclasses.replace(sparse, fold=1)
-  return q4, ends, sparse
+  return q4, ends, sparse, lists, view

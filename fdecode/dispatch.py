@@ -17,7 +17,7 @@ from jax.experimental.pallas import tpu as pltpu
 from fdecode.kernels.common import chips
 from fdecode.kernels.common import modifiers
 from fdecode.kernels.common import sparse as sparse_lib
-from fdecode.cache.layout import head_major, read_layout
+from fdecode.cache.layout import QUANT_ARRAYS
 from fdecode.cache.paged import gather_pages, gather_scale
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels import mosaic_gpu
@@ -92,18 +92,18 @@ def compute_dtype(q_dtype, *cache_dtypes):
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "softmax_scale", "cfg", "interpret", "mods",
-                                             "v_head_dim", "sparse", "kv_layout"))
-def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg, interpret, mods,
-            v_head_dim, sparse, kv_layout="HND"):
+                                             "v_head_dim", "sparse"))
+def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg, interpret, mods,
+           v_head_dim, sparse):
   """q ``[B, T, Hq, Dk]`` -> (out ``[B, T, Hq, Dv]`` in q.dtype, lse f32 ``[B, T, Hq]``).
 
-  ``k``, ``v`` and ``cache["k_rope"]`` are in ``kv_layout`` (`fdecode.cache.layout`): the
-  every kernel reads token-major ones in place (`_triton`, `_xla`, `_mosaic`: its
-  supported cases); the other Mosaic cases and the reference read head-major views (a
-  transpose in this program, dropped when no lowered branch uses it).
-  ``cache``: dict of block_tables, canonical (head-major) scales / offsets and k_rope (None when absent).
+  ``view``: the cache (`fdecode.cache.layout.CacheView`: arrays as stored, canonical
+  head-major scales / offsets, int32 block tables), handed to each path as it is: every
+  kernel reads token-major caches in place (`_triton`, `_xla`, `_mosaic`: its supported
+  cases); the other Mosaic cases and the reference read its head-major view (a transpose
+  in this program, dropped when no lowered branch uses it).
   ``v`` None: the values are ``k[..., :v_head_dim]`` (MLA). ``sparse`` (`fdecode.kernels.common.sparse.Sparse`):
-  ``cache`` holds canonical ``indices`` / ``index_bounds`` and q row b' reads cache row
+  ``lists`` holds canonical ``indices`` / ``index_bounds`` (else empty) and q row b' reads cache row
   ``b' // sparse.fold``.
   ``mods`` / ``mod_arrays``: the score modifiers (`fdecode.kernels.common.modifiers.canonicalize`);
   ``sinks`` (f32 ``[Hq]`` or None) join the softmax once, after the merge.
@@ -111,25 +111,20 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   so exporting for TPU or CUDA from a CPU host embeds that platform's kernel.
   """
   b, t, hq, dk = q.shape
-  token_major = None
-  if kv_layout == "NHD":
-    paged = cache["block_tables"] is not None
-    token_major = (k, v, cache["k_rope"])
-    k, v, rope = (head_major(x, kv_layout, paged) for x in token_major)
-    cache = dict(cache, k_rope=rope)
-  hkv = k.shape[0] if cache["block_tables"] is not None else k.shape[1]
+  hm = view.head_major()  # built once, here, before the platform branches that may read it
+  hkv = view.kv_heads
   g = hq // hkv
   if impl == "reference":
-    tables = cache["block_tables"]
-    kf = _materialize(k, tables, cache["k_scale"], cache["k_offset"])
-    vf = kf[..., :v_head_dim] if v is None else _materialize(v, tables, cache["v_scale"], cache["v_offset"])
-    if cache["k_rope"] is not None:  # key-only columns after k's own
-      kf = jnp.concatenate([kf, _materialize(cache["k_rope"], tables)], axis=-1)
+    tables = hm.block_tables
+    kf = _materialize(hm.k, tables, hm.k_scale, hm.k_offset)
+    vf = kf[..., :v_head_dim] if hm.v is None else _materialize(hm.v, tables, hm.v_scale, hm.v_offset)
+    if hm.k_rope is not None:  # key-only columns after k's own
+      kf = jnp.concatenate([kf, _materialize(hm.k_rope, tables)], axis=-1)
     mask = mod_arrays["mask"]
     if sparse is not None:  # the selected positions as a mask, each pseudo-sequence's cache row
       src = jnp.arange(b) // sparse.fold
       kf, vf = kf[src], vf[src]
-      sel = sparse_lib.dense_mask(cache["indices"], kf.shape[2])  # [B', Hi, S]
+      sel = sparse_lib.dense_mask(lists["indices"], kf.shape[2])  # [B', Hi, S]
       mask = sel[:, :, None, None, :]  # canonical [B', Hi, 1, 1, S] ...
       if sel.shape[1] > 1:  # ... per kv head: the same list for its G query heads
         mask = jnp.broadcast_to(mask, (b, hkv, 1, g, sel.shape[2]))
@@ -141,10 +136,9 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
         alibi_slopes=None if alibi is None else alibi.reshape(-1), window=mods.window,
         logits_soft_cap=mods.soft_cap, sinks=sinks)
     return out.astype(q.dtype), lse
-  rope = cache["k_rope"]
-  cd = compute_dtype(q.dtype, k.dtype, None if v is None else v.dtype, None if rope is None else rope.dtype)
+  cd = compute_dtype(q.dtype, *(None if x is None else x.dtype for x in (view.k, view.v, view.k_rope)))
   kw = dict(num_tokens=t, softmax_scale=softmax_scale, cfg=cfg, mods=mods, v_head_dim=v_head_dim,
-            **cache, **mod_arrays)
+            **lists, **mod_arrays)
   if sparse is not None:
     kw["sparse"] = sparse
 
@@ -163,11 +157,10 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
       out, lse = apply_sinks(out, lse, sinks)
     return out.astype(q.dtype), lse
 
-  xla = lambda platform: finish(_xla(q_rows(), k, v, ends, platform=platform, token_major=token_major, **kw))
+  xla = lambda platform: finish(_xla(q_rows(), view, ends, platform=platform, **kw))
   # The Triton kernels finish the output themselves (split kernel, then combine).
-  triton = lambda interp: _triton(q, k, v, ends, interpret=interp, token_major=token_major, compute=cd,
-                                  sinks=sinks, **kw)
-  mosaic = lambda interp: finish(_mosaic(q_rows(), k, v, ends, interpret=interp, token_major=token_major, **kw))
+  triton = lambda interp: _triton(q, view, ends, interpret=interp, compute=cd, sinks=sinks, **kw)
+  mosaic = lambda interp: finish(_mosaic(q_rows(), view, ends, interpret=interp, **kw))
   if impl == "xla":  # explicitly asked for, on whatever host traces it
     return xla(jax.default_backend())
   if isinstance(interpret, pltpu.InterpretParams):
@@ -177,7 +170,7 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   # platform_dependent traces every branch and lowers only the target's. A shape Triton
   # cannot tile gets the XLA path on GPU, except that impl="pallas" traced on a GPU host
   # raises (the Triton plan names the shape) rather than silently not using Pallas.
-  if triton_supports(k, v, cache, v_head_dim) or (impl == "pallas" and jax.default_backend() == "gpu"):
+  if triton_supports(view, v_head_dim) or (impl == "pallas" and jax.default_backend() == "gpu"):
     gpu = lambda: triton(False)
   else:
     gpu = lambda: xla("gpu")
@@ -189,60 +182,51 @@ def decode(q, k, v, ends, cache, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   return lax.platform_dependent(cpu=_branch("cpu", cpu), cuda=gpu, rocm=gpu, tpu=_branch("tpu", lambda: mosaic(False)))
 
 
-_QUANT = ("k_scale", "k_offset", "v_scale", "v_offset")
-
-
-def seq_capacity(k, block_tables):
-  return k.shape[2] if block_tables is None else block_tables.shape[1] * k.shape[2]
-
-
-def _xla(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, platform, mods, token_major=None, **cache):
+def _xla(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, platform, mods, **extra):
   """The XLA path: its plan (`fdecode.kernels.xla.plan.make_plan`), then its kernel;
   token-major caches are read in place, chunk by chunk (`xla_partials`)."""
   b, hkv = q_rows.shape[:2]
-  tables = cache["block_tables"]
-  if "sparse" in cache:  # the K selected tokens, in chunks
-    p = xla_plan.make_plan(batch=b, kv_heads=hkv, tokens=cache["indices"].shape[-1], platform=platform,
+  if "sparse" in extra:  # the K selected tokens, in chunks
+    p = xla_plan.make_plan(batch=b, kv_heads=hkv, tokens=extra["indices"].shape[-1], platform=platform,
                            sparse=True, num_splits=cfg.num_splits)
     _note(p)
-    return sparse_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                           num_splits=p.num_splits, mods=mods, **cache)
-  s = window_tokens(seq_capacity(k, tables), num_tokens, mods, None if tables is None else k.shape[2])
+    hm = view.head_major()
+    return sparse_partials(q_rows, hm.k, hm.v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                           num_splits=p.num_splits, mods=mods, **hm.kernel_arrays(), **extra)
+  s = window_tokens(view.capacity, num_tokens, mods, view.page_size)
   p = xla_plan.make_plan(
-      batch=b, kv_heads=hkv, tokens=s, platform=platform, paged=tables is not None,
-      quantized=cache["k_scale"] is not None or cache["v_scale"] is not None,
-      kv_layout="HND" if token_major is None else "NHD", num_splits=cfg.num_splits,
-      token_bytes=b * hkv * k.shape[-1] * jnp.dtype(k.dtype).itemsize)  # K of one position, all sequences
+      batch=b, kv_heads=hkv, tokens=s, platform=platform, paged=view.paged,
+      quantized=view.k_scale is not None or view.v_scale is not None,
+      kv_layout=view.read_layout, num_splits=cfg.num_splits,
+      token_bytes=b * hkv * view.k.shape[-1] * jnp.dtype(view.k.dtype).itemsize)  # K of one position, all sequences
   _note(p)
-  k, v, cache = _as_read(k, v, cache, token_major, p.kv_layout)
-  return xla_partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                      num_splits=p.num_splits, mods=mods, kv_layout=p.kv_layout, **cache)
+  rv = view.read(p.kv_layout)
+  return xla_partials(q_rows, rv.k, rv.v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                      num_splits=p.num_splits, mods=mods, kv_layout=p.kv_layout, **rv.kernel_arrays(), **extra)
 
 
-def _triton(q, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, token_major, compute, sinks, mods,
-            v_head_dim, sparse=None, mask=None, bias=None, alibi=None, **cache):
+def _triton(q, view, ends, *, num_tokens, softmax_scale, cfg, interpret, compute, sinks, mods,
+            v_head_dim, sparse=None, mask=None, bias=None, alibi=None, **lists):
   """The Triton path: its plan (`fdecode.kernels.triton.plan`: sized to the GPU lowered
   for; interpreted, the same plan), then its kernels. Token-major caches are read in place."""
   del num_tokens  # q's shape carries it
-  layout = read_layout("HND" if token_major is None else "NHD", k.shape[0] if cache["block_tables"] is not None
-                       else k.shape[1])
-  k, v, cache = _as_read(k, v, cache, token_major, layout)
-  if not interpret and _hopper_mla_takes(q, k, v, cache, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg):
-    return _hopper_mla(q, k, ends, softmax_scale=softmax_scale, num_splits=cfg.num_splits)
-  indices = cache.get("indices")
-  p = triton_plan(q.shape, k, v, compute_dtype=compute, out_dtype=q.dtype, kv_layout=layout,
-                  block_tables=cache["block_tables"], k_rope=cache["k_rope"],
-                  **{n: cache[n] for n in _QUANT}, v_head_dim=v_head_dim, mods=mods,
+  rv = view.read(view.read_layout)
+  if not interpret and _hopper_mla_takes(q, rv, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg):
+    return _hopper_mla(q, rv.k, ends, softmax_scale=softmax_scale, num_splits=cfg.num_splits)
+  indices = lists.get("indices")
+  p = triton_plan(q.shape, rv.k, rv.v, compute_dtype=compute, out_dtype=q.dtype, kv_layout=rv.layout,
+                  block_tables=rv.block_tables, k_rope=rv.k_rope,
+                  **{n: getattr(rv, n) for n in QUANT_ARRAYS}, v_head_dim=v_head_dim, mods=mods,
                   has_mask_or_bias=mask is not None or bias is not None, has_sinks=sinks is not None,
                   index_slots=None if sparse is None else indices.shape[-1],
                   sparse_fold=1 if sparse is None else sparse.fold, num_splits=cfg.num_splits,
                   block_k=cfg.block_k, balance=cfg.balance, interpret=interpret)
   _note(p)
-  return triton_run(p, q, ends, k, v, softmax_scale=softmax_scale, mask=mask, bias=bias, alibi=alibi,
-                    sinks=sinks, sparse=sparse, **cache)
+  return triton_run(p, q, ends, rv.k, rv.v, softmax_scale=softmax_scale, mask=mask, bias=bias, alibi=alibi,
+                    sinks=sinks, sparse=sparse, **rv.kernel_arrays(), **lists)
 
 
-def _hopper_mla_takes(q, k, v, cache, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg) -> bool:
+def _hopper_mla_takes(q, view, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg) -> bool:
   """Whether the call goes to the Hopper MLA kernel (`fdecode.kernels.mosaic_gpu`): an
   sm_90 GPU lowered for, and a call it takes (bf16 MLA latents 576 / 512, one contiguous kv
   head, T = 1, G a multiple of 16, no scales, modifiers, sinks or index lists). Measured
@@ -250,11 +234,10 @@ def _hopper_mla_takes(q, k, v, cache, mods, sinks, sparse, v_head_dim, mask, bia
   if chips.lowering_gpu().capability != (9, 0) or cfg.balance:
     return False
   extras = (sinks is not None or sparse is not None or mask is not None or bias is not None
-            or alibi is not None or cache["k_rope"] is not None or not mods.plain)
+            or alibi is not None or view.k_rope is not None or not mods.plain)
   return mosaic_gpu.unsupported(
-      q_shape=q.shape, q_dtype=q.dtype, k_shape=k.shape, k_dtype=k.dtype, v_is_none=v is None,
-      v_head_dim=v_head_dim, paged=cache["block_tables"] is not None,
-      quantized=cache["k_scale"] is not None, modifiers=extras) is None
+      q_shape=q.shape, q_dtype=q.dtype, k_shape=view.k.shape, k_dtype=view.k.dtype, v_is_none=view.v is None,
+      v_head_dim=v_head_dim, paged=view.paged, quantized=view.k_scale is not None, modifiers=extras) is None
 
 
 def _hopper_mla(q, k, ends, *, softmax_scale, num_splits):
@@ -272,46 +255,41 @@ def _hopper_mla(q, k, ends, *, softmax_scale, num_splits):
   return out.reshape(b, t, g, dv), out_lse.reshape(b, t, g)
 
 
-def _as_read(k, v, cache, token_major, layout):
-  """The caches as a path reads them (``layout``, `fdecode.cache.layout.read_layout`):
-  token-major ones as stored (``token_major``: k, v, k_rope), else the head-major views."""
-  if layout == "HND":
-    return k, v, cache
-  k, v, rope = token_major
-  return k, v, dict(cache, k_rope=rope)
-
-
-def _mosaic(q_rows, k, v, ends, *, num_tokens, softmax_scale, cfg, interpret, token_major=None, **cache):
+def _mosaic(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, interpret, **extra):
   """The Mosaic path: its plan (`fdecode.kernels.mosaic_tpu.plan.make_plan`), then its kernel."""
-  p = mosaic_make_plan(q_rows, k, v, cache=cache, token_major=token_major, num_tokens=num_tokens,
-                       num_splits=cfg.num_splits, block_k=cfg.block_k)
+  p = mosaic_make_plan(q_rows, view, extra=extra, num_tokens=num_tokens, num_splits=cfg.num_splits,
+                       block_k=cfg.block_k)
   _note(p)
   if p.backend == "xla":
-    return _xla(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
-                platform="tpu", token_major=token_major, **cache)
+    return _xla(q_rows, view, ends, num_tokens=num_tokens, softmax_scale=softmax_scale, cfg=cfg,
+                platform="tpu", **extra)
   if p.upcast_query:  # Mosaic has no float16 vectors: a float16 query over another cache computes in float32
     q_rows = q_rows.astype(jnp.float32)
   kw = dict(num_tokens=num_tokens, softmax_scale=softmax_scale, interpret=interpret, num_splits=p.num_splits,
             plan=p.sizes)
   layout = {}
-  if p.read is not None:  # token-major caches read in place
-    k, v, rope = token_major
-    cache = dict(cache, k_rope=rope)
+  rv = view.head_major() if p.read is None else view  # token-major caches read in place, or head-major
+  k, v, arrays = rv.k, rv.v, rv.kernel_arrays()
+  if p.read is not None:
     layout = dict(kv_layout="NHD", head_axis=p.read.axis) if p.sparse else dict(kv_layout="NHD", read=p.read)
     if p.as_pool:  # a contiguous cache as the pool of whole pages
-      k, v, rope, quant, tables = mosaic_contiguous_as_pool(k, v, rope, tuple(cache[n] for n in _QUANT))
-      cache = dict(cache, k_rope=rope, block_tables=tables, **dict(zip(_QUANT, quant)))
+      k, v, rope, quant, tables = mosaic_contiguous_as_pool(k, v, rv.k_rope, tuple(arrays[n] for n in _QUANT))
+      arrays = dict(arrays, k_rope=rope, block_tables=tables, **dict(zip(_QUANT, quant)))
   if p.sparse:
-    return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, **kw, **layout, **cache)
-  return mosaic_partials(q_rows, ends, k, v, **kw, **layout, **cache)
+    return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, **kw, **layout, **arrays, **extra)
+  return mosaic_partials(q_rows, ends, k, v, **kw, **layout, **arrays, **extra)
 
 
-def triton_supports(k, v, cache, v_head_dim=None) -> bool:
+# The order `contiguous_as_pool` takes and returns the quantization arrays in.
+_QUANT = ("k_scale", "k_offset", "v_scale", "v_offset")
+
+
+def triton_supports(view, v_head_dim=None) -> bool:
   """Whether the compiled Triton kernel takes these shapes (see `triton_unsupported`)."""
   tiles = lambda sc: 1 if sc is None else sc.shape[-1]
-  rope = cache["k_rope"]
-  return triton_unsupported(k.shape[-1], v_head_dim if v is None else v.shape[-1], tiles(cache["k_scale"]),
-                            tiles(cache["v_scale"]), v_from_k=v is None,
+  rope, v = view.k_rope, view.v
+  return triton_unsupported(view.k.shape[-1], v_head_dim if v is None else v.shape[-1], tiles(view.k_scale),
+                            tiles(view.v_scale), v_from_k=v is None,
                             rope_dim=0 if rope is None else rope.shape[-1]) is None
 
 

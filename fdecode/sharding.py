@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from fdecode.api import flash_decode
-from fdecode.cache.layout import capacity, kv_head_axis, kv_heads, token_axis
+from fdecode.cache.layout import CacheView, kv_head_axis
 from fdecode.combine import apply_sinks, combine_across
 from fdecode.cache.meshes import host_values
 from fdecode.kernels.common.quant import canonical_scale
@@ -120,14 +120,14 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
                          for n, x in flash_decode_kwargs.items()}
   _flash_decode_checks(q, k, v, lengths, flash_decode_kwargs)
   tables = flash_decode_kwargs.get("block_tables")
-  kv_layout = flash_decode_kwargs.get("kv_layout", "HND")  # checked by flash_decode above
-  paged = tables is not None
-  hkv, s = kv_heads(k.shape, kv_layout, paged), capacity(k.shape, kv_layout, tables)
-  pool_pages = k.shape[token_axis(kv_layout) - 1] if paged else None
-  plan = _plan(q.shape, (q.shape[0], hkv, s), mesh=mesh, head_axis=head_axis, seq_axis=seq_axis,
-               batch_axis=batch_axis, pool_pages=pool_pages,
+  # The caches' layout, checked by flash_decode above: its view gives their geometry.
+  view = CacheView(k, v, block_tables=tables, layout=flash_decode_kwargs.get("kv_layout", "HND"),
+                   paged=tables is not None)
+  pool_pages = view.num_pages
+  plan = _plan(q.shape, (q.shape[0], view.kv_heads, view.capacity), mesh=mesh, head_axis=head_axis,
+               seq_axis=seq_axis, batch_axis=batch_axis, pool_pages=pool_pages,
                table_cols=0 if tables is None else np.shape(tables)[1], shapes_of=(q, k),
-               kv_layout=kv_layout)
+               kv_layout=view.layout)
   if tables is not None:
     _check_page_ownership(tables, lengths, pool_pages, plan)
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fdecode
-from fdecode.cache.layout import head_major
+from fdecode.cache.layout import CacheView, head_major
 from fdecode.devtools.compile_check import _HLO_BYTES
 from fdecode.config import XLA_CHUNK_TOKENS
 from fdecode.kernels.common.quant import dequantize, quantize
@@ -266,6 +266,39 @@ def test_errors_name_the_token_major_shapes():
     fdecode.flash_decode(q, k[0], v[0], jnp.array([40, 3]), kv_layout="NHD")
   with pytest.raises(ValueError, match="kv_layout must be one of"):
     fdecode.flash_decode(q, k, v, jnp.array([40, 3]), kv_layout="nhd")
+
+
+@pytest.mark.parametrize("hkv", [1, 4])
+def test_cache_view_geometry_and_read_rule(hkv):
+  """The view flash_decode builds once: token axis, capacity, kv heads, page size and the
+  read rule for HND / NHD x contiguous / paged; head-major shapes without a transpose;
+  the head-major view built once; a pytree whose layout and paging are static."""
+  b, s, ps, d = 2, 48, 16, 8
+  sds = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  tables = jax.ShapeDtypeStruct((b, s // ps), jnp.int32)
+  stored = {("HND", False): (b, hkv, s, d), ("NHD", False): (b, s, hkv, d),
+            ("HND", True): (hkv, b * s // ps, ps, d), ("NHD", True): (b * s // ps, ps, hkv, d)}
+  for (layout, paged), shape in stored.items():
+    view = CacheView.of(sds(shape), sds(shape), block_tables=tables if paged else None, kv_layout=layout)
+    case = (layout, paged, hkv)
+    assert (view.layout, view.paged, view.kv_heads, view.capacity) == (layout, paged, hkv, s), case
+    assert view.token_axis == (1 if layout == "NHD" else 2), case
+    assert shape[view.token_axis] == (ps if paged else s), case
+    assert (view.page_size, view.num_pages) == ((ps, b * s // ps) if paged else (None, None)), case
+    assert view.read_layout == ("NHD" if layout == "NHD" and hkv > 1 else "HND"), case
+    assert view.head_major_shapes()[0].shape == stored["HND", paged], case
+    hm = view.head_major()
+    assert hm.layout == "HND" and hm.k.shape == stored["HND", paged] and view.head_major() is hm, case
+    assert view.read(layout) is view and view.read("HND") is hm, case
+    leaves, tree = jax.tree_util.tree_flatten(view)
+    assert len(leaves) == (3 if paged else 2), case
+    assert jax.tree_util.tree_unflatten(tree, leaves).head_major_shapes() == view.head_major_shapes(), case
+  k = jnp.zeros((b, s, hkv))  # rank 3: the same error as before the view
+  with pytest.raises(ValueError, match=r"flash_decode: with kv_layout='NHD', k must be \[B, S, Hkv, D\]; "
+                                       r"got k.shape=\(2, 48, " + str(hkv) + r"\)"):
+    CacheView.of(k, k, kv_layout="NHD")
+  with pytest.raises(ValueError, match=r"kv_layout=.NHD., k must be \[B, S, Hkv, D\]"):
+    fdecode.flash_decode(jnp.zeros((b, hkv, d)), k, k, jnp.array([40, 3]), kv_layout="NHD")
 
 
 # An optimized-HLO instruction and its result: `%name = dtype[dims]{layout} opcode(`.

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from fdecode import config as config_lib
-from fdecode.cache.layout import read_layout
+from fdecode.cache.layout import CacheView, read_layout
 from fdecode.kernels.common.modifiers import Modifiers
 from fdecode.kernels.mosaic_tpu import plan as mosaic
 from fdecode.kernels.mosaic_tpu.token_major import TokenMajorRead
@@ -32,7 +32,7 @@ def test_xla_splits_follow_the_documented_rule(platform):
   units = config_lib.num_parallel_units(platform)
   for b, hkv, s, paged, quantized, layout, token_bytes in GRID:
     p = xla_plan(batch=b, kv_heads=hkv, tokens=s, platform=platform, paged=paged, quantized=quantized,
-                 kv_layout=layout, token_bytes=token_bytes)
+                 kv_layout=read_layout(layout, hkv), token_bytes=token_bytes)
     case = (b, hkv, s, paged, quantized, layout, token_bytes, p)
     assert p.kv_layout == read_layout(layout, hkv) and p.tokens == s, case
     heuristic = max(config_lib.default_num_splits(b, hkv, max(s, 1), units), s // CHUNK)
@@ -45,7 +45,7 @@ def test_xla_splits_follow_the_documented_rule(platform):
         floor = max(floor, s // TM_CHUNK)
       assert p.num_splits == max(floor, 1), case
     given = xla_plan(batch=b, kv_heads=hkv, tokens=s, platform=platform, paged=paged, quantized=quantized,
-                     kv_layout=layout, token_bytes=token_bytes, num_splits=7)
+                     kv_layout=read_layout(layout, hkv), token_bytes=token_bytes, num_splits=7)
     assert given.num_splits == 7, case
 
 
@@ -62,7 +62,7 @@ def sds(shape, dtype):
 
 def mosaic_call(*, b=2, hkv=2, s=256, page_size=None, dtype="bfloat16", layout="HND", q_dtype=None, slots=None,
                 num_splits=None, window=None, d=128, g=2):
-  """make_plan's arguments as the dispatch builds them: head-major views, token-major caches as stored."""
+  """make_plan's arguments as the dispatch builds them: the cache's view, the other operands."""
   paged = page_size is not None
   if paged:
     pages = b * s // page_size
@@ -71,14 +71,13 @@ def mosaic_call(*, b=2, hkv=2, s=256, page_size=None, dtype="bfloat16", layout="
     tables = sds((b, s // page_size), "int32")
   else:
     hm, tm, tables = (b, hkv, s, d), (b, s, hkv, d), None
-  k = sds(hm, dtype)
-  cache = dict(block_tables=tables, k_scale=None, k_offset=None, v_scale=None, v_offset=None, k_rope=None,
-               mods=Modifiers(window=window), mask=None, bias=None, alibi=None, v_head_dim=None)
+  k = sds(hm if layout == "HND" else tm, dtype)
+  view = CacheView(k, k, block_tables=tables, layout=layout, paged=paged)
+  extra = dict(mods=Modifiers(window=window), mask=None, bias=None, alibi=None, v_head_dim=None)
   if slots is not None:
-    cache.update(sparse=object(), indices=sds((b, hkv, slots), "int32"), index_bounds=None)
+    extra.update(sparse=object(), indices=sds((b, hkv, slots), "int32"), index_bounds=None)
   q_rows = sds((b, hkv, g, d), q_dtype or ("float32" if dtype == "int8" else dtype))
-  token_major = (sds(tm, dtype), sds(tm, dtype), None) if layout == "NHD" else None
-  return mosaic.make_plan(q_rows, k, k, cache=cache, token_major=token_major, num_tokens=1, num_splits=num_splits)
+  return mosaic.make_plan(q_rows, view, extra=extra, num_tokens=1, num_splits=num_splits)
 
 
 def test_mosaic_falls_back_to_xla():

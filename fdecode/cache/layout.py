@@ -30,14 +30,19 @@ How each path reads a token-major cache:
   caches take the XLA path (Mosaic has no float16 vectors).
 * The float32 reference reads the head-major copy.
 
-`head_major` is the one conversion, a transpose inside the same jit-compiled program
-(dropped when no lowered branch uses it). With one kv head (MQA, MLA latents) it is a
+`CacheView` is the layout resolved once: `fdecode.flash_decode` builds it from its
+arguments and hands it, unchanged, to the dispatch and from there to each path's plan and
+kernel. `head_major` is the one conversion (`CacheView.head_major`), a transpose inside
+the same jit-compiled program, built at most once (dropped when no lowered branch uses it). With one kv head (MQA, MLA latents) it is a
 free reshape, so every path reads such a cache as head-major, in place, whatever its
 dtype or kind. Cache *writes* (`fdecode.ragged`) go to the
 caller's layout in place.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -105,3 +110,123 @@ def shape_names(kv_layout: str, paged: bool, d: str = "D") -> str:
   if kv_layout == "NHD":
     return f"[P, page_size, Hkv, {d}]" if paged else f"[B, S, Hkv, {d}]"
   return f"[Hkv, P, page_size, {d}]" if paged else f"[B, Hkv, S, {d}]"
+
+
+# The arrays of a `CacheView`, its pytree children in this order.
+_ARRAYS = ("k", "v", "k_rope", "k_scale", "v_scale", "k_offset", "v_offset", "block_tables")
+QUANT_ARRAYS = ("k_scale", "v_scale", "k_offset", "v_offset")
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True, eq=False)
+class CacheView:
+  """One KV cache, its layout resolved: what every path reads, built once by the API.
+
+  A JAX pytree: the arrays are its children (arrays, tracers or `jax.ShapeDtypeStruct`
+  s), ``layout`` and ``paged`` its static data.
+
+  Attributes:
+    k: the key cache as stored, ``layout``: ``"HND"`` ``[B, Hkv, S, Dk]`` / paged
+      ``[Hkv, P, page_size, Dk]``, ``"NHD"`` ``[B, S, Hkv, Dk]`` / ``[P, page_size, Hkv, Dk]``.
+    v: the value cache as stored (``Dv``), or None (MLA: ``k[..., :v_head_dim]``).
+    k_rope: key-only columns ``Dr`` as stored, or None.
+    k_scale, v_scale, k_offset, v_offset: 8-bit dequantization, head-major whatever the
+      layout (the kernels read them so); canonical float32 rank 4 once `flash_decode` has
+      validated them (`fdecode.validation.validate_quant`), or None.
+    block_tables: int ``[B, n]`` (paged), else None.
+    layout: ``"HND"`` or ``"NHD"``.
+    paged: a pool read through ``block_tables``.
+  """
+  k: Any
+  v: Any = None
+  k_rope: Any = None
+  k_scale: Any = None
+  v_scale: Any = None
+  k_offset: Any = None
+  v_offset: Any = None
+  block_tables: Any = None
+  layout: str = "HND"
+  paged: bool = False
+
+  @classmethod
+  def of(cls, k, v, *, block_tables=None, k_rope=None, k_scale=None, v_scale=None, k_offset=None,
+         v_offset=None, kv_layout="HND", caller: str = "flash_decode") -> CacheView:
+    """The view of caches given in ``kv_layout`` (checked, with the caches' rank); scales
+    and offsets are taken to the head-major layout here, their one conversion."""
+    check_layout(kv_layout, caller)
+    paged = block_tables is not None
+    if kv_layout != "HND":
+      for name, x in (("k", k), ("v", v), ("k_rope", k_rope)):
+        if x is not None and np.ndim(x) != 4:
+          raise ValueError(f"{caller}: with kv_layout={kv_layout!r}, {name} must be "
+                           f"{shape_names(kv_layout, paged)}; got {name}.shape={tuple(np.shape(x))}")
+    quant = (head_major(x, kv_layout, paged) for x in (k_scale, v_scale, k_offset, v_offset))
+    return cls(k, v, k_rope, *quant, block_tables, kv_layout, paged)
+
+  def tree_flatten(self):
+    return tuple(getattr(self, n) for n in _ARRAYS), (self.layout, self.paged)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*children, *aux)
+
+  def with_arrays(self, **arrays) -> CacheView:
+    """The same cache with some arrays replaced by their canonical form (same layout)."""
+    return dataclasses.replace(self, **arrays)
+
+  @property
+  def token_axis(self) -> int:
+    """The axis of k that holds its tokens: S, or a pool's page_size."""
+    return token_axis(self.layout)
+
+  @property
+  def kv_heads(self) -> int:
+    """Hkv."""
+    return self.k.shape[kv_head_axis(self.layout, self.paged)]
+
+  @property
+  def page_size(self) -> int | None:
+    return self.k.shape[self.token_axis] if self.paged else None
+
+  @property
+  def num_pages(self) -> int | None:
+    """P, the pool's pages (paged), else None."""
+    return self.k.shape[self.token_axis - 1] if self.paged else None
+
+  @property
+  def capacity(self) -> int:
+    """S: tokens per sequence (paged: ``n * page_size``)."""
+    return capacity(self.k.shape, self.layout, self.block_tables)
+
+  @property
+  def read_layout(self) -> str:
+    """How the XLA and Triton paths read this cache (`read_layout`)."""
+    return read_layout(self.layout, self.kv_heads)
+
+  def head_major_shapes(self):
+    """(k, v, k_rope) head-major, as `jax.ShapeDtypeStruct` s (None stays None): for
+    checks, without building an array."""
+    shape_of = lambda x: None if x is None else jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+    return tuple(head_major(shape_of(x), self.layout, self.paged) for x in (self.k, self.v, self.k_rope))
+
+  def head_major(self) -> CacheView:
+    """The head-major view: this view if stored so, else its k, v and k_rope transposed
+    (`head_major`), built once per view. Inside a jit program, build it before any
+    `platform_dependent` branch reads it (a value made inside one branch cannot serve another)."""
+    if self.layout == "HND":
+      return self
+    view = self.__dict__.get("head_major_view")
+    if view is None:
+      k, v, rope = (head_major(x, self.layout, self.paged) for x in (self.k, self.v, self.k_rope))
+      view = dataclasses.replace(self, k=k, v=v, k_rope=rope, layout="HND")
+      object.__setattr__(self, "head_major_view", view)
+    return view
+
+  def read(self, layout: str) -> CacheView:
+    """The view a path reads in ``layout``: this one (token-major caches read in place) or
+    the head-major view."""
+    return self if layout == self.layout else self.head_major()
+
+  def kernel_arrays(self) -> dict:
+    """The keyword arrays the kernels take beside k and v: block_tables, k_rope, scales, offsets."""
+    return {n: getattr(self, n) for n in _ARRAYS[2:]}

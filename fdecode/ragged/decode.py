@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 
 from fdecode.api import flash_decode
-from fdecode.cache.layout import capacity, check_layout, token_axis
+from fdecode.cache.layout import CacheView, check_layout
 from fdecode.cache.write import scatter_keeping_sharding
 from fdecode.dispatch import forced_tpu_interpret
 from fdecode.ragged.checks import CALLER, PER_ROW, check_shapes, check_values
@@ -126,19 +126,19 @@ def ragged_decode(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *, kv_lay
   paged = block_tables is not None
   n_rows, m = check_shapes(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, new_k, new_v,
                            kv_layout, arrays)
-  ax = token_axis(kv_layout)
-  check_values(kv_lens, block_tables, cu_q_lens, num_seqs, n_rows, m, capacity(k.shape, kv_layout, block_tables),
-               num_pages=k.shape[ax - 1] if paged else None, page_size=k.shape[ax] if paged else None,
-               window=options.get("window"), writes=new_k is not None)
+  view = CacheView(k, v, block_tables=block_tables, layout=kv_layout, paged=paged)  # shapes checked above
+  check_values(kv_lens, block_tables, cu_q_lens, num_seqs, n_rows, m, view.capacity, num_pages=view.num_pages,
+               page_size=view.page_size, window=options.get("window"), writes=new_k is not None)
   return_lse = bool(options.pop("return_lse", False))
   if options.get("impl") == "pallas" and options.get("interpret") is None:
     # Resolved here, not at trace time: it keys the compiled step (as in flash_decode).
     options["interpret"] = forced_tpu_interpret()
   statics = tuple(sorted((n, _hashable(x)) for n, x in options.items()))
   try:
-    out, lse, k_out, v_out = _ragged(q, k, v, to_int32(kv_lens), None if not paged else to_int32(block_tables),
-                                     to_int32(cu_q_lens), to_int32(jnp.reshape(num_seqs, (-1,))[:1]),
-                                     new_k, new_v, arrays, kv_layout=kv_layout, statics=statics)
+    view = view.with_arrays(block_tables=None if not paged else to_int32(block_tables))
+    out, lse, k_out, v_out = _ragged(q, view, to_int32(kv_lens), to_int32(cu_q_lens),
+                                     to_int32(jnp.reshape(num_seqs, (-1,))[:1]), new_k, new_v, arrays,
+                                     statics=statics)
   except (ValueError, TypeError) as e:  # a flash_decode check: say whose call it was
     msg = str(e)
     if msg.startswith("flash_decode:"):
@@ -156,25 +156,26 @@ def _hashable(x):
   return tuple(x) if isinstance(x, list) else x
 
 
-@functools.partial(jax.jit, static_argnames=("kv_layout", "statics"))
-def _ragged(q, k, v, kv_lens, tables, cu, num_seqs, new_k, new_v, arrays, *, kv_layout, statics):
-  """The jit-compiled step: clip, write, decode part, prefill blocks."""
+@functools.partial(jax.jit, static_argnames=("statics",))
+def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
+  """The jit-compiled step: clip, write, decode part, prefill blocks. ``view``: the caches
+  (`fdecode.cache.layout.CacheView`: k, v in the caller's layout, int32 block tables)."""
   opts = dict(statics)
-  paged = tables is not None
+  k, v, tables, paged = view.k, view.v, view.block_tables, view.paged
   n_rows, m = q.shape[0], kv_lens.shape[0]
   dv = opts.get("v_head_dim") if v is None else v.shape[-1]
   out = jnp.zeros((n_rows, q.shape[1], dv), q.dtype)
   lse = jnp.full((n_rows, q.shape[1]), -jnp.inf, jnp.float32)
   if n_rows == 0 or m == 0:  # no row or no sequence: nothing to write or attend
     return out, lse, k, v
-  cu, lens, q_len, seq, pos = row_positions(kv_lens, cu, num_seqs, n_rows, capacity(k.shape, kv_layout, tables))
+  cu, lens, q_len, seq, pos = row_positions(kv_lens, cu, num_seqs, n_rows, view.capacity)
 
   if new_k is not None:
-    k, v = _write(k, v, new_k, new_v, tables, seq, pos, kv_layout=kv_layout)
+    k, v = _write(view, new_k, new_v, seq, pos)
 
   # The caches in the caller's layout: flash_decode reads token-major ones in place (`fdecode.cache.layout`).
   caches = dict(k=k, v=v, **{n: arrays.get(n) for n in ("k_rope", "k_scale", "v_scale", "k_offset", "v_offset")})
-  call = functools.partial(flash_decode, return_lse=True, kv_layout=kv_layout, **opts)
+  call = functools.partial(flash_decode, return_lse=True, kv_layout=view.layout, **opts)
   shared = {n: arrays[n] for n in ("alibi_slopes", "sinks") if n in arrays}
   per_row = lambda idx, shape: {n: _rows(arrays[n], idx, shape) for n in PER_ROW if n in arrays}
 
@@ -297,12 +298,12 @@ def _rows(x, idx, shape):
   return x[idx.reshape(-1)].reshape(shape + x.shape[1:])
 
 
-def _write(k, v, new_k, new_v, tables, seq, pos, *, kv_layout):
+def _write(view, new_k, new_v, seq, pos):
   """Scatters the new rows into the caches at (sequence, position) in their own layout;
   padding rows (pos -1) and positions without a page go out of range and are dropped."""
-  if tables is not None:
-    ax = token_axis(kv_layout)
-    ps, num_pages = k.shape[ax], k.shape[ax - 1]
+  k, v, tables, kv_layout = view.k, view.v, view.block_tables, view.layout
+  if view.paged:
+    ps, num_pages = view.page_size, view.num_pages
     j = jnp.clip(pos // ps, 0, tables.shape[1] - 1)
     page = tables[seq, j]
     page = jnp.where((pos >= 0) & (page >= 0) & (page < num_pages), page, num_pages)
@@ -314,7 +315,7 @@ def _write(k, v, new_k, new_v, tables, seq, pos, *, kv_layout):
       index = (slice(None), page, slot)
       put = lambda cache, new: scatter_keeping_sharding(cache, index, new.swapaxes(0, 1))
   else:
-    p = jnp.where(pos >= 0, pos, k.shape[token_axis(kv_layout)])
+    p = jnp.where(pos >= 0, pos, view.capacity)
     if kv_layout == "NHD":  # cache[seq, pos]: [N, Hkv, D]
       index = (seq, p)
     else:  # cache[seq, :, pos]: advanced indices split by a slice -> [N, Hkv, D]

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from fdecode import config as config_lib
+from fdecode.cache.layout import CacheView
 from fdecode.kernels.common.modifiers import Modifiers, window_tokens
 from fdecode.kernels.mosaic_tpu.token_major import contiguous_as_pool, token_major_read
 
@@ -36,6 +37,8 @@ MAX_HEAD_AXIS_VMEM_BYTES = 48 * 1024 * 1024
 _VREG_BYTES = 4096
 # Headroom above the computed footprint for Mosaic's internal scratch.
 _VMEM_HEADROOM = 4 * 1024 * 1024
+# The order `contiguous_as_pool` takes and returns the quantization arrays in.
+_QUANT = ("k_scale", "k_offset", "v_scale", "v_offset")
 
 
 def _sublanes(dtype) -> int:
@@ -204,53 +207,51 @@ def _struct(x):
   return None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def _as_hnd(x):
-  """A token-major cache's shape as the head-major pool `plan` sizes: ``[Hkv, ., ., D]``."""
-  return None if x is None else jax.ShapeDtypeStruct((x.shape[2], x.shape[0], x.shape[1], x.shape[3]), x.dtype)
-
-
-def make_plan(q_rows, k, v, *, cache: dict, token_major=None, num_tokens: int, num_splits: int | None = None,
+def make_plan(q_rows, view: CacheView, *, extra: dict, num_tokens: int, num_splits: int | None = None,
               block_k: int | None = None) -> CallPlan:
   """The plan of one Mosaic call (arrays or ShapeDtypeStructs): the read mode, the fallback
   to XLA, the block sizes and the split count, each decided here only.
 
-  ``q_rows`` ``[B, Hkv, R, Dk]``; ``k``, ``v`` and ``cache["k_rope"]`` head-major (views);
-  ``token_major``: (k, v, k_rope) as stored when the layout is ``"NHD"``, else None.
-  ``cache``: the dispatch's canonical operands (block_tables, scales / offsets, mods,
-  mask / bias / alibi, v_head_dim; sparse, indices, index_bounds for index lists).
+  ``q_rows`` ``[B, Hkv, R, Dk]``; ``view``: the cache (`fdecode.cache.layout.CacheView`),
+  token-major ones read in place where `token_major_read` says, else its head-major view.
+  ``extra``: the dispatch's other canonical operands (mods, mask / bias / alibi,
+  v_head_dim; sparse, indices, index_bounds for index lists).
   ``num_splits`` None: `config.default_num_splits` over the blocks the rows see, on one
   program per (sequence, kv heads of a program)."""
   b, hkv = q_rows.shape[:2]
-  tables = cache["block_tables"]
-  paged, sparse = tables is not None, "sparse" in cache
-  how = None if token_major is None else token_major_read(
-      *token_major, cache["k_scale"], cache["v_scale"], paged=paged, sparse=sparse)
-  float16_cache = any(x is not None and x.dtype == jnp.float16 for x in (k, v, cache["k_rope"]))
+  paged, sparse = view.paged, "sparse" in extra
+  how = None if view.layout == "HND" else token_major_read(
+      view.k, view.v, view.k_rope, view.k_scale, view.v_scale, paged=paged, sparse=sparse)
+  float16_cache = any(x is not None and x.dtype == jnp.float16 for x in (view.k, view.v, view.k_rope))
   upcast = q_rows.dtype == jnp.float16 and not float16_cache
   qs = jax.ShapeDtypeStruct(q_rows.shape, jnp.float32 if upcast else q_rows.dtype)
-  args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
-  slots = cache["indices"].shape[-1] if sparse else None
+  mods_etc = {n: x for n, x in extra.items() if n not in ("sparse", "indices", "index_bounds")}
+  slots = extra["indices"].shape[-1] if sparse else None
   as_pool, p = False, None
   if how is not None:  # token-major caches read in place
-    k_tm, v_tm, rope_tm = token_major
+    read = view
+    if sparse and not paged:  # `plan` sizes pools: a contiguous [B, S, Hkv, D] as B pages of S tokens
+      read = dataclasses.replace(view, paged=True)
+    elif not paged:  # by the paged kernel: a contiguous cache as the pool of whole pages
+      as_pool = True
+      quant = tuple(_struct(getattr(view, n)) for n in _QUANT)
+      k, v, rope, quant, pool_tables = jax.eval_shape(
+          contiguous_as_pool, _struct(view.k), _struct(view.v), _struct(view.k_rope), quant)
+      read = CacheView(k, v, rope, block_tables=pool_tables, layout=view.layout, paged=True,
+                       **dict(zip(_QUANT, quant)))
+    k, v, rope = read.head_major_shapes()  # the head-major pool `plan` sizes
+    args = dict(mods_etc, **dict(read.kernel_arrays(), k_rope=rope))
     if sparse:  # each listed token's heads DMA'd
-      unit = 1 if how.axis else dma_unit(*token_major)
-      p = plan(qs, _as_hnd(k_tm), _as_hnd(v_tm), block_k=block_k, num_slots=slots, slot_rows=unit,
-               head_axis=how.axis, **dict(args, k_rope=_as_hnd(rope_tm)))
-    else:  # by the paged kernel; a contiguous cache as the pool of whole pages
-      if not paged:
-        as_pool = True
-        quant = tuple(_struct(args[n]) for n in ("k_scale", "k_offset", "v_scale", "v_offset"))
-        k_tm, v_tm, rope_tm, quant, pool_tables = jax.eval_shape(
-            contiguous_as_pool, _struct(k_tm), _struct(v_tm), _struct(rope_tm), quant)
-        args = dict(args, block_tables=pool_tables, **dict(zip(("k_scale", "k_offset", "v_scale", "v_offset"), quant)))
-      p = plan(qs, _as_hnd(k_tm), _as_hnd(v_tm), block_k=block_k, kv_heads_per_program=how.heads,
-               head_axis=how.axis, **dict(args, k_rope=_as_hnd(rope_tm)))
+      unit = 1 if how.axis else dma_unit(view.k, view.v, view.k_rope)
+      p = plan(qs, k, v, block_k=block_k, num_slots=slots, slot_rows=unit, head_axis=how.axis, **args)
+    else:
+      p = plan(qs, k, v, block_k=block_k, kv_heads_per_program=how.heads, head_axis=how.axis, **args)
     if how.axis and p.vmem_bytes > MAX_HEAD_AXIS_VMEM_BYTES:
       how, p, as_pool = None, None, False  # (many heads of large pages) a head-major copy instead
-      args = {n: x for n, x in cache.items() if n not in ("sparse", "indices", "index_bounds")}
   if how is None:
-    unit = dma_unit(k, v, cache["k_rope"])
+    k, v, rope = view.head_major_shapes()
+    args = dict(mods_etc, **dict(view.kernel_arrays(), k_rope=rope))
+    unit = dma_unit(k, v, rope)
     if float16_cache or ((sparse or paged) and k.shape[2] % unit):
       return CallPlan("xla")
     if sparse:  # blocks of index-list slots, each token DMA'd on its own
@@ -260,8 +261,7 @@ def make_plan(q_rows, k, v, *, cache: dict, token_major=None, num_tokens: int, n
   if sparse:
     seen, programs = slots, hkv
   else:
-    capacity = k.shape[2] if tables is None else tables.shape[1] * k.shape[2]
-    seen, programs = window_tokens(capacity, num_tokens, cache["mods"]), hkv // (1 if how is None else how.heads)
+    seen, programs = window_tokens(view.capacity, num_tokens, extra["mods"]), hkv // (1 if how is None else how.heads)
   splits = num_splits or config_lib.default_num_splits(
       b, programs, max(-(-seen // p.block), 1), config_lib.num_parallel_units("tpu"))
   return CallPlan("mosaic", sparse=sparse, read=how, as_pool=as_pool, sizes=p, num_splits=splits,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 from fdecode import config as config_lib
-from fdecode.cache.layout import read_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +30,8 @@ def make_plan(*, batch: int, kv_heads: int, tokens: int, platform: str, paged: b
   """The plan of one XLA call.
 
   ``tokens``: S the rows see (`fdecode.kernels.common.modifiers.window_tokens`), or with
-  ``sparse`` the K index-list slots. ``kv_layout``: as stored (`fdecode.cache.layout.read_layout`
-  decides the read). ``token_bytes``: K bytes of one position over all sequences. ``num_splits``: the
+  ``sparse`` the K index-list slots. ``kv_layout``: how the cache is read, as its view
+  decided (`fdecode.cache.layout.CacheView.read_layout`). ``token_bytes``: K bytes of one position over all sequences. ``num_splits``: the
   caller's count (kept as given), None for the heuristic:
 
   * sparse: chunks of about `config.XLA_CHUNK_TOKENS` slots.
@@ -45,7 +44,7 @@ def make_plan(*, batch: int, kv_heads: int, tokens: int, platform: str, paged: b
     `config.XLA_CHUNK_BYTES`, and a contiguous token-major read's chunks are smaller
     still (`config.XLA_TOKEN_MAJOR_CHUNK_TOKENS`: each is transposed as it loads).
   """
-  layout = read_layout(kv_layout, kv_heads)
+  layout = kv_layout
   if sparse:
     return XlaPlan(num_splits or max(1, tokens // config_lib.XLA_CHUNK_TOKENS), layout, tokens)
   if num_splits:
