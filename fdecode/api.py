@@ -188,8 +188,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   except ValueError as e:
     if view.layout == "HND":
       raise
-    given = ", ".join(f"{n}.shape={tuple(np.shape(x))}" for n, x in zip(("k", "v", "k_rope"), (view.k, view.v, view.k_rope))
-                      if x is not None)
+    stored = zip(("k", "v", "k_rope"), (view.k, view.v, view.k_rope))
+    given = ", ".join(f"{n}.shape={tuple(np.shape(x))}" for n, x in stored if x is not None)
     raise ValueError(f"{e} (cache shapes shown head-major; with kv_layout={view.layout!r} the caches "
                      f"given are {given})") from None
   if impl is not None and impl not in IMPLS:

@@ -2,14 +2,8 @@
 
 import os
 
-# Set before JAX initializes: eight simulated CPU devices for the multi-device tests, and
-# XLA:CPU's LLVM backend at -O0 unless the caller chose a level. The CPU tier proves
-# semantics on small arrays: LLVM's optimizations took a third of its time compiling
-# programs that then run in microseconds (the HLO passes, fusion included, are unchanged).
-_flags = os.environ.get("XLA_FLAGS", "")
-if "xla_backend_optimization_level" not in _flags:
-  _flags += " --xla_backend_optimization_level=0"
-os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+# Eight simulated CPU devices for the multi-device tests; set before JAX initializes.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import contextlib
 import gc

@@ -33,10 +33,10 @@ How each path reads a token-major cache:
 `CacheView` is the layout resolved once: `fdecode.flash_decode` builds it from its
 arguments and hands it, unchanged, to the dispatch and from there to each path's plan and
 kernel. `head_major` is the one conversion (`CacheView.head_major`), a transpose inside
-the same jit-compiled program, built at most once (dropped when no lowered branch uses it). With one kv head (MQA, MLA latents) it is a
-free reshape, so every path reads such a cache as head-major, in place, whatever its
-dtype or kind. Cache *writes* (`fdecode.ragged`) go to the
-caller's layout in place.
+the same jit-compiled program, built at most once (dropped when no lowered branch uses
+it). With one kv head (MQA, MLA latents) it is a free reshape, so every path reads such a
+cache as head-major, in place, whatever its dtype or kind. Cache *writes*
+(`fdecode.ragged`) go to the caller's layout in place.
 """
 
 from __future__ import annotations
