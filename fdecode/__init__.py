@@ -9,11 +9,10 @@ import warnings
 from fdecode.api import flash_decode, plan
 from fdecode.cascade import cascade_decode
 from fdecode.combine import apply_sinks, combine_across, merge_states
-from fdecode.config import Config
 from fdecode.ragged import ragged_decode
 from fdecode.sharding import sharded_flash_decode
 
-__all__ = ["Config", "apply_sinks", "cascade_decode", "combine_across", "flash_decode", "merge_states", "plan", "ragged_decode", "sharded_flash_decode"]
+__all__ = ["apply_sinks", "cascade_decode", "combine_across", "flash_decode", "merge_states", "plan", "ragged_decode", "sharded_flash_decode"]
 __version__ = "0.1.0"
 
 # Old import paths (before issue 33's folders) -> the modules that hold their names now. They keep
@@ -67,3 +66,14 @@ class MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 if not any(isinstance(f, MovedModules) for f in sys.meta_path):
   sys.meta_path.insert(0, MovedModules())  # first: it answers only the old names of MOVED
+
+
+def __getattr__(name):
+  """``fdecode.Config`` (no public function takes it; issue 33) for one release, with a warning."""
+  if name == "Config":
+    warnings.warn("fdecode.Config leaves the public API in the next release: no public function takes it. "
+                  "Pass num_splits / block_k to flash_decode; fdecode.plan(...) shows what a call decides. "
+                  "It stays importable as fdecode.config.Config", DeprecationWarning, stacklevel=2)
+    from fdecode.config import Config  # pylint: disable=g-import-not-at-top
+    return Config
+  raise AttributeError(f"module 'fdecode' has no attribute {name!r}")

@@ -43,6 +43,17 @@ def test_every_old_path_resolves(monkeypatch, old):
     assert all(getattr(module, n) is getattr(new, n) for n in names), (old, target)
 
 
+def test_config_left_the_public_api():
+  """No public function takes a Config (issue 33): it is out of ``__all__``, and
+  ``fdecode.Config`` still answers for one release, with a warning."""
+  from fdecode.config import Config
+  assert "Config" not in fdecode.__all__
+  with pytest.deprecated_call(match="fdecode.Config leaves the public API"):
+    assert fdecode.Config is Config
+  with pytest.raises(AttributeError, match="no attribute 'Konfig'"):
+    fdecode.Konfig  # pylint: disable=pointless-statement
+
+
 def test_import_fdecode_stays_cheap():
   heavy = ("flax", "fdecode.decoding", "fdecode.models", "fdecode.cli", "fdecode.devtools")
   code = ("import sys, fdecode; "
