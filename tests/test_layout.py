@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fdecode
-from fdecode.cache.layout import CacheView, head_major
+from fdecode.cache.layout import QUANT_ARRAYS, CacheView, head_major
 from fdecode.devtools.compile_check import _HLO_BYTES
 from fdecode.config import XLA_CHUNK_TOKENS
 from fdecode.kernels.common.quant import dequantize, quantize
@@ -35,9 +35,6 @@ def both_layouts(q, k, v, lengths, *, paged=False, k_rope=None, k_scale=None, v_
   quant = dict(k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset)
   hm = fdecode.flash_decode(q, k, v, lengths, k_rope=k_rope, **quant, return_lse=True, **kw)
   return hm, token_major_call(q, k, v, lengths, paged=paged, k_rope=k_rope, **quant, **kw)
-
-
-QUANT_ARRAYS = ("k_scale", "v_scale", "k_offset", "v_offset")
 
 
 def token_major_call(q, k, v, lengths, *, paged, k_rope=None, **kw):
