@@ -5,8 +5,10 @@ warps, splits or the balanced schedule, and whether one kernel finishes the outp
 `run` takes that plan as it is and launches the split kernel
 (`fdecode.kernels.triton.kernel`) and, with several splits, the combine kernel
 (`fdecode.kernels.triton.combine`): at most two kernels a call, nothing around them but
-free reshapes (a contiguous cache shorter than one block is padded). ``interpret=True`` runs the same plan in Pallas'
-interpreter.
+free reshapes (a contiguous cache shorter than one block is padded). The balanced schedule
+adds its work list, computed in XLA from the lengths (a few fusions of ``[B]`` / ``[items]``
+integers); its items read q and the block table in place and the combine kernel merges
+them. ``interpret=True`` runs the same plan in Pallas' interpreter.
 """
 
 from __future__ import annotations

@@ -10,9 +10,11 @@ splits and blocks past it do no work and load nothing.
 
 Queries are read in place from ``q [B, T * Hq, Dq]`` (row r = t * G + g of kv head h is
 q row ``t * Hq + h * G + g``), cast to the compute dtype in the kernel; rows past R load a
-real row and see nothing. Outputs: with one split (``plan.final``) the kernel writes the
-finished output ``[B, T * Hq, Dv]`` in the output dtype and the lse ``[B, T * Hq]``
-(sinks applied), its stores masked to the real rows; otherwise partial states
+real row and see nothing. A balanced work item reads its sequence's rows (``work[2]``) of
+the whole ``q [B * T * Hq, Dq]`` and of the whole block table ``[B * n]``. Outputs: with
+one split (``plan.final``) the kernel writes the finished output ``[B, T * Hq, Dv]`` in the
+output dtype and the lse ``[B, T * Hq]`` (sinks applied), its stores masked to the real
+rows; otherwise partial states
 ``[B, Hkv, R_p, n_splits, Dv]`` / ``[B, Hkv, R_p, n_splits]`` for the combine kernel.
 
 How blocks are read (always in place: no per-call copy or transpose of the cache):
