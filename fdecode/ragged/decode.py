@@ -164,7 +164,7 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   k, v, tables, paged = view.k, view.v, view.block_tables, view.paged
   n_rows, m = q.shape[0], kv_lens.shape[0]
   dv = opts.get("v_head_dim") if v is None else v.shape[-1]
-  hq, rows = q.shape[1], jnp.arange(n_rows, dtype=jnp.int32)
+  hq = q.shape[1]
   if n_rows == 0 or m == 0:  # no row or no sequence: nothing to write or attend
     return jnp.zeros((n_rows, hq, dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32), k, v
   cu, lens, q_len, seq, pos = row_positions(kv_lens, cu, num_seqs, n_rows, view.capacity)
@@ -235,10 +235,7 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     none = lambda: (jnp.zeros((num_blocks, tb, hq, dv), q.dtype),
                     jnp.full((num_blocks, tb, hq), -jnp.inf, jnp.float32))
     o, l = lax.cond(ends[-1] > 0, run, none)
-    # Row r of sequence s (not its last) is row t of its block jj, counted back from the end.
-    jj = (cu[seq + 1] - 2 - rows) // tb
-    j = jnp.clip(ends[seq] - nb[seq] + jj, 0, num_blocks - 1)
-    t = jnp.clip(rows - (cu[seq + 1] - 1 - (jj + 1) * tb), 0, tb - 1)
+    j, t = _block_rows(cu, seq, ends - nb, tb, num_blocks)
     return o[j, t], l[j, t]
 
   if not paged or opts.get("impl") in ("xla", "reference"):
@@ -247,14 +244,32 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     pre_o, pre_l = batched()
   else:  # impl=None: the XLA path on CPU reads every block's whole table, so it loops
     pre_o, pre_l = lax.platform_dependent(cpu=looped, default=batched)
-  # Each row from its source, gathered (no zeroed output scattered into): its sequence's
-  # decode (its last row), its prefill block's row, or none (padding: out 0, lse -inf).
-  owned = pos >= 0
-  last_row = owned & (rows == cu[seq + 1] - 1)
-  prefill_row = owned & ~last_row
-  out = jnp.where(last_row[:, None, None], dec_o[seq, 0], jnp.where(prefill_row[:, None, None], pre_o, 0))
-  lse = jnp.where(last_row[:, None], dec_l[seq, 0], jnp.where(prefill_row[:, None], pre_l, -jnp.inf))
+  out, lse = _gather_rows(cu, seq, pos, (dec_o[:, 0], dec_l[:, 0]), (pre_o, pre_l))
   return out, lse, k, v
+
+
+def _block_rows(cu, seq, first_block, tb: int, num_blocks: int):
+  """Each row's prefill block and row in it, ``(j, t)`` int32 ``[N]``: row r of sequence s
+  (not its last) is row t of the sequence's block jj, counted back from its last row.
+  ``first_block``: ``[M]`` each sequence's first block. Clipped for the gather (the last
+  rows and padding rows read some block's row, selected away by `_gather_rows`)."""
+  rows = jnp.arange(seq.shape[0], dtype=jnp.int32)
+  jj = (cu[seq + 1] - 2 - rows) // tb
+  j = jnp.clip(first_block[seq] + jj, 0, num_blocks - 1)
+  return j, jnp.clip(rows - (cu[seq + 1] - 1 - (jj + 1) * tb), 0, tb - 1)
+
+
+def _gather_rows(cu, seq, pos, decode, prefill):
+  """The step's ``(out [N, Hq, Dv], lse [N, Hq])``, each row from its source (gathered, not
+  scattered into a zeroed output): its sequence's decode state (``decode``: ``[M, ...]``)
+  at its last row, its prefill block's row (``prefill``: ``[N, ...]``, row-aligned) at
+  the others, none at padding rows (``pos`` -1: out 0, lse -inf)."""
+  rows = jnp.arange(seq.shape[0], dtype=jnp.int32)
+  last_row = (pos >= 0) & (rows == cu[seq + 1] - 1)
+  prefill_row = (pos >= 0) & ~last_row
+  pick = lambda sel, x: sel.reshape(sel.shape + (1,) * (x.ndim - 1))
+  return tuple(jnp.where(pick(last_row, d), d[seq], jnp.where(pick(prefill_row, p), p, empty))
+               for d, p, empty in zip(decode, prefill, (0, -jnp.inf)))
 
 
 def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):
