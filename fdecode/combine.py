@@ -49,8 +49,9 @@ def merge_segments(o: jnp.ndarray, lse: jnp.ndarray, segments: jnp.ndarray, num_
   """`merge_states` of the parts that share a segment id: parts ``[n, ...]`` ->
   ``[num_segments, ...]``, the same semantics (empty segment: o = 0, lse = -inf; NaN
   propagates; +inf takes all the weight). ``segments``: int ``[n]``; a part whose id is
-  outside ``[0, num_segments)`` is dropped (whatever it holds). The Triton kernel's
-  balanced schedule merges its work items so (`fdecode.kernels.triton`)."""
+  outside ``[0, num_segments)`` is dropped (whatever it holds). The Triton combine
+  kernel merges the balanced schedule's work items the same way, in one launch
+  (`fdecode.kernels.triton.combine`, ``segmented``)."""
   if o.shape[:-1] != lse.shape or segments.shape != lse.shape[:1]:
     raise ValueError(f"merge_segments: need o [n, ..., D], lse [n, ...], segments [n]; got "
                      f"{o.shape=} {lse.shape=} {segments.shape=}")

@@ -95,7 +95,7 @@ def test_kv_offset_per_sequence_and_errors():
 
 
 def test_merge_segments_is_merge_states_per_segment():
-  """`merge_segments` (the Triton kernel's balanced schedule merges its work items so):
+  """`merge_segments` (the Triton combine kernel merges the balanced schedule's items so):
   each segment's parts give `merge_states` of them (within float32 reordering), with its semantics for empty
   parts, a NaN lse or o, and +inf; a segment with no part is (0, -inf); parts whose id
   is out of range are dropped, NaN and all."""
@@ -118,3 +118,31 @@ def test_merge_segments_is_merge_states_per_segment():
     assert np.isneginf(np.asarray(out_lse[seg])).all()
   with pytest.raises(ValueError, match="merge_segments"):
     merge_segments(o, lse, segments[:3], 5)
+
+
+def test_segmented_combine_kernel_is_merge_segments():
+  """The Triton combine kernel, segmented (the balanced schedule's merge, interpreted): each
+  sequence merges the items whose id is its own, as `merge_segments` does (empty parts,
+  NaN lse or o, +inf; a sequence with no item gives 0, -inf; an empty item's id B is no
+  one's), then joins the sinks and lays the rows out as ``[B, T * Hq, Dv]``."""
+  from fdecode.combine import apply_sinks, merge_segments
+  from fdecode.kernels.triton import CombinePlan, combine
+  n, hkv, t, g, dv, b = 9, 2, 2, 2, 8, 5
+  r = t * g
+  o = jax.random.normal(jax.random.key(3), (n, hkv, r, 1, dv))
+  lse = jax.random.normal(jax.random.key(4), (n, hkv, r, 1))
+  lse = lse.at[1, 0, 0].set(-jnp.inf).at[3, 1, 2].set(jnp.nan).at[5, 0, 1].set(jnp.inf)
+  o = o.at[6, 1, 3].set(jnp.nan).at[8].set(jnp.nan)
+  lse = lse.at[8].set(jnp.nan)
+  segments = jnp.array([0, 0, 2, 2, 2, 4, 4, 4, b], jnp.int32)  # 1, 3: no item; item 8 empty (id B)
+  sinks = jnp.linspace(-1.0, 1.0, hkv * g)
+  plan = CombinePlan(num_splits=n, width=4, num_tokens=t, group=g, hq=hkv * g, dv=dv, out_dtype="float32",
+                     interpret=True, segmented=True)
+  out, out_lse = combine(plan, o, lse, sinks, segments=segments, batch=b)
+  want, want_lse = merge_segments(o[:, :, :, 0], lse[:, :, :, 0], segments, b)  # [B, Hkv, R, Dv]
+  want = want.reshape(b, hkv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, hkv * g, dv)
+  want_lse = want_lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hkv * g)
+  want, want_lse = apply_sinks(want, want_lse, sinks)
+  assert_reordered(out.reshape(b, t, hkv * g, dv), want, terms=3, scale=max_abs(o), what="o")
+  assert_reordered(out_lse.reshape(b, t, hkv * g), want_lse, terms=3, scale=max(1.0, max_abs(want_lse)),
+                   what="lse")

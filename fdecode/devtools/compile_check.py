@@ -114,14 +114,41 @@ def ptxas_path() -> str:
 _THUNK = re.compile(r"(\S+) grid: \[(\d+), (\d+), (\d+)\] threads: \[(\d+), (\d+), (\d+)\]\s+shared_memory: (\d+) bytes")
 
 
-_THUNK_LINE = re.compile(r"^\d+: k\w+")
+_THUNK_LINE = re.compile(r"^( *)\d+: (k\w+)")
+_BRANCH_LINE = re.compile(r"^( *)\w+:\s*$")
+_CONTAINERS = ("kConditional", "kWhile")
 
 
 def gpu_launches(dump_dir: str) -> int:
   """Launches in a GPU dump's thunk sequence: every thunk (a kernel, fdecode's or XLA's, a
-  custom call such as a Mosaic GPU kernel, a copy or a memset)."""
-  return sum(1 for path in glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt"))
-             for line in open(path) if _THUNK_LINE.match(line))
+  custom call such as a Mosaic GPU kernel, a copy or a memset). A conditional counts as
+  itself plus its longest branch (the thunks nested under it, which a step that takes
+  that branch launches); a while loop as itself plus one pass of its thunks."""
+  return sum(thunk_launches(open(path).read().splitlines())
+             for path in glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt")))
+
+
+def thunk_launches(lines: list[str]) -> int:
+  """`gpu_launches` of one thunk sequence's lines (nested branches indented under their
+  container, each under a ``name:`` header)."""
+  def block(i, indent):  # -> (launches of the thunks at ``indent`` from line i, next line)
+    total = 0
+    while i < len(lines):
+      thunk, header = _THUNK_LINE.match(lines[i]), _BRANCH_LINE.match(lines[i])
+      if thunk and len(thunk.group(1)) < indent or header and len(header.group(1)) < indent:
+        break
+      i += 1
+      if not thunk:
+        continue
+      total += 1
+      branches = []
+      while i < len(lines) and (h := _BRANCH_LINE.match(lines[i])) and len(h.group(1)) > indent:
+        n, i = block(i + 1, len(h.group(1)) + 1)
+        branches.append(n)
+      if thunk.group(2) in _CONTAINERS:
+        total += sum(branches) if thunk.group(2) == "kWhile" else max(branches, default=0)
+    return total, i
+  return block(0, 0)[0]
 
 
 _NOT_LAUNCHES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",

@@ -164,10 +164,9 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   k, v, tables, paged = view.k, view.v, view.block_tables, view.paged
   n_rows, m = q.shape[0], kv_lens.shape[0]
   dv = opts.get("v_head_dim") if v is None else v.shape[-1]
-  out = jnp.zeros((n_rows, q.shape[1], dv), q.dtype)
-  lse = jnp.full((n_rows, q.shape[1]), -jnp.inf, jnp.float32)
+  hq = q.shape[1]
   if n_rows == 0 or m == 0:  # no row or no sequence: nothing to write or attend
-    return out, lse, k, v
+    return jnp.zeros((n_rows, hq, dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32), k, v
   cu, lens, q_len, seq, pos = row_positions(kv_lens, cu, num_seqs, n_rows, view.capacity)
 
   if new_k is not None:
@@ -182,17 +181,13 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   # Decode part: each live sequence's last new token, over the caches in place.
   has = q_len > 0
   last = jnp.clip(cu[1:] - 1, 0, n_rows - 1)
-  o, l = call(q[last][:, None], caches["k"], caches["v"], jnp.where(has, lens, 0), block_tables=tables,
-              **_cache_opts(caches), **shared, **per_row(last, (m, 1)))
-  dest = jnp.where(has, last, n_rows)  # n_rows: dropped
-  out = out.at[dest].set(o[:, 0], mode="drop")
-  lse = lse.at[dest].set(l[:, 0], mode="drop")
+  dec_o, dec_l = call(q[last][:, None], caches["k"], caches["v"], jnp.where(has, lens, 0), block_tables=tables,
+                      **_cache_opts(caches), **shared, **per_row(last, (m, 1)))
 
   # Prefill part: the other new tokens, in blocks of tb rows of one sequence.
   tb = min(QUERY_BLOCK, n_rows)
   nb = -(-jnp.maximum(q_len - 1, 0) // tb)  # blocks per sequence
   ends = jnp.cumsum(nb)
-  offs = jnp.arange(tb, dtype=jnp.int32)
 
   def geometry(j):
     """Block(s) ``j`` (int32 scalar or ``[J]``): sequence, rows ``[..., tb]`` (clipped for
@@ -202,7 +197,7 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     jj = j - (ends[s] - nb[s])
     live = j < ends[-1]
     hi = cu[s + 1] - 1 - jj * tb  # rows [hi - tb, hi); those before cu[s] are not this sequence's
-    blk = hi[..., None] - tb + offs
+    blk = hi[..., None] - tb + jnp.arange(tb, dtype=jnp.int32)  # made here: not an operand of the cond
     dest = jnp.where(live[..., None] & (blk >= cu[s][..., None]), blk, n_rows)
     return s, jnp.clip(blk, 0, n_rows - 1), jnp.where(live, lens[s] - 1 - jj * tb, 0), dest
 
@@ -211,7 +206,7 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     return (out.at[dest].set(o.reshape(dest.shape[0], *o.shape[-2:]), mode="drop"),
             lse.at[dest].set(l.reshape(dest.shape[0], -1), mode="drop"))
 
-  def looped():  # one flash_decode per real block: nothing runs for padding or decodes
+  def looped():  # one flash_decode per real block, scattered to its rows: nothing runs for padding or decodes
     def block(j, carry):
       s, idx, length, dest = geometry(j)
       seq_cache = _sequence_cache(caches, s, paged)
@@ -219,7 +214,8 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
                   block_tables=None if not paged else lax.dynamic_slice_in_dim(tables, s, 1, 0),
                   **_cache_opts(seq_cache), **shared, **per_row(idx, (1, tb)))
       return put(*carry, dest, o, l)
-    return lax.fori_loop(0, ends[-1], block, (out, lse))
+    empty = (jnp.zeros((n_rows, hq, dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32))
+    return lax.fori_loop(0, ends[-1], block, empty)
 
   def batched():  # every block in one flash_decode call (one kernel launch), paged caches
     # At most ceil(N / tb) + min(M, N // 2) blocks: a block per tb rows, plus one partial
@@ -227,23 +223,53 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     # length 0, which the Pallas kernels skip (no KV block is read).
     # A step of decodes only has no block: the call (its q gather, partials and merge,
     # for every padding block) is skipped.
-    def run(out, lse):
-      s, idx, length, dest = geometry(jnp.arange(-(-n_rows // tb) + min(m, n_rows // 2), dtype=jnp.int32))
+    num_blocks = -(-n_rows // tb) + min(m, n_rows // 2)
+
+    def run():
+      s, idx, length, _ = geometry(jnp.arange(num_blocks, dtype=jnp.int32))
       # num_splits "balance": the Triton kernel deals the real blocks' keys over a grid
       # that fills the GPU, whichever blocks are real (`fdecode.kernels.triton`).
-      o, l = call(q[idx], caches["k"], caches["v"], length, block_tables=tables[s],
+      return call(q[idx], caches["k"], caches["v"], length, block_tables=tables[s],
                   num_splits=opts.get("num_splits") or "balance",
                   **_cache_opts(caches), **shared, **per_row(idx, idx.shape))
-      return put(out, lse, dest, o, l)
-    return lax.cond(ends[-1] > 0, run, lambda out, lse: (out, lse), out, lse)
+    none = lambda: (jnp.zeros((num_blocks, tb, hq, dv), q.dtype),
+                    jnp.full((num_blocks, tb, hq), -jnp.inf, jnp.float32))
+    o, l = lax.cond(ends[-1] > 0, run, none)
+    j, t = _block_rows(cu, seq, ends - nb, tb, num_blocks)
+    return o[j, t], l[j, t]
 
   if not paged or opts.get("impl") in ("xla", "reference"):
-    out, lse = looped()
+    pre_o, pre_l = looped()
   elif opts.get("impl") == "pallas":
-    out, lse = batched()
+    pre_o, pre_l = batched()
   else:  # impl=None: the XLA path on CPU reads every block's whole table, so it loops
-    out, lse = lax.platform_dependent(cpu=looped, default=batched)
+    pre_o, pre_l = lax.platform_dependent(cpu=looped, default=batched)
+  out, lse = _gather_rows(cu, seq, pos, (dec_o[:, 0], dec_l[:, 0]), (pre_o, pre_l))
   return out, lse, k, v
+
+
+def _block_rows(cu, seq, first_block, tb: int, num_blocks: int):
+  """Each row's prefill block and row in it, ``(j, t)`` int32 ``[N]``: row r of sequence s
+  (not its last) is row t of the sequence's block jj, counted back from its last row.
+  ``first_block``: ``[M]`` each sequence's first block. Clipped for the gather (the last
+  rows and padding rows read some block's row, selected away by `_gather_rows`)."""
+  rows = jnp.arange(seq.shape[0], dtype=jnp.int32)
+  jj = (cu[seq + 1] - 2 - rows) // tb
+  j = jnp.clip(first_block[seq] + jj, 0, num_blocks - 1)
+  return j, jnp.clip(rows - (cu[seq + 1] - 1 - (jj + 1) * tb), 0, tb - 1)
+
+
+def _gather_rows(cu, seq, pos, decode, prefill):
+  """The step's ``(out [N, Hq, Dv], lse [N, Hq])``, each row from its source (gathered, not
+  scattered into a zeroed output): its sequence's decode state (``decode``: ``[M, ...]``)
+  at its last row, its prefill block's row (``prefill``: ``[N, ...]``, row-aligned) at
+  the others, none at padding rows (``pos`` -1: out 0, lse -inf)."""
+  rows = jnp.arange(seq.shape[0], dtype=jnp.int32)
+  last_row = (pos >= 0) & (rows == cu[seq + 1] - 1)
+  prefill_row = (pos >= 0) & ~last_row
+  pick = lambda sel, x: sel.reshape(sel.shape + (1,) * (x.ndim - 1))
+  return tuple(jnp.where(pick(last_row, d), d[seq], jnp.where(pick(prefill_row, p), p, empty))
+               for d, p, empty in zip(decode, prefill, (0, -jnp.inf)))
 
 
 def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):

@@ -270,6 +270,20 @@ def _ragged(target, layout, write):
   return fn, args + (new, new)
 
 
+@case("xla-gather-select")
+def _xla_gather_select(target):
+  """Plain XLA: a select over a gather by clipped indices (the ragged step's output
+  assembly, in small). One loop fusion, once the GPU target config gives XLA's cost model
+  a clock (without it every constant broadcast was a launch: 7)."""
+  sd = target.spec
+  fn = lambda i, x, y: (jnp.where((i > 0)[:, None, None], x[jnp.clip(i, 0, 255)], 0)
+                        + y[jnp.clip(i, 0, 15)][:, None, None].astype(x.dtype))
+  return fn, (sd((256,), jnp.int32), sd((256, 8, 128), jnp.bfloat16), sd((16,), jnp.int32))
+
+
+PLAIN_XLA = {"xla-gather-select"}  # no fdecode kernel: a check of the compile itself
+
+
 CASES["ragged-paged16-write"] = functools.partial(_ragged, layout="HND", write=True)
 # A 40-token prefill chunk beside a decode at G = 4 (prefill rows 4 * 41, not a power of two).
 CASES["ragged-chunk40-g4"] = fuzz.build("fuzz:kind=ragged,m=2,n=41,g=4,hkv=2,layout=HND,ps=16,write=1")

@@ -20,7 +20,7 @@ import pytest
 from fdecode.kernels.common import chips
 from fdecode.devtools.compile_check import run_cases
 
-from cases import BENCH, CASES, SM90_ONLY, TPU_XLA, names_for
+from cases import BENCH, CASES, PLAIN_XLA, SM90_ONLY, TPU_XLA, names_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS = os.environ.get("FDECODE_COMPILE_TARGETS", "h100,a100,v5e,v6e").split(",")
@@ -52,6 +52,8 @@ def test_compiles(reports, target, name):
   report = reports[target][name]
   assert report["ok"], f"{name} on {target}: {report.get('error')}"
   kernels = report["kernels"]
+  if name in PLAIN_XLA:  # test_gpu_xla_fuses_with_the_target_config
+    return
   if name in SM90_ONLY:  # a Mosaic GPU custom call (test_mla_lowers_to_mosaic_gpu_on_sm90), no Triton kernel
     assert not kernels and report["mosaic_gpu_kernels"], f"{name} on {target}: {report}"
     return
@@ -175,6 +177,40 @@ def test_gpu_ragged_step_is_two_split_launches(reports, target, name):
   assert decode["grid"][0] == 16, report["kernels"]
   assert prefill["grid"][0] > 20 and prefill["grid"][2] == 1, report["kernels"]
   assert waves(chips.GPUS[target], prefill) >= 1, prefill
+
+
+# Launches of one ragged step that has prefill blocks (the conditional's longer branch
+# counted, `compile_check.gpu_launches`), on H100 / A100. ragged-paged16-write: row
+# positions (4 fusions), the fused write (a scatter per cache, each after a copy of the
+# cache here, where the caches are not donated), the decode part (its q gather, split and
+# combine kernels), the conditional (its predicate, itself), its prefill branch (the
+# schedule: 6 fusions; q and table gathers; split and segmented combine kernels) and the
+# output (2 fusions). Before (same compiler, same target config): 34 / 30 / 29, where XLA
+# merged the balanced items, scattered the rows into zeroed outputs and gathered q per item.
+RAGGED_LAUNCHES = {"h100": {"ragged-paged16-write": 25, "ragged-nhd-paged16": 20, "ragged-chunk40-g4": 19},
+                   "a100": {"ragged-paged16-write": 25, "ragged-nhd-paged16": 21, "ragged-chunk40-g4": 20}}
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])
+@pytest.mark.parametrize("name", list(RAGGED_LAUNCHES["h100"]))
+def test_gpu_ragged_step_launches(reports, target, name):
+  """Four fdecode kernels (split + combine for the decode part and for the prefill
+  blocks) and what XLA launches around them, pinned."""
+  report = reports[target][name]
+  assert report["ok"], report.get("error")
+  names = sorted(k["name"].split("__")[0] for k in report["kernels"])
+  assert names == ["fdecode_combine_triton"] * 2 + ["fdecode_split_kv_triton"] * 2, report["kernels"]
+  assert report["launches"] <= RAGGED_LAUNCHES[target][name], f"{name} on {target}: {report['launches']} launches"
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])
+def test_gpu_xla_fuses_with_the_target_config(reports, target):
+  """A select over a gather is one XLA fusion: the target config gives XLA's cost model
+  the chip's clock (`fdecode.kernels.common.chips.gpu_target_config`), so the launch
+  counts here are what the chip would run."""
+  report = reports[target]["xla-gather-select"]
+  assert report["ok"], report.get("error")
+  assert report["launches"] == 1, report
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.TPUS])

@@ -31,6 +31,11 @@ class Gpu:
   regs_per_sm: int = 65536
   threads_per_sm: int = 2048
   max_programs_per_sm: int = 32
+  # XLA's cost model reads these (fusion decisions); left 0, it fuses almost nothing.
+  clock_ghz: float = 0.0
+  fpus_per_sm: int = 0
+  l2_bytes: int = 0
+  memory_bytes: int = 0
 
   @property
   def native_fp8(self) -> bool:
@@ -50,12 +55,15 @@ class Gpu:
 
 
 H100 = Gpu(name="NVIDIA H100 80GB HBM3", arch="sm_90a", capability=(9, 0), sms=132,
-           smem_per_block=232448, smem_per_sm=233472, bandwidth=3.35e12)
+           smem_per_block=232448, smem_per_sm=233472, bandwidth=3.35e12,
+           clock_ghz=1.98, fpus_per_sm=128, l2_bytes=50 << 20, memory_bytes=80 << 30)
 # H200: the H100's SMs and shared memory, HBM3e at 4.8 TB/s (141 GB).
 H200 = Gpu(name="NVIDIA H200", arch="sm_90a", capability=(9, 0), sms=132,
-           smem_per_block=232448, smem_per_sm=233472, bandwidth=4.8e12)
+           smem_per_block=232448, smem_per_sm=233472, bandwidth=4.8e12,
+           clock_ghz=1.98, fpus_per_sm=128, l2_bytes=50 << 20, memory_bytes=141 << 30)
 A100 = Gpu(name="NVIDIA A100-SXM4-80GB", arch="sm_80", capability=(8, 0), sms=108,
-           smem_per_block=166912, smem_per_sm=167936, bandwidth=2.04e12)
+           smem_per_block=166912, smem_per_sm=167936, bandwidth=2.04e12,
+           clock_ghz=1.41, fpus_per_sm=64, l2_bytes=40 << 20, memory_bytes=80 << 30)
 GPUS = {"h100": H100, "a100": A100}
 # Chips known by their device kind (the compile tier compiles for GPUS only).
 KNOWN_GPUS = (H100, H200, A100)
@@ -97,6 +105,10 @@ def gpu_target_config(gpu: Gpu) -> str:
   cuda_compute_capability {{ major: {major} minor: {minor} feature_extension: {extension} }}
   registers_per_core_limit: {gpu.regs_per_sm}
   registers_per_block_limit: 65536
+  clock_rate_ghz: {gpu.clock_ghz}
+  fpus_per_core: {gpu.fpus_per_sm}
+  l2_cache_size: {gpu.l2_bytes}
+  device_memory_size: {gpu.memory_bytes}
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 1 patch: 0 }}

@@ -5,8 +5,10 @@ warps, splits or the balanced schedule, and whether one kernel finishes the outp
 `run` takes that plan as it is and launches the split kernel
 (`fdecode.kernels.triton.kernel`) and, with several splits, the combine kernel
 (`fdecode.kernels.triton.combine`): at most two kernels a call, nothing around them but
-free reshapes (a contiguous cache shorter than one block is padded). ``interpret=True`` runs the same plan in Pallas'
-interpreter.
+free reshapes (a contiguous cache shorter than one block is padded). The balanced schedule
+adds its work list, computed in XLA from the lengths (a few fusions of ``[B]`` / ``[items]``
+integers); its items read q and the block table in place and the combine kernel merges
+them. ``interpret=True`` runs the same plan in Pallas' interpreter.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fdecode.cache.layout import token_axis
-from fdecode.combine import apply_sinks, merge_segments
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.block import decode_fp8_bits
 from fdecode.kernels.triton.combine import CombinePlan, combine
@@ -75,9 +76,11 @@ def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_array
   head; the row block is folded in by `run`), in `fdecode.kernels.triton.kernel._take`'s order."""
   operands, specs = [ends.astype(jnp.int32)], [pl.BlockSpec((1,), lambda i, h, j: (i,))]
   add = lambda x, spec: (operands.append(x), specs.append(spec))
-  if p.balanced:
-    add(work, pl.BlockSpec((None, 2), lambda i, h, j: (i, 0)))
-  if p.paged:
+  whole = lambda x: add(x, pl.BlockSpec(x.shape, lambda i, h, j: (0,) * x.ndim))
+  if p.balanced:  # an item reads q and the table of its sequence (work[:, 2]) in place
+    add(work, pl.BlockSpec((None, 3), lambda i, h, j: (i, 0)))
+    whole(block_tables.astype(jnp.int32).reshape(-1))
+  elif p.paged:
     add(block_tables.astype(jnp.int32), pl.BlockSpec((None, p.table_len), lambda i, h, j: (i, 0)))
   if p.sparse:
     idx = pad_slots(indices, p.block, p.seq_len)
@@ -85,7 +88,10 @@ def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_array
     add(idx, pl.BlockSpec((None, None, idx.shape[2]), lambda i, h, j: (i, per_head(h), 0)))
     add(index_bounds.astype(jnp.int32), pl.BlockSpec((None, None, 2), lambda i, h, j: (i, per_head(h), 0)))
   tq = p.num_tokens * p.hq
-  add(q.reshape(q.shape[0], tq, q.shape[-1]), pl.BlockSpec((None, tq, q.shape[-1]), lambda i, h, j: (i, 0, 0)))
+  if p.balanced:
+    whole(q.reshape(q.shape[0] * tq, q.shape[-1]))
+  else:
+    add(q.reshape(q.shape[0], tq, q.shape[-1]), pl.BlockSpec((None, tq, q.shape[-1]), lambda i, h, j: (i, 0, 0)))
   caches, quant_arrays, cache_spec = _cache_operands(p, k, v, k_rope, quant_arrays)
   for x in caches:  # MLA: no v operand, the values are read from k
     if x is not None:
@@ -117,8 +123,6 @@ def run(p: TritonPlan, q, ends, k, v, *, softmax_scale: float, block_tables=None
   if p.balanced:  # a fixed grid of work items, each a run of one sequence's live blocks
     item_seq, work, ends = balanced_schedule(ends.astype(jnp.int32), p.items, p.block, p.num_tokens,
                                              p.seq_len, p.mods)
-    src = jnp.minimum(item_seq, b - 1)
-    q, block_tables = q[src], block_tables[src]
   operands, specs, caches = _operands(
       p, q, ends, k, v, block_tables=block_tables, k_rope=k_rope,
       quant_arrays=(k_scale, k_offset, v_scale, v_offset), mask=mask, bias=bias, alibi=alibi, sinks=sinks,
@@ -151,21 +155,6 @@ def run(p: TritonPlan, q, ends, k, v, *, softmax_scale: float, block_tables=None
   )(*operands)
   if p.final:
     return o.reshape(b, t, hq, dv), lse.reshape(b, t, hq)
-  if p.balanced:  # each sequence's items merged (XLA), then laid out as the output
-    o, lse = merge_segments(o[:, :, :, 0], lse[:, :, :, 0], item_seq, b)
-    return _finish(p, o, lse, sinks)
-  out, out_lse = combine(p.combine_plan, o, lse, sinks)
+  # Balanced: the combine merges each sequence's items (item_seq), whichever they are.
+  out, out_lse = combine(p.combine_plan, o, lse, sinks, segments=item_seq if p.balanced else None, batch=b)
   return out.reshape(b, t, hq, dv), out_lse.reshape(b, t, hq)
-
-
-def _finish(p: TritonPlan, o, lse, sinks):
-  """Merged states ``[B, Hkv, R_p, Dv]`` / ``[B, Hkv, R_p]`` -> the output layout, sinks
-  joined, cast (the balanced schedule's path, in XLA)."""
-  b, hkv = o.shape[:2]
-  t, g, dv = p.num_tokens, p.group, o.shape[-1]
-  o, lse = o[:, :, :p.num_rows], lse[:, :, :p.num_rows]
-  out = o.reshape(b, hkv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, hkv * g, dv)
-  lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hkv * g)
-  if sinks is not None:
-    out, lse = apply_sinks(out, lse, sinks)
-  return out.astype(jnp.dtype(p.out_dtype)), lse

@@ -29,7 +29,9 @@ class CombinePlan:
   rows per kv head (``hq`` query heads), ``dv`` columns, ``width`` a program, into
   ``out_dtype``. ``split_major``: states laid out ``[B, n_splits, R_p, Dv]`` (one kv
   head; the Hopper kernel's), else ``[B, Hkv, R_p, n_splits, Dv]`` (the Triton split
-  kernel's); lse likewise without Dv."""
+  kernel's); lse likewise without Dv. ``segmented``: the balanced schedule's states, ``[n_splits,
+  Hkv, R_p, 1, Dv]`` (``n_splits`` work items), a sequence merging the items whose segment
+  id is its own (`fdecode.kernels.triton.schedule`)."""
   num_splits: int
   width: int
   num_tokens: int
@@ -39,6 +41,7 @@ class CombinePlan:
   out_dtype: str
   interpret: bool = False
   split_major: bool = False
+  segmented: bool = False
 
   @property
   def num_rows(self) -> int:
@@ -47,7 +50,9 @@ class CombinePlan:
 
 def _kernel(lse_ref, o_ref, *refs, plan: CombinePlan):
   # lse_ref f32[n_splits], o_ref f32[n_splits, Dv] (this row's partial states),
-  # [sinks f32[Hq]], out [T * Hq, Dv], out_lse f32[T * Hq]
+  # [segments int32[n_splits]], [sinks f32[Hq]], out [T * Hq, Dv], out_lse f32[T * Hq]
+  refs = list(refs)
+  seg_ref = refs.pop(0) if plan.segmented else None
   sinks_ref, out_ref, out_lse_ref = refs if len(refs) == 3 else (None, *refs)
   n, w = plan.num_splits, plan.width
   sp = pow2_at_least(n)
@@ -55,6 +60,8 @@ def _kernel(lse_ref, o_ref, *refs, plan: CombinePlan):
   h = pl.program_id(1) // plan.num_rows
   c = pl.program_id(2) * w
   live = lax.iota(jnp.int32, sp) < n
+  if seg_ref is not None:  # this sequence's items only (an empty item's id is B: no one's)
+    live = live & (plgpu.load(seg_ref.at[pl.ds(0, sp)], mask=live, other=-1) == pl.program_id(0))
   lse = plgpu.load(lse_ref.at[pl.ds(0, sp)], mask=live, other=-jnp.inf)
   o = plgpu.load(o_ref.at[pl.ds(0, sp), pl.ds(c, w)], mask=live[:, None], other=0.0)
   axis0 = lambda fn: (lambda x: fn(x, axis=0))
@@ -73,19 +80,28 @@ def _kernel(lse_ref, o_ref, *refs, plan: CombinePlan):
     out_lse_ref[pl.ds(dst, 1)] = out_lse.reshape(1)
 
 
-def combine(plan: CombinePlan, o, lse, sinks=None):
+def combine(plan: CombinePlan, o, lse, sinks=None, *, segments=None, batch=None):
   """Partial states ``o`` / ``lse`` (float32, laid out as ``plan`` says) -> ``(out
-  [B, T * Hq, Dv] in plan.out_dtype, lse f32 [B, T * Hq])``; ``sinks``: f32 ``[Hq]`` or None."""
-  b = o.shape[0]
+  [B, T * Hq, Dv] in plan.out_dtype, lse f32 [B, T * Hq])``; ``sinks``: f32 ``[Hq]`` or None.
+  ``segments`` (``plan.segmented``): int32 ``[n_splits]``, each item's sequence in
+  ``[0, B]`` (B: an empty item), with ``batch`` = B."""
+  b = batch if plan.segmented else o.shape[0]
   hkv = 1 if plan.split_major else o.shape[1]
   dv, w, rows, n = plan.dv, plan.width, plan.num_rows, plan.num_splits
   if plan.split_major:  # [B, n, R_p(, Dv)]: one kv head
     in_specs = [pl.BlockSpec((None, n, None), lambda i, hr, c: (i, 0, hr)),
                 pl.BlockSpec((None, n, None, dv), lambda i, hr, c: (i, 0, hr, 0))]
+  elif plan.segmented:  # [n, Hkv, R_p, 1(, Dv)]: every item, for every sequence
+    o, lse = o[:, :, :, 0], lse[:, :, :, 0]
+    in_specs = [pl.BlockSpec((n, None, None), lambda i, hr, c: (0, hr // rows, hr % rows)),
+                pl.BlockSpec((n, None, None, dv), lambda i, hr, c: (0, hr // rows, hr % rows, 0))]
   else:  # [B, Hkv, R_p, n(, Dv)]
     in_specs = [pl.BlockSpec((None, None, None, n), lambda i, hr, c: (i, hr // rows, hr % rows, 0)),
                 pl.BlockSpec((None, None, None, n, dv), lambda i, hr, c: (i, hr // rows, hr % rows, 0, 0))]
   operands = [lse, o]
+  if plan.segmented:
+    operands.append(segments.astype(jnp.int32))
+    in_specs.append(pl.BlockSpec((n,), lambda i, hr, c: (0,)))
   if sinks is not None:
     operands.append(sinks.astype(jnp.float32))
     in_specs.append(pl.BlockSpec((plan.hq,), lambda i, hr, c: (0,)))

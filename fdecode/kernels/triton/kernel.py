@@ -10,9 +10,11 @@ splits and blocks past it do no work and load nothing.
 
 Queries are read in place from ``q [B, T * Hq, Dq]`` (row r = t * G + g of kv head h is
 q row ``t * Hq + h * G + g``), cast to the compute dtype in the kernel; rows past R load a
-real row and see nothing. Outputs: with one split (``plan.final``) the kernel writes the
-finished output ``[B, T * Hq, Dv]`` in the output dtype and the lse ``[B, T * Hq]``
-(sinks applied), its stores masked to the real rows; otherwise partial states
+real row and see nothing. A balanced work item reads its sequence's rows (``work[2]``) of
+the whole ``q [B * T * Hq, Dq]`` and of the whole block table ``[B * n]``. Outputs: with
+one split (``plan.final``) the kernel writes the finished output ``[B, T * Hq, Dv]`` in the
+output dtype and the lse ``[B, T * Hq]`` (sinks applied), its stores masked to the real
+rows; otherwise partial states
 ``[B, Hkv, R_p, n_splits, Dv]`` / ``[B, Hkv, R_p, n_splits]`` for the combine kernel.
 
 How blocks are read (always in place: no per-call copy or transpose of the cache):
@@ -58,6 +60,10 @@ def _take(refs, plan: TritonPlan):
   r.mask, r.bias, r.alibi = pop(bool(mods.mask)), pop(bool(mods.bias)), pop(bool(mods.alibi))
   r.sinks = pop(plan.final and plan.has_sinks)
   r.o, r.lse = refs
+  # Balanced: the item's sequence; q and the block table are the whole arrays, flattened.
+  seq = r.work[2] if plan.balanced else None
+  r.q_base = 0 if seq is None else seq * (plan.num_tokens * plan.hq)
+  r.table_base = 0 if seq is None else seq * plan.table_len
   return r
 
 
@@ -112,14 +118,16 @@ def _block_index(plan: TritonPlan, r, start, live_end):
   if plan.sparse:  # slot j holds the key at position idx[j]: gather its row
     pos = r.idx[pl.ds(start, bk)]
     if plan.paged:
-      page = jnp.clip(r.table[jnp.clip(pos // plan.page_size, 0, plan.table_len - 1)], 0, plan.num_pages - 1)
+      page = jnp.clip(r.table[r.table_base + jnp.clip(pos // plan.page_size, 0, plan.table_len - 1)], 0,
+                      plan.num_pages - 1)
       slot = pos % plan.page_size
       return pos, None, page * plan.page_size + slot, page, slot
     index = jnp.clip(pos, 0, plan.cache_rows - 1)
     return pos, index, index, None, None
   if plan.paged:
     pos = start + lax.iota(jnp.int32, bk)
-    page = jnp.clip(r.table[jnp.minimum(pos // plan.page_size, plan.table_len - 1)], 0, plan.num_pages - 1)
+    page = jnp.clip(r.table[r.table_base + jnp.minimum(pos // plan.page_size, plan.table_len - 1)], 0,
+                    plan.num_pages - 1)
     slot = pos % plan.page_size
     return None, start, page * plan.page_size + slot, page, slot
   load_start = jnp.minimum(start, plan.cache_rows - bk)
@@ -153,8 +161,9 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float):
   first_visible = window_start(end, plan.num_tokens, plan.seq_len, mods)
   valid, head, q_row = row_ids(plan, h, first_row, (rows_p, 1))
   dk_own = plan.k_pieces[-1].offset + plan.k_pieces[-1].width
-  q_pieces = ([r.q[q_row, _cols(p.offset, p.width)].astype(dtype) for p in plan.k_pieces]
-              + [r.q[q_row, _cols(dk_own + p.offset, p.width)].astype(dtype) for p in plan.r_pieces])
+  q_src = r.q_base + q_row
+  q_pieces = ([r.q[q_src, _cols(p.offset, p.width)].astype(dtype) for p in plan.k_pieces]
+              + [r.q[q_src, _cols(dk_own + p.offset, p.width)].astype(dtype) for p in plan.r_pieces])
   slopes = None if r.alibi is None else r.alibi[head].astype(jnp.float32)
   if plan.sparse:
     first, last = slot_range((r.bounds[0], r.bounds[1]), pl.program_id(2), plan.num_splits, bk)

@@ -245,9 +245,9 @@ class TritonPlan:
   @property
   def combine_plan(self):
     from fdecode.kernels.triton.combine import CombinePlan  # pylint: disable=g-import-not-at-top
-    return CombinePlan(num_splits=self.num_splits, width=self.combine_width, num_tokens=self.num_tokens,
-                       group=self.group, hq=self.hq, dv=self.dv, out_dtype=self.out_dtype,
-                       interpret=self.interpret)
+    return CombinePlan(num_splits=self.items if self.balanced else self.num_splits, width=self.combine_width,
+                       num_tokens=self.num_tokens, group=self.group, hq=self.hq, dv=self.dv,
+                       out_dtype=self.out_dtype, interpret=self.interpret, segmented=self.balanced)
 
 
 def _cache_geometry(k, block_tables, kv_layout):
@@ -347,7 +347,8 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
       r_pieces=r_pieces, quant=quant, fp8_bits=fp8_bits, v_from_k=v_from_k, sparse=index_slots is not None,
       mods=mods, compute_dtype=jnp.dtype(compute_dtype).name, out_dtype=jnp.dtype(out_dtype).name, block=bk,
       warps=launch.warps, stages=launch.stages, num_splits=int(num_splits), balanced=balanced, items=items,
-      combine_width=combine_width(int(num_splits), dv), sparse_fold=sparse_fold, has_sinks=bool(has_sinks))
+      combine_width=combine_width(items if balanced else int(num_splits), dv), sparse_fold=sparse_fold,
+      has_sinks=bool(has_sinks))
 
 
 def combine_width(num_splits: int, dv: int) -> int:

@@ -20,8 +20,9 @@ def balanced_schedule(ends, items: int, bk: int, num_tokens: int, seq_len: int, 
   the items needed never exceed ``items``; the rest are empty (end 0: they read nothing).
 
   Returns ``(item_seq, work, item_ends)``: int32 ``[items]`` each item's sequence (B for
-  an empty item: its state is dropped by the merge), ``[items, 2]`` its split and that
-  sequence's split count (`block.split_range`'s), and ``[items]`` its sequence's end.
+  an empty item: its state is dropped by the merge), ``[items, 3]`` its split, that
+  sequence's split count (`block.split_range`'s) and the row of q and of the block table
+  it reads (its sequence, clipped into ``[0, B)``), and ``[items]`` its sequence's end.
   """
   b = ends.shape[0]
   first, last = blk.split_range(ends, 0, 1, num_tokens, seq_len, bk, mods)
@@ -36,5 +37,5 @@ def balanced_schedule(ends, items: int, bk: int, num_tokens: int, seq_len: int, 
   seq = jnp.where(used, seq, b)
   safe = jnp.minimum(seq, b - 1)
   work = jnp.stack([jnp.where(used, item - (bounds[safe] - splits[safe]), 0),
-                    jnp.where(used, jnp.maximum(splits[safe], 1), 1)], axis=1).astype(jnp.int32)
+                    jnp.where(used, jnp.maximum(splits[safe], 1), 1), safe], axis=1).astype(jnp.int32)
   return seq, work, jnp.where(used, ends[safe], 0)
