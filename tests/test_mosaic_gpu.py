@@ -6,7 +6,7 @@ and phases checked: a phase nobody waits for fails), the warpgroups' own barrier
 swizzled smem tiles as plain arrays, the PV wgmma (smem A and B), loads and stores of
 smem and of the outputs in gmem, the loop over a split's blocks, the split ranges and the
 masks; uninitialized buffers hold NaN, so a read of memory nobody wrote shows. What it
-does not run (substituted in `fdecode.kernels.mosaic_gpu.kernel._Ops`, proven only by a
+does not run (substituted in `fdecode.kernels.mosaic_gpu.ops.Ops`, proven only by a
 GPU run, `benchmarks/bench_mosaic_gpu.py`): the QK^T wgmma with a transposed smem operand
 (a dot of the same smem tiles here), ``pl.run_state`` accumulation into ``alpha * O`` (a
 fresh accumulator added to it here), register layouts, ``setmaxnreg``, asynchronous wgmma

@@ -27,9 +27,9 @@ block of a cache whose S is not a multiple of bk is loaded from ``S - bk`` (TMA 
 whole tiles) and its slots before the block's start are dead.
 
 Interpreted (`jax._src.pallas.mosaic_gpu.interpret`, CPU), the same body runs with two
-substitutions that jax 0.10.2's interpreter needs (`_Ops`): layout casts are no-ops, Q K^T
-is a dot of the two smem tiles (its wgmma takes no transposed operand), and the PV wgmma
-accumulates into a fresh accumulator added to ``alpha * O`` instead of into ``alpha * O``
+substitutions that jax 0.10.2's interpreter needs (`fdecode.kernels.mosaic_gpu.ops.Ops`):
+layout casts are no-ops, Q K^T is a dot of the two smem tiles (its wgmma takes no
+transposed operand), and the PV wgmma accumulates into a fresh accumulator added to ``alpha * O`` instead of into ``alpha * O``
 itself (``pl.run_state``, which that interpreter cannot run).
 
 JAX versions: written against jax 0.10.2 (CI) and run on an H200 with jax 0.11.2 (the GPU
@@ -52,7 +52,6 @@ which 0.11.2 keeps); its ``plgpu.kernel`` lowers through ``mpmd_map`` instead of
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -64,61 +63,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fdecode.combine import MASK_VALUE
 from fdecode.kernels.common import block as blk
+from fdecode.kernels.mosaic_gpu.ops import Ops
 from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS, DK, DV, HALF_DV, SWIZZLE, MlaPlan
 from fdecode.kernels.common.modifiers import Modifiers
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _TILE_COLS = SWIZZLE // 2  # bf16 columns of one swizzled tile row
-
-
-@dataclasses.dataclass(frozen=True)
-class _Ops:
-  """The few operations whose form differs between the compiled kernel and jax 0.10.2's
-  Mosaic GPU interpreter (layouts mean nothing there; it cannot run ``pl.run_state``)."""
-  interpret: bool
-
-  def rows(self, x):
-    """A ``[64]`` row vector in the layout of a wgmma accumulator's rows."""
-    return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
-
-  def tile(self, x):
-    return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
-
-  def iota(self, shape, dim):
-    if self.interpret:
-      return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-  def load_rows(self, ref):
-    """A ``[64]`` float32 smem vector -> the accumulator's row layout."""
-    if self.interpret:
-      return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-
-  def qk(self, q_ref, k_ref):
-    """float32 ``Q K^T`` ``[64, bk]`` of Q ``[64, 576]`` and K ``[bk, 576]`` in smem."""
-    if self.interpret:  # its wgmma takes no transposed operand
-      return lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-
-    def scores(acc_ref):
-      plgpu.wgmma(acc_ref, q_ref, k_ref.transpose((1, 0)))
-      return acc_ref[...]
-    return pl.run_scoped(scores, plgpu.ACC((q_ref.shape[0], k_ref.shape[0]), jnp.float32))
-
-  def pv(self, acc, alpha, p_ref, v_ref):
-    """``alpha[:, None] * acc + P V`` with P ``[64, bk]`` and V ``[bk, 256]`` in smem."""
-    scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    if self.interpret:
-      def fresh(acc_ref):
-        plgpu.wgmma(acc_ref, p_ref, v_ref)
-        return acc_ref[...]
-      return scaled + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
-
-    def accumulate(acc_ref):
-      plgpu.wgmma(acc_ref, p_ref, v_ref)
-    return pl.run_state(accumulate)(plgpu.ACC.init(scaled))
 
 
 def _select_dead_values(k_tile, ld, start, live_end, ops):
@@ -152,7 +103,7 @@ def _finish(half, acc, m, l, rows_smem, done, o_tile, lse_rows, ops):
 
 
 def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows_smem, barriers, *,
-            plan: MlaPlan, ops: _Ops):
+            plan: MlaPlan, ops: Ops):
   # ends_ref i32[B]; q_ref bf16[B, R_p, 576]; k_ref bf16[B, S_c, 576];
   # o_ref f32[B, n_splits, R_p, 512]; lse_ref f32[B, n_splits, R_p];
   # q_smem [64, 576]; k_smem [stages, bk, 576]; p_smem bf16[64, bk]; rows_smem f32[3, 64]:
@@ -283,7 +234,7 @@ def mla_states(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
   ]
   interpreted = interpret is not None and interpret is not False
   kernel = plgpu.kernel(
-      functools.partial(_kernel, plan=plan, ops=_Ops(interpreted)),
+      functools.partial(_kernel, plan=plan, ops=Ops(interpreted)),
       out_type=(jax.ShapeDtypeStruct((b, plan.num_splits, plan.rows_padded, DV), jnp.float32),
                 jax.ShapeDtypeStruct((b, plan.num_splits, plan.rows_padded), jnp.float32)),
       scratch_types=scratch,
@@ -310,7 +261,8 @@ def mla_partials(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
     k: bf16 ``[B, 1, S, 576]`` latent cache; the values are its first 512 columns.
     plan: `fdecode.kernels.mosaic_gpu.plan.mla_plan` for these shapes.
     interpret: None / False: compiled for the GPU (sm_90a); an ``InterpretGPUParams``:
-      jax's Mosaic GPU interpreter (CPU), with the substitutions of `_Ops`.
+      jax's Mosaic GPU interpreter (CPU), with the substitutions of
+      `fdecode.kernels.mosaic_gpu.ops.Ops`.
 
   Returns:
     ``(o, lse)``: float32 ``[B, 1, n_splits, R, 512]`` and ``[B, 1, n_splits, R]``
