@@ -67,13 +67,22 @@ _COLS = 64  # columns of one swizzled smem tile (128 B of bf16, 64 B of 8-bit)
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
+def _to_bf16(x):
+  """A loaded tile as bf16, exactly: int8 directly; float8_e4m3fn through float16 (Hopper
+  converts e4m3 only to f16 in hardware; every e4m3 value, NaN included, is an f16 and a
+  bf16)."""
+  if x.dtype == jnp.float8_e4m3fn:
+    x = x.astype(jnp.float16)
+  return x.astype(jnp.bfloat16)
+
+
 def _bad_value_rows(v_tile, ops):
   """float32 ``[bk]``: 1 where value row j of ``v_tile`` [bk, D] holds an inf or NaN
   (``abs(x) <= max`` is False for both), else 0."""
   bk, d = v_tile.shape
   bad = None
   for c in range(d // _COLS):
-    v = v_tile.at[:, pl.ds(c * _COLS, _COLS)][...].astype(jnp.float32)
+    v = _to_bf16(v_tile.at[:, pl.ds(c * _COLS, _COLS)][...]).astype(jnp.float32)
     row = jnp.where(jnp.abs(v) <= _F32_MAX, 0.0, 1.0).max(axis=1)
     bad = row if bad is None else jnp.maximum(bad, row)
   return bad
@@ -95,11 +104,11 @@ def _prepare_operands(k_src, v_src, k_dst, v_dst, ld, start, live_end, *, guard:
   for c in range(d // _COLS):
     cols = pl.ds(c * _COLS, _COLS)
     if guard or k_dst is not k_src:
-      kc = k_src.at[:, cols][...].astype(jnp.bfloat16)
+      kc = _to_bf16(k_src.at[:, cols][...])
       if guard:
         kc = jnp.where(poison, jnp.array(jnp.nan, jnp.bfloat16), kc)
       k_dst.at[:, cols][...] = kc
-    vc = v_src.at[:, cols][...].astype(jnp.bfloat16)
+    vc = _to_bf16(v_src.at[:, cols][...])
     v_dst.at[:, cols][...] = jnp.where(keep, vc, jnp.zeros_like(vc))
 
 
