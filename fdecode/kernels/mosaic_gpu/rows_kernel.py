@@ -120,6 +120,36 @@ def _row_limits(row_block, live_end, plan: RowsPlan, ops: Ops, bk: int):
   return jnp.where(r < plan.rows, hi, 0)
 
 
+def _online_softmax(s, visible, m, l, seen, k_scale, v_scale, softmax_scale: float):
+  """One block of the online softmax (exp2 domain) over scores ``s`` float32 [64, bk].
+
+  ``visible`` bool [64, bk] (row r may see slot j); ``m``, ``l``, ``seen`` [64]: the
+  running max, sum and whether the row saw a key; ``k_scale`` / ``v_scale``: [bk] column
+  vectors (8-bit caches) or None: k_scale multiplies column j of S before the select,
+  v_scale column j of P after the row sum (l sums the unscaled probabilities), then a
+  select again (a dead slot's scale is garbage). Returns (P for the PV wgmma, alpha, m,
+  l, seen)."""
+  if k_scale is not None:
+    s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
+  s = jnp.where(visible, s * (softmax_scale * _LOG2E), MASK_VALUE)
+  m_new = jnp.maximum(m, s.max(axis=1))
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+  l = l * alpha + p.sum(axis=1)
+  seen = jnp.maximum(seen, jnp.where(visible, 1.0, 0.0).max(axis=1))
+  if v_scale is not None:
+    p = jnp.where(visible, p * lax.broadcast_in_dim(v_scale, s.shape, [1]), 0.0)
+  return p, alpha, m_new, l, seen
+
+
+def _write_state(acc, m, l, seen, o_tile, lse_rows):
+  """One split's normalized state of 64 rows: ``o_tile`` [64, D] = acc / l, ``lse_rows``
+  [64] natural-log LSE; a row that saw no key in the split (from the positions): 0, -inf."""
+  empty = seen == 0.0
+  o_tile[...] = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
+  lse_rows[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+
+
 def _kernel(ends_ref, q_ref, k_ref, v_ref, *refs, plan: RowsPlan, ops: Ops):
   # ends_ref i32[B]; q_ref bf16[B*Hkv, R_p, D]; k_ref, v_ref [B*Hkv, S_c, D] (bf16 or 8-bit);
   # 8-bit: ks_ref, vs_ref f32[B*Hkv, S_c]; o_ref f32[B*Hkv, n, R_p, D]; lse_ref f32[B*Hkv, n, R_p];
@@ -194,32 +224,22 @@ def _kernel(ends_ref, q_ref, k_ref, v_ref, *refs, plan: RowsPlan, ops: Ops):
       s = ops.qk(q_smem, k_op)
       pos = ld + ops.iota((BLOCK_ROWS, bk), 1)
       visible = (pos >= start) & (pos < hi)
-      if plan.quantized:  # k_scale[j] multiplies column j of S
-        s = s * lax.broadcast_in_dim(ops.load_cols(sc_smem.at[0, slot]), s.shape, [1])
-      s = jnp.where(visible, s * (plan.softmax_scale * _LOG2E), MASK_VALUE)
-      m_new = jnp.maximum(m, s.max(axis=1))
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
-      l = l * alpha + p.sum(axis=1)
-      seen = jnp.maximum(seen, jnp.where(visible, 1.0, 0.0).max(axis=1))
-      if plan.quantized:  # v_scale[j] multiplies column j of P (a select after: dead scales are garbage)
-        p = jnp.where(visible, p * lax.broadcast_in_dim(ops.load_cols(sc_smem.at[1, slot]), s.shape, [1]), 0.0)
+      cols = (lambda i: ops.load_cols(sc_smem.at[i, slot])) if plan.quantized else (lambda i: None)
+      p, alpha, m, l, seen = _online_softmax(s, visible, m, l, seen, cols(0), cols(1), plan.softmax_scale)
       p_smem[...] = p.astype(p_smem.dtype)
       plgpu.commit_smem()
       acc = ops.pv(acc, alpha, p_smem, v_op)
       # Release the slot only where it is written again: a barrier phase nobody waits
       # for would be left behind (the interpreter rejects that).
       pl.when(step + stages < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
-      return acc, m_new, l, seen
+      return acc, m, l, seen
 
     init = (ops.tile(jnp.zeros((BLOCK_ROWS, plan.head_dim), jnp.float32)),
             ops.rows(jnp.full((BLOCK_ROWS,), MASK_VALUE, jnp.float32)),
             ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32)), ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32)))
     acc, m, l, seen = lax.fori_loop(0, steps, step_body, init)
-    empty = seen == 0.0  # from the positions: no visible key in this split
     out_rows = pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)
-    o_ref.at[bh, split, out_rows][...] = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
-    lse_ref.at[bh, split, out_rows][...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+    _write_state(acc, m, l, seen, o_ref.at[bh, split, out_rows], lse_ref.at[bh, split, out_rows])
 
 
 def _scratch(plan: RowsPlan):
