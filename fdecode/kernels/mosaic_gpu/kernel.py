@@ -29,8 +29,9 @@ whole tiles) and its slots before the block's start are dead.
 Interpreted (`jax._src.pallas.mosaic_gpu.interpret`, CPU), the same body runs with two
 substitutions that jax 0.10.2's interpreter needs (`fdecode.kernels.mosaic_gpu.ops.Ops`):
 layout casts are no-ops, Q K^T is a dot of the two smem tiles (its wgmma takes no
-transposed operand), and the PV wgmma accumulates into a fresh accumulator added to ``alpha * O`` instead of into ``alpha * O``
-itself (``pl.run_state``, which that interpreter cannot run).
+transposed operand), and the PV wgmma accumulates into a fresh accumulator added to
+``alpha * O`` instead of into ``alpha * O`` itself (``pl.run_state``, which that
+interpreter cannot run).
 
 JAX versions: written against jax 0.10.2 (CI) and run on an H200 with jax 0.11.2 (the GPU
 machines'), with only APIs present in both with the same meaning: ``plgpu.kernel(body,

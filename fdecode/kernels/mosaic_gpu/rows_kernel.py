@@ -76,7 +76,7 @@ def _to_bf16(x):
   return x.astype(jnp.bfloat16)
 
 
-def _bad_value_rows(v_tile, ops):
+def _bad_value_rows(v_tile):
   """float32 ``[bk]``: 1 where value row j of ``v_tile`` [bk, D] holds an inf or NaN
   (``abs(x) <= max`` is False for both), else 0."""
   bk, d = v_tile.shape
@@ -99,7 +99,7 @@ def _prepare_operands(k_src, v_src, k_dst, v_dst, ld, start, live_end, *, guard:
   keep = (pos >= start) & (pos < live_end)
   poison = None
   if guard:
-    poison = lax.broadcast_in_dim(_bad_value_rows(v_src, ops), (bk, _COLS), [0]) > 0.0
+    poison = lax.broadcast_in_dim(_bad_value_rows(v_src), (bk, _COLS), [0]) > 0.0
     keep = keep & ~poison
   for c in range(d // _COLS):
     cols = pl.ds(c * _COLS, _COLS)
