@@ -35,7 +35,14 @@ row) and is itself selected to 0. The score select then decides per row, like an
 score: a row that sees slot j gets a NaN score and turns NaN (out and lse), a row that
 does not sees the mask value and stays exact. NaN in a visible key, a visible scale or q
 propagates through the scores or P directly. With T = 1 every real row sees the same
-slots, and a non-finite visible value propagates through P V by itself.
+slots, and a non-finite visible value reaches its rows' accumulators through P V by itself
+(in one column, or as ``0 * inf`` where P is 0).
+
+Corruption a row sees propagates to the whole row (docs/semantics.md): in the epilogue a
+row whose accumulator holds an inf or NaN gets ``l = NaN`` before the normalization, so
+every column of its out and its lse are NaN (`fdecode.kernels.common.block.finalize`'s
+rule), whatever path the value took. The T > 1 guard stays: it is what keeps a value that
+one row sees out of the accumulator of a row that does not.
 
 Interpreted (`jax._src.pallas.mosaic_gpu.interpret`, CPU), the body runs with the
 substitutions of `fdecode.kernels.mosaic_gpu.ops.Ops` (as the MLA kernel); the API subset
@@ -144,7 +151,12 @@ def _online_softmax(s, visible, m, l, seen, k_scale, v_scale, softmax_scale: flo
 
 def _write_state(acc, m, l, seen, o_tile, lse_rows):
   """One split's normalized state of 64 rows: ``o_tile`` [64, D] = acc / l, ``lse_rows``
-  [64] natural-log LSE; a row that saw no key in the split (from the positions): 0, -inf."""
+  [64] natural-log LSE; a row that saw no key in the split (from the positions): 0, -inf.
+  A row whose ``acc`` holds an inf or NaN (a non-finite value it sees, through P V) gets
+  ``l = NaN`` first, so every column of its out and its lse are NaN
+  (`fdecode.combine.corrupt_rows`, as a row reduction of the accumulator tile)."""
+  corrupt = jnp.where(jnp.abs(acc) <= _F32_MAX, 0.0, 1.0).max(axis=1) > 0.0
+  l = jnp.where(corrupt, jnp.nan, l)
   empty = seen == 0.0
   o_tile[...] = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
   lse_rows[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
