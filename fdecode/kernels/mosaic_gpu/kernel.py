@@ -71,6 +71,7 @@ from fdecode.kernels.common.modifiers import Modifiers
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _TILE_COLS = SWIZZLE // 2  # bf16 columns of one swizzled tile row
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 def _select_dead_values(k_tile, ld, start, live_end, ops):
@@ -85,19 +86,36 @@ def _select_dead_values(k_tile, ld, start, live_end, ops):
     tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
 
 
-def _finish(half, acc, m, l, rows_smem, done, o_tile, lse_rows, ops):
-  """Warpgroup ``half``'s epilogue: warpgroup 0 hands its row max ``m`` and sum ``l`` to 1
-  through ``rows_smem``; each normalizes its half of the output into ``o_tile``; warpgroup
-  0 writes the lse (-inf for rows that saw no key: out 0)."""
-  if half == 0:
+def _corrupt_rows(acc):
+  """float32 ``[64]``: 1 where row r of the accumulator tile holds an inf or NaN
+  (``abs(x) <= max`` is False for both: `fdecode.combine.corrupt_rows` as a row max)."""
+  return jnp.where(jnp.abs(acc) <= _F32_MAX, 0.0, 1.0).max(axis=1)
+
+
+def _finish(half, acc, m, l, rows_smem, flags, done, o_tile, lse_rows, ops):
+  """Warpgroup ``half``'s epilogue, a two-way exchange through ``rows_smem``: warpgroup 1
+  hands its per-row corruption flag (its half of the accumulator non-finite) to 0 (row 0,
+  barrier ``flags``); warpgroup 0 sets ``l = NaN`` in the rows either half flags and hands
+  ``m`` and that ``l`` to 1 (rows 1, 2, barrier ``done``); each normalizes its half of the
+  output into ``o_tile``; warpgroup 0 writes the lse (-inf for rows that saw no key: out
+  0; NaN for a corrupt row, with every column of its out). Warpgroup 1 arrives before it
+  waits, so neither waits on the other in a cycle."""
+  bad = _corrupt_rows(acc)
+  if half == 1:
+    rows_smem.at[0][...] = bad  # row 0 (alpha) is free: warpgroup 1 read the last one
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(flags)
+    plgpu.barrier_wait(done)
+    m, l = ops.load_rows(rows_smem.at[1]), ops.load_rows(rows_smem.at[2])
+  else:
+    plgpu.barrier_wait(flags)
+    bad = jnp.maximum(bad, ops.load_rows(rows_smem.at[0]))
+    l = jnp.where(bad > 0.0, jnp.nan, l)
     rows_smem.at[1][...] = m
     rows_smem.at[2][...] = l
     plgpu.commit_smem()
     plgpu.barrier_arrive(done)
-  else:
-    plgpu.barrier_wait(done)
-    m, l = ops.load_rows(rows_smem.at[1]), ops.load_rows(rows_smem.at[2])
-  empty = l == 0.0
+  empty = l == 0.0  # False for NaN: a corrupt row is not empty
   o_tile[...] = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
   if half == 0:
     lse_rows[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
@@ -108,8 +126,8 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
   # ends_ref i32[B]; q_ref bf16[B, R_p, 576]; k_ref bf16[B, S_c, 576];
   # o_ref f32[B, n_splits, R_p, 512]; lse_ref f32[B, n_splits, R_p];
   # q_smem [64, 576]; k_smem [stages, bk, 576]; p_smem bf16[64, bk]; rows_smem f32[3, 64]:
-  # P's row rescale alpha, then the final m and l (warpgroup 0 -> 1).
-  q_bar, k_full, k_free, p_full, p_free, done = barriers
+  # P's row rescale alpha (then warpgroup 1's corrupt-row flags, 1 -> 0), the final m and l (0 -> 1).
+  q_bar, k_full, k_free, p_full, p_free, done, flags = barriers
   bk, stages = plan.block, plan.stages
   row_block = lax.axis_index("rows")
   split = lax.axis_index("split")
@@ -198,7 +216,7 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
 
     acc, m, l = lax.fori_loop(0, steps, step_body, (acc0, m0, l0))
     out_rows = pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)
-    _finish(half, acc, m, l, rows_smem, done.at[0], o_ref.at[b, split, out_rows, pl.ds(half * HALF_DV, HALF_DV)],
+    _finish(half, acc, m, l, rows_smem, flags.at[0], done.at[0], o_ref.at[b, split, out_rows, pl.ds(half * HALF_DV, HALF_DV)],
             lse_ref.at[b, split, out_rows], ops)
 
   pl.when(wg == 0)(functools.partial(compute, 0))
@@ -231,7 +249,8 @@ def mla_states(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
        plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),            # K slot released
        plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # P written
        plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # P read (warpgroup 1)
-       plgpu.Barrier(num_arrivals=1, num_barriers=1)),                     # final m, l written
+       plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # final m, l written
+       plgpu.Barrier(num_arrivals=1, num_barriers=1)),                     # warpgroup 1's row flags written
   ]
   interpreted = interpret is not None and interpret is not False
   kernel = plgpu.kernel(
