@@ -21,8 +21,14 @@ Semantics (the per-split states of every fdecode kernel, `fdecode.combine`): a r
 visible key gives o = 0, lse = -inf (decided from the positions: l == 0); dead slots
 (past the sequence's end, before a block's start in the overlapped tail load) are
 selected away: their scores to a finite mask value, their probabilities to 0, and their
-value rows in shared memory to 0 before the PV wgmma (``0 * NaN`` would be NaN); a NaN a
-row sees propagates to its row. Blocks at or past the end are never loaded. The last
+value rows in shared memory to 0 before the PV wgmma (``0 * NaN`` would be NaN).
+Corruption a row sees propagates to the whole row (docs/semantics.md): a NaN key or value,
+or a NaN / +inf score, makes its scores, m and l NaN; an inf value at a score of -inf
+(p = 0: ``0 * inf``) or a value overflow reaches only some columns of one warpgroup's
+accumulator, so the epilogue exchanges per-row flags both ways (`_finish`): a row whose
+accumulator holds an inf or NaN in either half gets ``l = NaN``, and every column of its
+out and its lse are NaN, as `fdecode.kernels.common.block.finalize` does. Blocks at or
+past the end are never loaded. The last
 block of a cache whose S is not a multiple of bk is loaded from ``S - bk`` (TMA reads
 whole tiles) and its slots before the block's start are dead.
 

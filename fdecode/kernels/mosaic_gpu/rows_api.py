@@ -54,8 +54,10 @@ def rows_decode(q, k, v, lengths, *, k_scale=None, v_scale=None, softmax_scale=N
 
   Returns:
     out ``[B, (T,) Hq, D]`` bf16 (and lse): a row with no visible key gives 0 (lse
-    -inf). A NaN / inf in a key, value or scale that a row sees makes that row NaN, and
-    only that row; slots a row does not see never reach it, whatever they hold.
+    -inf). A NaN key, value or scale, a NaN or +inf score, or an inf value that a row
+    sees makes every column of that row's out and its lse NaN (docs/semantics.md
+    "Corruption a query sees propagates"), and only that row's; slots a row does not
+    see never reach it, whatever they hold.
 
   Raises:
     ValueError: what the kernel does not take (`rows_unsupported` names why), scales
