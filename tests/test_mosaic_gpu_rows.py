@@ -10,9 +10,11 @@ swizzles, ``setmaxnreg`` and ptxas are substituted or ignored (only a GPU proves
 
 Tolerances: bfloat16's (`conftest.TOLERANCES`): the kernel rounds P (with ``v_scale``
 folded in, for 8-bit caches) to bf16 for the PV wgmma; 8-bit tiles convert to bf16
-exactly. Cost: each interpreted program (64 rows x one split of one sequence and kv head)
-takes about 4 s (a fixed cost of the interpreter, whatever its blocks); the file runs 13
-programs, about 60 s of CPU time.
+exactly. Cost: the interpreter compiles the kernel body for each program (64 rows x
+one split of one sequence and kv head) and warpgroup thread, about 2.5 s of CPU a
+program whatever its blocks; `mosaic_gpu_interpret.compiled_once` compiles it once per
+call, so a call costs about that once plus well under 1 s a program. The file runs 10
+programs in 4 calls, each call's batch holding several cases: about 25 s of CPU in all.
 """
 
 import math
@@ -30,17 +32,9 @@ from fdecode.kernels.common import chips
 from fdecode.kernels.common.quant import quantize
 from fdecode.kernels.mosaic_gpu import rows_plan, rows_unsupported
 
-interpret_gpu = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
-from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: E402
+from mosaic_gpu_interpret import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
 
-INTERPRET = InterpretGPUParams(detect_races=True)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_interpreter():
-  """A kernel that raised leaves the interpreter's shared state behind: reset it."""
-  yield
-  interpret_gpu.reset_gpu_interpret_mode_state()
+pytestmark = pytest.mark.usefixtures("interpreter")
 
 
 def problem(seed, *, b, t, hq, hkv, s, d, dtype=jnp.bfloat16):
@@ -63,8 +57,7 @@ def reference(q, k, v, lengths, ks=None, vs=None):
 def run_kernel(q, k, v, lengths, ks=None, vs=None, num_splits=None):
   out, lse = mosaic_gpu.rows_decode(q, k, v, lengths, k_scale=ks, v_scale=vs, num_splits=num_splits,
                                     return_lse=True, interpret=INTERPRET)
-  races = interpret_gpu.get_races()
-  assert races is None or not races.races_found, "the Mosaic GPU interpreter detected a data race"
+  assert_no_races()
   return out, lse
 
 
@@ -80,74 +73,85 @@ def with_garbage_past(x, lengths, value):
   return jnp.where(dead, jnp.asarray(value, jnp.float32).astype(x.dtype), x)
 
 
-def test_bf16_lengths_around_the_block_with_garbage_tails():
-  """bf16, D = 64, T = 2 causal tokens x G = 32 heads = 64 rows (one row block); S = 130
-  (not a multiple of the 64-token block nor of 8: padded cache, overlapped last block);
-  lengths 0, 1 (token 0 sees nothing), bk - 1 and bk + 1 (S: `test_8bit_per_token`); NaN
-  keys and +inf values past every length are selected away (the reference reads the
-  clean cache)."""
-  q, k, v, _, _ = problem(0, b=4, t=2, hq=32, hkv=1, s=130, d=64)
-  lengths = jnp.array([0, 1, 63, 65], jnp.int32)
-  out, lse = run_kernel(q, with_garbage_past(k, lengths, jnp.nan), with_garbage_past(v, lengths, jnp.inf),
-                        lengths, num_splits=1)
-  check(out, lse, *reference(q, k, v, lengths))
-  assert np.all(np.asarray(lse[0]) == -np.inf) and np.all(np.asarray(out[0], np.float32) == 0)
-  assert np.all(np.asarray(lse[1, 0]) == -np.inf) and np.all(np.isfinite(np.asarray(lse[1, 1])))
-
-
-@pytest.mark.parametrize("dtype, t, g, length, num_splits", [(jnp.int8, 5, 16, 120, 1),
-                                                              (jnp.float8_e4m3fn, 1, 64, 130, 2)])
-def test_8bit_per_token(dtype, t, g, length, num_splits):
-  """8-bit k / v with per-token scales, D = 128, S = 130; garbage past the length
-  (extreme codes, NaN k scales, inf v scales). int8: T = 5 causal tokens x G = 16 = 80
-  rows, two row blocks (the second 48 padding rows), length 120, one split. e4m3: T = 1
-  x G = 64, length S in two splits (2 + 1 blocks: the 2-slot ring refills a slot),
-  merged by `merge_states`."""
-  q, k, v, ks, vs = problem(1, b=1, t=t, hq=g, hkv=1, s=130, d=128, dtype=dtype)
-  lengths = jnp.array([length], jnp.int32)
-  want = reference(q, k, v, lengths, ks, vs)
-  big = 127 if dtype == jnp.int8 else 448.0
-  k_bad, v_bad = with_garbage_past(k, lengths, big), with_garbage_past(v, lengths, -big)
-  ks_bad, vs_bad = with_garbage_past(ks, lengths, jnp.nan), with_garbage_past(vs, lengths, jnp.inf)
-  out, lse = run_kernel(q, k_bad, v_bad, lengths, ks_bad, vs_bad, num_splits=num_splits)
-  check(out, lse, *want)
-
-
-def test_partials_are_per_split_states():
-  """`rows_partials` returns float32 ``o [B, Hkv, n, R, D]``, ``lse [B, Hkv, n, R]``;
-  D = 256 (the widest head dim), T = 1 x G = 64, S = 192, length 60 in 2 splits: the
-  second holds no block (lse -inf, o 0), and the states merge to the reference."""
-  q, k, v, _, _ = problem(2, b=1, t=1, hq=64, hkv=1, s=192, d=256)
-  lengths = jnp.array([60], jnp.int32)
-  plan = rows_plan(batch=1, kv_heads=1, num_tokens=1, group=64, head_dim=256, seq_len=192,
-                   softmax_scale=1 / math.sqrt(256), num_splits=2)
-  q_rows = q.reshape(1, 1, 64, 256)
-  o, lse = mosaic_gpu.rows_partials(q_rows, lengths, k, v, plan=plan, interpret=INTERPRET)
-  assert o.shape == (1, 1, 2, 64, 256) and lse.shape == (1, 1, 2, 64)
-  assert o.dtype == jnp.float32 and lse.dtype == jnp.float32
-  assert np.all(np.asarray(lse[:, :, 1]) == -np.inf) and np.all(np.asarray(o[:, :, 1]) == 0)
-  out, merged = merge_states(o, lse, axis=2)
-  want_out, want_lse = reference(q, k, v, lengths)
-  check(out.reshape(1, 1, 64, 256), merged.reshape(1, 1, 64), want_out, want_lse)
-
-
-@pytest.mark.parametrize("dtype, b", [(jnp.bfloat16, 2), (jnp.float8_e4m3fn, 1)])
-def test_nan_reaches_only_the_rows_that_see_it(dtype, b):
-  """T = 4 tokens x G = 16, length 60: token t sees keys < 57 + t. Sequence 0 holds a
-  NaN *value* at 58 (tokens 2, 3 see it; 0, 1 do not, though their rows share the PV
-  wgmma's value tile), sequence 1 (bf16) a NaN *key* at 57 (tokens 1-3 see it). The rows
-  that see the NaN are NaN (out and lse); the others are the clean reference. bf16 runs
-  the guard in place in the K / V slot, e4m3 (its NaN code) in the conversion pass."""
-  q, k, v, ks, vs = problem(3, b=b, t=4, hq=16, hkv=1, s=64, d=64, dtype=dtype)
-  lengths = jnp.full((b,), 60, jnp.int32)
-  want_out, want_lse = reference(q, k, v, lengths, ks, vs)
-  nan = jnp.array(jnp.nan, jnp.float32).astype(k.dtype)
-  k_bad, v_bad = k.at[1:, 0, 57, 3].set(nan), v.at[0, 0, 58, 5].set(nan)
-  out, lse = run_kernel(q, k_bad, v_bad, lengths, ks, vs, num_splits=1)
-  sees = np.array([[False, False, True, True], [False, True, True, True]])[:b]  # [B, T]
+def nan_rows_and_reference(out, lse, sees, want_out, want_lse):
+  """Rows where ``sees`` [B, T] holds: NaN in every column of out and in lse; the other
+  rows: the reference."""
   out, lse = np.asarray(out, np.float32), np.asarray(lse)
   check(out[~sees], lse[~sees], np.asarray(want_out, np.float32)[~sees], np.asarray(want_lse)[~sees])
   assert np.all(np.isnan(out[sees])) and np.all(np.isnan(lse[sees]))
+
+
+def test_bf16_lengths_garbage_tails_and_nan_reaching_only_its_rows():
+  """bf16, D = 64, T = 4 causal tokens x G = 16 = 64 rows (token t sees keys < L - 3 + t),
+  S = 130 (not a multiple of the 64-token block nor of 8: padded cache); NaN keys and
+  +inf values past every length are selected away (the reference reads the clean cache).
+  Lengths: 0 (no block: out 0, lse -inf); 1 with a NaN *key* at 0 (tokens 0-2 see
+  nothing: 0 / -inf, from the positions; token 3 sees it: NaN); bk + 1 (two blocks) with
+  a NaN *value* at 63 (tokens 2, 3 see it: NaN; tokens 0, 1 do not, though their rows
+  share the PV wgmma's value tile: the guard, in place in the bf16 V slot)."""
+  q, k, v, _, _ = problem(0, b=3, t=4, hq=16, hkv=1, s=130, d=64)
+  lengths = jnp.array([0, 1, 65], jnp.int32)
+  want_out, want_lse = reference(q, k, v, lengths)
+  k_bad = with_garbage_past(k, lengths, jnp.nan).at[1, 0, 0, 3].set(jnp.nan)
+  v_bad = with_garbage_past(v, lengths, jnp.inf).at[2, 0, 63, 5].set(jnp.nan)
+  out, lse = run_kernel(q, k_bad, v_bad, lengths, num_splits=1)
+  sees = np.array([[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 1]], bool)  # [B, T]
+  nan_rows_and_reference(out, lse, sees, want_out, want_lse)
+  assert np.all(np.asarray(lse[0]) == -np.inf) and np.all(np.asarray(out[0], np.float32) == 0)
+  assert np.all(np.asarray(lse[1, :3]) == -np.inf) and np.all(np.asarray(out[1, :3], np.float32) == 0)
+
+
+def test_e4m3_two_row_blocks_garbage_and_nan_code():
+  """float8_e4m3fn k / v with per-token scales, D = 128, S = 130, T = 5 causal tokens x
+  G = 16 = 80 rows: two row blocks (the second 48 padding rows), length 120, one split.
+  Garbage past the length (extreme codes, NaN k scales, inf v scales) is selected away;
+  e4m3's NaN code in a *value* at 118 reaches tokens 3 and 4 (one in each row block)
+  only: the guard in the conversion pass."""
+  q, k, v, ks, vs = problem(1, b=1, t=5, hq=16, hkv=1, s=130, d=128, dtype=jnp.float8_e4m3fn)
+  lengths = jnp.array([120], jnp.int32)
+  want_out, want_lse = reference(q, k, v, lengths, ks, vs)
+  k_bad, v_bad = with_garbage_past(k, lengths, 448.0), with_garbage_past(v, lengths, -448.0)
+  v_bad = v_bad.at[0, 0, 118, 5].set(jnp.array(jnp.nan, jnp.float32).astype(v.dtype))
+  ks_bad, vs_bad = with_garbage_past(ks, lengths, jnp.nan), with_garbage_past(vs, lengths, jnp.inf)
+  out, lse = run_kernel(q, k_bad, v_bad, lengths, ks_bad, vs_bad, num_splits=1)
+  nan_rows_and_reference(out, lse, np.array([[0, 0, 0, 1, 1]], bool), want_out, want_lse)
+
+
+def test_int8_partials_are_per_split_states():
+  """`rows_partials` returns float32 ``o [B, Hkv, n, R, D]``, ``lse [B, Hkv, n, R]``;
+  int8 with per-token scales, D = 256 (the widest head dim), T = 1 x G = 64, S = 300,
+  length 290 in 2 splits of 3 and 2 blocks (the 2-slot ring refills a slot; the last
+  block is loaded overlapped from 240 and holds slots past the length: extreme codes,
+  NaN k scales, inf v scales, selected away); the states merge to the reference."""
+  q, k, v, ks, vs = problem(2, b=1, t=1, hq=64, hkv=1, s=300, d=256, dtype=jnp.int8)
+  lengths = jnp.array([290], jnp.int32)
+  plan = rows_plan(batch=1, kv_heads=1, num_tokens=1, group=64, head_dim=256, seq_len=300,
+                   softmax_scale=1 / math.sqrt(256), cache_dtype="int8", num_splits=2)
+  k_bad, v_bad = with_garbage_past(k, lengths, 127), with_garbage_past(v, lengths, -127)
+  ks_bad, vs_bad = with_garbage_past(ks, lengths, jnp.nan), with_garbage_past(vs, lengths, jnp.inf)
+  o, lse = mosaic_gpu.rows_partials(q.reshape(1, 1, 64, 256), lengths, k_bad, v_bad, ks_bad, vs_bad, plan=plan,
+                                    interpret=INTERPRET)
+  assert_no_races()
+  assert o.shape == (1, 1, 2, 64, 256) and lse.shape == (1, 1, 2, 64)
+  assert o.dtype == jnp.float32 and lse.dtype == jnp.float32
+  out, merged = merge_states(o, lse, axis=2)
+  want_out, want_lse = reference(q, k, v, lengths, ks, vs)
+  check(out.reshape(1, 1, 64, 256), merged.reshape(1, 1, 64), want_out, want_lse)
+
+
+def test_single_token_corrupt_value_makes_the_whole_row_nan():
+  """T = 1 (no guard: every row of a program sees the same slots), bf16, D = 64, G = 64,
+  S = 130: a NaN value (sequence 1, slot 10, column 3) or a +inf value (sequence 2, slot
+  20, column 40) that the rows see reaches their accumulators in one column; the epilogue
+  makes every column of those rows' out and their lse NaN (docs/semantics.md "Corruption
+  a query sees propagates"). Sequence 0 (length 100: two blocks; NaN keys and +inf values
+  past it) sees neither: the reference."""
+  q, k, v, _, _ = problem(4, b=3, t=1, hq=64, hkv=1, s=130, d=64)
+  lengths = jnp.array([100, 64, 64], jnp.int32)
+  want_out, want_lse = reference(q, k, v, lengths)
+  v_bad = with_garbage_past(v, lengths, jnp.inf).at[1, 0, 10, 3].set(jnp.nan).at[2, 0, 20, 40].set(jnp.inf)
+  out, lse = run_kernel(q, with_garbage_past(k, lengths, jnp.nan), v_bad, lengths, num_splits=1)
+  nan_rows_and_reference(out, lse, np.array([[0], [1], [1]], bool), want_out, want_lse)
 
 
 @pytest.mark.parametrize("kwargs, match", [
