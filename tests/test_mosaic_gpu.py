@@ -6,7 +6,7 @@ and phases checked: a phase nobody waits for fails), the warpgroups' own barrier
 swizzled smem tiles as plain arrays, the PV wgmma (smem A and B), loads and stores of
 smem and of the outputs in gmem, the loop over a split's blocks, the split ranges and the
 masks; uninitialized buffers hold NaN, so a read of memory nobody wrote shows. What it
-does not run (substituted in `fdecode.kernels.mosaic_gpu.kernel._Ops`, proven only by a
+does not run (substituted in `fdecode.kernels.mosaic_gpu.ops.Ops`, proven only by a
 GPU run, `benchmarks/bench_mosaic_gpu.py`): the QK^T wgmma with a transposed smem operand
 (a dot of the same smem tiles here), ``pl.run_state`` accumulation into ``alpha * O`` (a
 fresh accumulator added to it here), register layouts, ``setmaxnreg``, asynchronous wgmma
@@ -16,8 +16,9 @@ Tolerances (`conftest.TOLERANCES`, bfloat16): the reference is float32 over the 
 bf16 inputs; the kernel rounds the softmax weights to bf16 for the PV matmul (relative
 error 2^-9 per weight) and accumulates in float32.
 
-Cost: each interpreted program (one sequence x split x 64 rows) takes a few seconds;
-the file runs 9 programs (about 80 s on one core).
+Cost: the kernel body compiles once per call (`mosaic_gpu_interpret.compiled_once`),
+about 2.5 s of CPU, and each program (one sequence x split x 64 rows) runs in well under
+1 s more; the file runs 11 programs in 4 calls (about 25 s of CPU).
 """
 
 import math
@@ -33,18 +34,10 @@ from fdecode.combine import merge_states
 from fdecode.kernels import mosaic_gpu
 from fdecode.kernels.mosaic_gpu.plan import mla_plan, split_count, unsupported
 
-interpret_gpu = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
-from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: E402
+from mosaic_gpu_interpret import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
 
 DK, DV = 576, 512
-INTERPRET = InterpretGPUParams(detect_races=True)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_interpreter():
-  """A kernel that raised leaves the interpreter's shared state behind: reset it."""
-  yield
-  interpret_gpu.reset_gpu_interpret_mode_state()
+pytestmark = pytest.mark.usefixtures("interpreter")
 
 
 def problem(seed, b, g, s):
@@ -60,8 +53,7 @@ def reference(q, k, lengths):
 
 def run_kernel(q, k, lengths, num_splits=None):
   out, lse = mosaic_gpu.mla_decode(q, k, lengths, num_splits=num_splits, return_lse=True, interpret=INTERPRET)
-  races = interpret_gpu.get_races()
-  assert races is None or not races.races_found, "the Mosaic GPU interpreter detected a data race"
+  assert_no_races()
   return out, lse
 
 
@@ -120,16 +112,25 @@ def test_split_partials_merge_to_the_reference():
   check(out2, lse2, *want)
 
 
-def test_nan_in_a_visible_key_reaches_only_its_rows():
-  """A NaN at position 5: sequence 0 (length 10) sees it, every row NaN; sequence 1
-  (length 5) does not, its rows are the clean reference."""
-  q, k = problem(4, 2, 16, 64)
-  k = k.at[:, :, 5, 7].set(jnp.nan)
-  lengths = jnp.array([10, 5], jnp.int32)
+def test_corruption_a_row_sees_makes_its_whole_row_nan():
+  """Sequence 0 (length 10) sees a NaN key at position 5: every row NaN. Sequences 2 and
+  3 (length 10) see a +inf at position 3 in a *value* column (the latent row's column 300,
+  in warpgroup 1's half of the output, or column 7, in warpgroup 0's) whose q column is
+  negative for every row: the score is -inf, p = 0, and ``0 * inf`` is NaN in that one
+  column of one half's accumulator; the two-way epilogue exchange makes every column of
+  the row (both halves) and its lse NaN. Sequence 1 (length 5; the same NaN and infs at
+  5-7, past its length) is the clean reference."""
+  q, k = problem(4, 4, 16, 64)
+  q = q.at[2:, :, 300].set(-jnp.abs(q[2:, :, 300]) - 0.5).at[2:, :, 7].set(-jnp.abs(q[2:, :, 7]) - 0.5)
+  clean = k
+  k = k.at[0, :, 5, 7].set(jnp.nan).at[2, :, 3, 300].set(jnp.inf).at[3, :, 3, 7].set(jnp.inf)
+  k = k.at[1, :, 5, 7].set(jnp.nan).at[1, :, 6, 300].set(jnp.inf).at[1, :, 7, 7].set(jnp.inf)
+  lengths = jnp.array([10, 5, 10, 10], jnp.int32)
   out, lse = run_kernel(q, k, lengths, num_splits=1)
-  assert np.all(np.isnan(np.asarray(out[0], np.float32)))
-  want_out, want_lse = reference(q[1:], k[1:], lengths[1:])
-  check(out[1:], lse[1:], want_out, want_lse)
+  bad = np.array([0, 2, 3])
+  assert np.all(np.isnan(np.asarray(out[bad], np.float32))) and np.all(np.isnan(np.asarray(lse[bad])))
+  want_out, want_lse = reference(q[1:2], clean[1:2], lengths[1:2])
+  check(out[1:2], lse[1:2], want_out, want_lse)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -189,6 +189,28 @@ def _mla_mosaic_gpu(target):
   sd = target.spec
   fn = lambda q, k, n: mosaic_gpu.mla_decode(q, k, n)
   return fn, (sd((B, 128, 576), jnp.bfloat16), sd((B, 1, S, 576), jnp.bfloat16), sd((B,), jnp.int32))
+
+
+def _rows_mosaic_gpu(target, *, dtype, d=128, t=4, g=16):
+  """The Hopper GQA rows kernel (opt-in: `fdecode.kernels.mosaic_gpu.rows_decode`): T = 4
+  causal tokens x G = 16 query heads = 64 rows per kv head, Hkv = 8, D = 128; bf16, or
+  8-bit with per-token scales (converted to bf16 wgmma operands in shared memory). A
+  Mosaic GPU custom call, proven lowered (not assembled) as the MLA case."""
+  from fdecode.kernels import mosaic_gpu  # pylint: disable=g-import-not-at-top
+  sd = target.spec
+  hkv = 8
+  cache = sd((B, hkv, S, d), dtype)
+  args = [sd((B, t, hkv * g, d), jnp.bfloat16), cache, cache, sd((B,), jnp.int32)]
+  if dtype == jnp.bfloat16:
+    return (lambda q, k, v, n: mosaic_gpu.rows_decode(q, k, v, n)), tuple(args)
+  scale = sd((B, hkv, S, 1), jnp.float32)
+  fn = lambda q, k, v, n, ks, vs: mosaic_gpu.rows_decode(q, k, v, n, k_scale=ks, v_scale=vs)
+  return fn, (*args, scale, scale)
+
+
+CASES["rows-bf16-t4-g16-mosaic-gpu"] = functools.partial(_rows_mosaic_gpu, dtype=jnp.bfloat16)
+CASES["rows-int8-t4-g16-mosaic-gpu"] = functools.partial(_rows_mosaic_gpu, dtype=jnp.int8)
+CASES["rows-fp8-t4-g16-d256-mosaic-gpu"] = functools.partial(_rows_mosaic_gpu, dtype=jnp.float8_e4m3fn, d=256)
 # One kv head, token-major (MQA as Gemma 3 270M holds it, MLA latents): the head-major
 # view is a free reshape on CPU / GPU; Mosaic DMAs [page_size, 1, D] windows in place.
 CASES["nhd-mla-fp8-g16-paged16"] = functools.partial(_mla, g=16, dtype=jnp.float8_e4m3fn, paged=True,
@@ -308,7 +330,8 @@ def _sharded(target, n_dev, head, seq, pod=None):
 CASES["sharded-4dev"] = functools.partial(_sharded, n_dev=4, head=2, seq=2)
 TPU_ONLY = {"sharded-pod-v5e-4x4"}  # a 16-chip, 4-host slice (TPU topology only)
 # Mosaic GPU (Hopper: TMA, wgmma, setmaxnreg) cases: sm_90 targets only.
-SM90_ONLY = {"mla-bf16-g128-mosaic-gpu"}
+SM90_ONLY = {"mla-bf16-g128-mosaic-gpu", "rows-bf16-t4-g16-mosaic-gpu", "rows-int8-t4-g16-mosaic-gpu",
+             "rows-fp8-t4-g16-d256-mosaic-gpu"}
 # Cases whose documented TPU path is XLA, not a kernel: bf16 pages of one token split a
 # 32-bit sublane, which no Mosaic DMA addresses (`fdecode.kernels.mosaic_tpu.plan.dma_unit`);
 # float16 caches, which Mosaic cannot load.

@@ -275,3 +275,21 @@ def test_mla_lowers_to_mosaic_gpu_on_sm90(reports, target, name):
   assert any(c.startswith("mosaic_gpu") for c in report["custom_calls"]), report["custom_calls"]
   assert report["mosaic_gpu_kernels"] == ["fdecode_mla_mosaic_gpu"], report["mosaic_gpu_kernels"]
   assert [k["name"] for k in report["kernels"]] in ([], ["fdecode_combine_triton"]), report["kernels"]
+
+
+ROWS_MOSAIC_GPU = ["rows-bf16-t4-g16-mosaic-gpu", "rows-int8-t4-g16-mosaic-gpu", "rows-fp8-t4-g16-d256-mosaic-gpu"]
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS and chips.GPUS[t].capability == (9, 0)])
+@pytest.mark.parametrize("name", ROWS_MOSAIC_GPU)
+def test_rows_lower_to_mosaic_gpu_on_sm90(reports, target, name):
+  """The GQA rows decode (`fdecode.kernels.mosaic_gpu.rows_decode`: bf16, int8 and e4m3
+  per-token caches, D = 128 and 256, 4 causal tokens x 16 heads) lowers for sm_90 to the
+  Hopper kernel as a Mosaic GPU custom call (register layouts, wgmma operand and dtype
+  conversions are checked by the lowering; ptxas runs when the program loads on a GPU) and
+  no Triton kernel."""
+  report = reports[target][name]
+  assert report["ok"], report.get("error")
+  assert "mosaic_gpu_v2" in report["custom_calls"], report["custom_calls"]
+  assert report["mosaic_gpu_kernels"] == ["fdecode_rows_mosaic_gpu"], report["mosaic_gpu_kernels"]
+  assert report["kernels"] == [], report["kernels"]

@@ -1,14 +1,20 @@
 """Hopper (sm_90) kernels in Pallas' Mosaic GPU backend (TMA + wgmma); opt-in, not yet in
-the default dispatch (Triton stays the GPU default until a GPU measures this faster).
+the default dispatch (Triton stays the GPU default until a GPU measures these faster).
 
-`mla_decode` is the public entry point (the final output, like `fdecode.flash_decode`);
-`mla_plan` decides a launch, `mla_partials` runs it (per-split partial states, the
-states `fdecode.combine.merge_states` merges), `unsupported` names what it cannot
-take.
+`mla_decode` (MLA, one latent kv head) and `rows_decode` (GQA over bf16 or 8-bit
+per-token caches, T new tokens x G query heads as the MMA's rows) are the public entry
+points (the final output, like `fdecode.flash_decode`). `mla_plan` / `rows_plan` decide a
+launch, `mla_partials` / `rows_partials` run it (per-split partial states, the states
+`fdecode.combine.merge_states` merges), `unsupported` / `rows_unsupported` name what
+each cannot take.
 """
 
 from fdecode.kernels.mosaic_gpu.api import mla_decode
 from fdecode.kernels.mosaic_gpu.kernel import mla_partials, mla_states
 from fdecode.kernels.mosaic_gpu.plan import MlaPlan, mla_plan, unsupported
+from fdecode.kernels.mosaic_gpu.rows_api import rows_decode
+from fdecode.kernels.mosaic_gpu.rows_kernel import rows_partials, rows_states
+from fdecode.kernels.mosaic_gpu.rows_plan import RowsPlan, rows_plan, rows_unsupported
 
-__all__ = ["MlaPlan", "mla_decode", "mla_partials", "mla_plan", "mla_states", "unsupported"]
+__all__ = ["MlaPlan", "RowsPlan", "mla_decode", "mla_partials", "mla_plan", "mla_states", "rows_decode",
+           "rows_partials", "rows_plan", "rows_states", "rows_unsupported", "unsupported"]

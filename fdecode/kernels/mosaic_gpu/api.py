@@ -38,8 +38,10 @@ def mla_decode(q, k, lengths, *, softmax_scale=None, num_splits=None, return_lse
 
   Returns:
     out ``[B, (1,) G, 512]`` in q.dtype (and lse): a row with no visible key gives 0
-    (lse -inf). NaN in a key or value a sequence sees makes its rows NaN; slots at or
-    past its length never reach the output, whatever they hold.
+    (lse -inf). A NaN key or value, a NaN or +inf score, or an inf value that a
+    sequence sees makes every column of its rows' out and their lse NaN
+    (docs/semantics.md "Corruption a query sees propagates"); slots at or past its
+    length never reach the output, whatever they hold.
 
   Raises:
     ValueError: shapes or dtypes the kernel does not take (`unsupported` names why), or

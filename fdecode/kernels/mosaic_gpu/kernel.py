@@ -21,16 +21,23 @@ Semantics (the per-split states of every fdecode kernel, `fdecode.combine`): a r
 visible key gives o = 0, lse = -inf (decided from the positions: l == 0); dead slots
 (past the sequence's end, before a block's start in the overlapped tail load) are
 selected away: their scores to a finite mask value, their probabilities to 0, and their
-value rows in shared memory to 0 before the PV wgmma (``0 * NaN`` would be NaN); a NaN a
-row sees propagates to its row. Blocks at or past the end are never loaded. The last
+value rows in shared memory to 0 before the PV wgmma (``0 * NaN`` would be NaN).
+Corruption a row sees propagates to the whole row (docs/semantics.md): a NaN key or value,
+or a NaN / +inf score, makes its scores, m and l NaN; an inf value at a score of -inf
+(p = 0: ``0 * inf``) or a value overflow reaches only some columns of one warpgroup's
+accumulator, so the epilogue exchanges per-row flags both ways (`_finish`): a row whose
+accumulator holds an inf or NaN in either half gets ``l = NaN``, and every column of its
+out and its lse are NaN, as `fdecode.kernels.common.block.finalize` does. Blocks at or
+past the end are never loaded. The last
 block of a cache whose S is not a multiple of bk is loaded from ``S - bk`` (TMA reads
 whole tiles) and its slots before the block's start are dead.
 
 Interpreted (`jax._src.pallas.mosaic_gpu.interpret`, CPU), the same body runs with two
-substitutions that jax 0.10.2's interpreter needs (`_Ops`): layout casts are no-ops, Q K^T
-is a dot of the two smem tiles (its wgmma takes no transposed operand), and the PV wgmma
-accumulates into a fresh accumulator added to ``alpha * O`` instead of into ``alpha * O``
-itself (``pl.run_state``, which that interpreter cannot run).
+substitutions that jax 0.10.2's interpreter needs (`fdecode.kernels.mosaic_gpu.ops.Ops`):
+layout casts are no-ops, Q K^T is a dot of the two smem tiles (its wgmma takes no
+transposed operand), and the PV wgmma accumulates into a fresh accumulator added to
+``alpha * O`` instead of into ``alpha * O`` itself (``pl.run_state``, which that
+interpreter cannot run).
 
 JAX versions: written against jax 0.10.2 (CI) and run on an H200 with jax 0.11.2 (the GPU
 machines'), with only APIs present in both with the same meaning: ``plgpu.kernel(body,
@@ -52,7 +59,6 @@ which 0.11.2 keeps); its ``plgpu.kernel`` lowers through ``mpmd_map`` instead of
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -64,61 +70,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fdecode.combine import MASK_VALUE
 from fdecode.kernels.common import block as blk
+from fdecode.kernels.mosaic_gpu.ops import Ops
 from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS, DK, DV, HALF_DV, SWIZZLE, MlaPlan
 from fdecode.kernels.common.modifiers import Modifiers
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _TILE_COLS = SWIZZLE // 2  # bf16 columns of one swizzled tile row
-
-
-@dataclasses.dataclass(frozen=True)
-class _Ops:
-  """The few operations whose form differs between the compiled kernel and jax 0.10.2's
-  Mosaic GPU interpreter (layouts mean nothing there; it cannot run ``pl.run_state``)."""
-  interpret: bool
-
-  def rows(self, x):
-    """A ``[64]`` row vector in the layout of a wgmma accumulator's rows."""
-    return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
-
-  def tile(self, x):
-    return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
-
-  def iota(self, shape, dim):
-    if self.interpret:
-      return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-  def load_rows(self, ref):
-    """A ``[64]`` float32 smem vector -> the accumulator's row layout."""
-    if self.interpret:
-      return ref[...]
-    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-
-  def qk(self, q_ref, k_ref):
-    """float32 ``Q K^T`` ``[64, bk]`` of Q ``[64, 576]`` and K ``[bk, 576]`` in smem."""
-    if self.interpret:  # its wgmma takes no transposed operand
-      return lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-
-    def scores(acc_ref):
-      plgpu.wgmma(acc_ref, q_ref, k_ref.transpose((1, 0)))
-      return acc_ref[...]
-    return pl.run_scoped(scores, plgpu.ACC((q_ref.shape[0], k_ref.shape[0]), jnp.float32))
-
-  def pv(self, acc, alpha, p_ref, v_ref):
-    """``alpha[:, None] * acc + P V`` with P ``[64, bk]`` and V ``[bk, 256]`` in smem."""
-    scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    if self.interpret:
-      def fresh(acc_ref):
-        plgpu.wgmma(acc_ref, p_ref, v_ref)
-        return acc_ref[...]
-      return scaled + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
-
-    def accumulate(acc_ref):
-      plgpu.wgmma(acc_ref, p_ref, v_ref)
-    return pl.run_state(accumulate)(plgpu.ACC.init(scaled))
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 def _select_dead_values(k_tile, ld, start, live_end, ops):
@@ -133,31 +92,48 @@ def _select_dead_values(k_tile, ld, start, live_end, ops):
     tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
 
 
-def _finish(half, acc, m, l, rows_smem, done, o_tile, lse_rows, ops):
-  """Warpgroup ``half``'s epilogue: warpgroup 0 hands its row max ``m`` and sum ``l`` to 1
-  through ``rows_smem``; each normalizes its half of the output into ``o_tile``; warpgroup
-  0 writes the lse (-inf for rows that saw no key: out 0)."""
-  if half == 0:
+def _corrupt_rows(acc):
+  """float32 ``[64]``: 1 where row r of the accumulator tile holds an inf or NaN
+  (``abs(x) <= max`` is False for both: `fdecode.combine.corrupt_rows` as a row max)."""
+  return jnp.where(jnp.abs(acc) <= _F32_MAX, 0.0, 1.0).max(axis=1)
+
+
+def _finish(half, acc, m, l, rows_smem, flags, done, o_tile, lse_rows, ops):
+  """Warpgroup ``half``'s epilogue, a two-way exchange through ``rows_smem``: warpgroup 1
+  hands its per-row corruption flag (its half of the accumulator non-finite) to 0 (row 0,
+  barrier ``flags``); warpgroup 0 sets ``l = NaN`` in the rows either half flags and hands
+  ``m`` and that ``l`` to 1 (rows 1, 2, barrier ``done``); each normalizes its half of the
+  output into ``o_tile``; warpgroup 0 writes the lse (-inf for rows that saw no key: out
+  0; NaN for a corrupt row, with every column of its out). Warpgroup 1 arrives before it
+  waits, so neither waits on the other in a cycle."""
+  bad = _corrupt_rows(acc)
+  if half == 1:
+    rows_smem.at[0][...] = bad  # row 0 (alpha) is free: warpgroup 1 read the last one
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(flags)
+    plgpu.barrier_wait(done)
+    m, l = ops.load_rows(rows_smem.at[1]), ops.load_rows(rows_smem.at[2])
+  else:
+    plgpu.barrier_wait(flags)
+    bad = jnp.maximum(bad, ops.load_rows(rows_smem.at[0]))
+    l = jnp.where(bad > 0.0, jnp.nan, l)
     rows_smem.at[1][...] = m
     rows_smem.at[2][...] = l
     plgpu.commit_smem()
     plgpu.barrier_arrive(done)
-  else:
-    plgpu.barrier_wait(done)
-    m, l = ops.load_rows(rows_smem.at[1]), ops.load_rows(rows_smem.at[2])
-  empty = l == 0.0
+  empty = l == 0.0  # False for NaN: a corrupt row is not empty
   o_tile[...] = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
   if half == 0:
     lse_rows[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
 
 
 def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows_smem, barriers, *,
-            plan: MlaPlan, ops: _Ops):
+            plan: MlaPlan, ops: Ops):
   # ends_ref i32[B]; q_ref bf16[B, R_p, 576]; k_ref bf16[B, S_c, 576];
   # o_ref f32[B, n_splits, R_p, 512]; lse_ref f32[B, n_splits, R_p];
   # q_smem [64, 576]; k_smem [stages, bk, 576]; p_smem bf16[64, bk]; rows_smem f32[3, 64]:
-  # P's row rescale alpha, then the final m and l (warpgroup 0 -> 1).
-  q_bar, k_full, k_free, p_full, p_free, done = barriers
+  # P's row rescale alpha (then warpgroup 1's corrupt-row flags, 1 -> 0), the final m and l (0 -> 1).
+  q_bar, k_full, k_free, p_full, p_free, done, flags = barriers
   bk, stages = plan.block, plan.stages
   row_block = lax.axis_index("rows")
   split = lax.axis_index("split")
@@ -246,7 +222,7 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
 
     acc, m, l = lax.fori_loop(0, steps, step_body, (acc0, m0, l0))
     out_rows = pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)
-    _finish(half, acc, m, l, rows_smem, done.at[0], o_ref.at[b, split, out_rows, pl.ds(half * HALF_DV, HALF_DV)],
+    _finish(half, acc, m, l, rows_smem, flags.at[0], done.at[0], o_ref.at[b, split, out_rows, pl.ds(half * HALF_DV, HALF_DV)],
             lse_ref.at[b, split, out_rows], ops)
 
   pl.when(wg == 0)(functools.partial(compute, 0))
@@ -279,11 +255,12 @@ def mla_states(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
        plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),            # K slot released
        plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # P written
        plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # P read (warpgroup 1)
-       plgpu.Barrier(num_arrivals=1, num_barriers=1)),                     # final m, l written
+       plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # final m, l written
+       plgpu.Barrier(num_arrivals=1, num_barriers=1)),                     # warpgroup 1's row flags written
   ]
   interpreted = interpret is not None and interpret is not False
   kernel = plgpu.kernel(
-      functools.partial(_kernel, plan=plan, ops=_Ops(interpreted)),
+      functools.partial(_kernel, plan=plan, ops=Ops(interpreted)),
       out_type=(jax.ShapeDtypeStruct((b, plan.num_splits, plan.rows_padded, DV), jnp.float32),
                 jax.ShapeDtypeStruct((b, plan.num_splits, plan.rows_padded), jnp.float32)),
       scratch_types=scratch,
@@ -310,7 +287,8 @@ def mla_partials(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
     k: bf16 ``[B, 1, S, 576]`` latent cache; the values are its first 512 columns.
     plan: `fdecode.kernels.mosaic_gpu.plan.mla_plan` for these shapes.
     interpret: None / False: compiled for the GPU (sm_90a); an ``InterpretGPUParams``:
-      jax's Mosaic GPU interpreter (CPU), with the substitutions of `_Ops`.
+      jax's Mosaic GPU interpreter (CPU), with the substitutions of
+      `fdecode.kernels.mosaic_gpu.ops.Ops`.
 
   Returns:
     ``(o, lse)``: float32 ``[B, 1, n_splits, R, 512]`` and ``[B, 1, n_splits, R]``

@@ -85,7 +85,7 @@ class MlaPlan:
     k = self.stages * self.block * DK * _BF16
     p = BLOCK_ROWS * self.block * _BF16
     scales = 3 * BLOCK_ROWS * 4
-    barriers = 8 * (2 * self.stages + 4)
+    barriers = 8 * (2 * self.stages + 5)  # Q, K landed / released, P written / read, m / l, flags
     return q + k + p + scales + barriers
 
 

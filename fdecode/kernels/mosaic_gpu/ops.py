@@ -1,0 +1,72 @@
+"""The few operations whose form differs between a compiled Hopper kernel and jax 0.10.2's
+Mosaic GPU interpreter, shared by the MLA kernel (`fdecode.kernels.mosaic_gpu.kernel`) and
+the GQA rows kernel (`fdecode.kernels.mosaic_gpu.rows_kernel`).
+
+Interpreted, layouts mean nothing (casts are no-ops, iotas and loads are plain), its wgmma
+takes no transposed smem operand (Q K^T is a dot of the two smem tiles) and it cannot run
+``pl.run_state`` (the PV wgmma accumulates into a fresh accumulator added to ``alpha * O``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+  """Compiled (``interpret=False``) or interpreted forms of the layout-bound operations."""
+  interpret: bool
+
+  def rows(self, x):
+    """A ``[64]`` row vector in the layout of a wgmma accumulator's rows."""
+    return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
+
+  def tile(self, x):
+    return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+  def iota(self, shape, dim):
+    if self.interpret:
+      return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+  def load_rows(self, ref):
+    """A ``[64]`` float32 smem vector -> the accumulator's row layout."""
+    if self.interpret:
+      return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+  def load_cols(self, ref):
+    """A ``[bk]`` float32 smem vector -> the layout of a wgmma accumulator's columns
+    (broadcast along its rows with ``broadcast_in_dim(x, shape, [1])``)."""
+    if self.interpret:
+      return ref[...]
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+
+  def qk(self, q_ref, k_ref):
+    """float32 ``Q K^T`` ``[64, bk]`` of Q ``[64, D]`` and K ``[bk, D]`` in smem."""
+    if self.interpret:  # its wgmma takes no transposed operand
+      return lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+    def scores(acc_ref):
+      plgpu.wgmma(acc_ref, q_ref, k_ref.transpose((1, 0)))
+      return acc_ref[...]
+    return pl.run_scoped(scores, plgpu.ACC((q_ref.shape[0], k_ref.shape[0]), jnp.float32))
+
+  def pv(self, acc, alpha, p_ref, v_ref):
+    """``alpha[:, None] * acc + P V`` with P ``[64, bk]`` and V ``[bk, Dv]`` in smem."""
+    scaled = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    if self.interpret:
+      def fresh(acc_ref):
+        plgpu.wgmma(acc_ref, p_ref, v_ref)
+        return acc_ref[...]
+      return scaled + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+    def accumulate(acc_ref):
+      plgpu.wgmma(acc_ref, p_ref, v_ref)
+    return pl.run_state(accumulate)(plgpu.ACC.init(scaled))

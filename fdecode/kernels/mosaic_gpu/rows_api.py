@@ -1,0 +1,100 @@
+"""`rows_decode`: the opt-in entry point of the Hopper GQA rows kernel (not in the default
+dispatch: `fdecode.flash_decode` keeps the Triton kernel on GPU until a GPU measures this
+path faster)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from fdecode.combine import merge_states
+from fdecode.kernels.common.quant import canonical_scale
+from fdecode.kernels.mosaic_gpu.rows_kernel import rows_partials
+from fdecode.kernels.mosaic_gpu.rows_plan import rows_plan, rows_unsupported
+from fdecode.validation import as_array, check_concrete_lengths, static_scale, to_int32
+
+_CALLER = "rows_decode"
+
+
+def _per_token(scale, k_shape, name):
+  """A scale fdecode takes for an 8-bit cache (`canonical_scale`) with one tile per row
+  (per token, per head or per tensor), as float32 ``[B, Hkv, S, 1]``."""
+  scale = canonical_scale(scale, k_shape, name, _CALLER)
+  if scale.shape[-1] != 1:
+    raise ValueError(f"{_CALLER}: {name} must have one scale per token (last axis 1), got "
+                     f"{name}.shape={tuple(scale.shape)}")
+  return jnp.broadcast_to(scale, (*k_shape[:3], 1))
+
+
+def rows_decode(q, k, v, lengths, *, k_scale=None, v_scale=None, softmax_scale=None, num_splits=None,
+                return_lse=False, interpret=None):
+  """GQA decode of T new tokens over a contiguous cache on Hopper (TMA + wgmma, Mosaic GPU).
+
+  The same result as ``flash_decode(q, k, v, lengths, k_scale=, v_scale=)`` (within
+  bfloat16 tolerance). Each program of the kernel takes 64 query rows (T new tokens x G
+  query heads of one kv head), so the tensor cores pay where ``T * G >= 64``. Legend:
+  B batch, T new tokens, Hq query heads, Hkv kv heads, G = Hq / Hkv, S cache capacity, D
+  head dim.
+
+  Args:
+    q: bf16 ``[B, Hq, D]`` (T = 1) or ``[B, T, Hq, D]``: the last T positions of each
+      sequence, causal among themselves (token t sees keys ``< lengths - T + t + 1``).
+    k, v: ``[B, Hkv, S, D]`` head-major contiguous caches, D in 64 / 128 / 256, Hkv
+      dividing Hq: bf16, or both int8 or both float8_e4m3fn with scales.
+    lengths: int ``[B]`` valid tokens per sequence, new ones included, in ``[0, S]``
+      (concrete values outside raise ValueError; traced ones are clipped).
+    k_scale, v_scale: for 8-bit caches, float32 per-token scales ``[B, Hkv, S, 1]`` (or
+      broadcastable: ``[1, Hkv, 1, 1]`` per head, a scalar per tensor); the real key is
+      ``k * k_scale`` (`fdecode.kernels.common.quant`). None for bf16.
+    softmax_scale: static float, default ``1 / sqrt(D)``.
+    num_splits: None (fill the GPU's SMs) or a positive int.
+    return_lse: also return the natural-log LSE, float32 ``[B, (T,) Hq]``.
+    interpret: None / False: compiled for the GPU; a Mosaic GPU ``InterpretGPUParams``:
+      the kernel on CPU under jax's Mosaic GPU interpreter.
+
+  Returns:
+    out ``[B, (T,) Hq, D]`` bf16 (and lse): a row with no visible key gives 0 (lse
+    -inf). A NaN key, value or scale, a NaN or +inf score, or an inf value that a row
+    sees makes every column of that row's out and its lse NaN (docs/semantics.md
+    "Corruption a query sees propagates"), and only that row's; slots a row does not
+    see never reach it, whatever they hold.
+
+  Raises:
+    ValueError: what the kernel does not take (`rows_unsupported` names why), scales
+      of the wrong shape, or concrete lengths outside ``[0, S]``.
+  """
+  q, k, v, lengths = (as_array(n, x, _CALLER) for n, x in (("q", q), ("k", k), ("v", v), ("lengths", lengths)))
+  scales = k_scale is not None or v_scale is not None
+  reason = rows_unsupported(q_shape=q.shape, q_dtype=q.dtype, k_shape=k.shape, k_dtype=k.dtype, v_shape=v.shape,
+                            v_dtype=v.dtype, scales=scales)
+  if reason:
+    raise ValueError(f"{_CALLER}: {reason}")
+  if scales and (k_scale is None or v_scale is None):
+    raise ValueError(f"{_CALLER}: an 8-bit cache needs both k_scale and v_scale, got only "
+                     f"{'k_scale' if v_scale is None else 'v_scale'}")
+  single = q.ndim == 3
+  q4 = q[:, None] if single else q
+  b, t, hq, d = q4.shape
+  _, hkv, s, _ = k.shape
+  if np.shape(lengths) != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"{_CALLER}: lengths must be integer [B] with B={b}, got shape {np.shape(lengths)}, "
+                     f"dtype {lengths.dtype}")
+  check_concrete_lengths(lengths, s, _CALLER)
+  if scales:
+    k_scale, v_scale = _per_token(k_scale, k.shape, "k_scale"), _per_token(v_scale, v.shape, "v_scale")
+  g = hq // hkv
+  plan = rows_plan(batch=b, kv_heads=hkv, num_tokens=t, group=g, head_dim=d, seq_len=s,
+                   softmax_scale=static_scale(softmax_scale, d, _CALLER), cache_dtype=k.dtype,
+                   num_splits=num_splits)
+  # rows r = t * G + g of kv head h: query head h * G + g of token t
+  q_rows = q4.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
+  o, lse = rows_partials(q_rows, to_int32(lengths), k, v, k_scale, v_scale, plan=plan, interpret=interpret)
+  if plan.num_splits == 1:  # one split's state is already the final one
+    o, lse = o[:, :, 0], lse[:, :, 0]
+  else:
+    o, lse = merge_states(o, lse, axis=2)  # [B, Hkv, R, D], [B, Hkv, R]
+  out = o.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
+  lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
+  if single:
+    out, lse = out[:, 0], lse[:, 0]
+  return (out, lse) if return_lse else out

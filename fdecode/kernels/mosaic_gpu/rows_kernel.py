@@ -1,0 +1,331 @@
+"""Hopper (sm_90) GQA decode kernel in Pallas' Mosaic GPU backend: TMA + wgmma over query
+rows, for bf16 and 8-bit (int8 / float8_e4m3fn, per-token scales) contiguous caches.
+
+One program owns 64 query rows (``row r = t*G + g``: the T new tokens x G query heads of
+one kv head of one sequence; one wgmma M tile) and one split (a contiguous range of
+``bk``-token blocks) of that sequence, and runs two warpgroups:
+
+* warpgroup 1 (memory, 40 registers): TMA copies of Q (64 x D) once and, per block, of K
+  and V (bk x D each; 8-bit: also the bk per-token scales of each) into a ring of
+  ``stages`` swizzled shared-memory slots, refilling a slot when warpgroup 0 released it;
+* warpgroup 0 (compute): per block, prepares the K / V operands (below), S = Q K^T by
+  wgmma, the scales and the mask, the online softmax in the exp2 domain, P (bf16) into
+  shared memory, O = alpha * O + P V by wgmma; at the end one normalized partial state
+  per row (`fdecode.combine.merge_states` merges the splits).
+
+8-bit caches: the 8-bit K / V tiles are converted to bf16 (exact for int8 and e4m3) into
+one bf16 K and one bf16 V tile, the wgmma operands; the per-token scales are never
+applied to a tile: ``k_scale[j]`` multiplies column j of S, ``v_scale[j]`` column j of P
+(after the row sum l, which needs the unscaled probabilities), each before the select.
+
+Semantics (every fdecode kernel's, `fdecode.kernels.common.block`): row r sees key j iff
+``j < clip(L - T + t + 1, 0, L)`` (causal over the new tokens, L = the length clipped to
+``[0, S]``); padding rows see nothing. A row with no visible key (decided from the
+positions) gives o = 0, lse = -inf. A dead slot (past L, or before a block's start in the
+overlapped tail load) is selected away: its score to a finite mask value, its
+probability to 0, its value row in shared memory to 0 before the PV wgmma.
+
+The NaN / visibility rule (T > 1, ``RowsPlan.guarded``). The PV wgmma shares each value
+row among the 64 rows of a program, and ``0 * NaN`` is NaN: a non-finite value at a slot
+that one row sees and another does not would reach both. So, in the blocks that hold such
+slots (those reaching past ``L - T``; for 8-bit caches in every block, the conversion
+pass being there anyway), a value row holding an inf or NaN (after the bf16 conversion)
+*poisons its key row* (the K operand's row becomes NaN, so column j of S is NaN for every
+row) and is itself selected to 0. The score select then decides per row, like any
+score: a row that sees slot j gets a NaN score and turns NaN (out and lse), a row that
+does not sees the mask value and stays exact. NaN in a visible key, a visible scale or q
+propagates through the scores or P directly. With T = 1 every real row sees the same
+slots, and a non-finite visible value reaches its rows' accumulators through P V by itself
+(in one column, or as ``0 * inf`` where P is 0).
+
+Corruption a row sees propagates to the whole row (docs/semantics.md): in the epilogue a
+row whose accumulator holds an inf or NaN gets ``l = NaN`` before the normalization, so
+every column of its out and its lse are NaN (`fdecode.kernels.common.block.finalize`'s
+rule), whatever path the value took. The T > 1 guard stays: it is what keeps a value that
+one row sees out of the accumulator of a row that does not.
+
+Interpreted (`jax._src.pallas.mosaic_gpu.interpret`, CPU), the body runs with the
+substitutions of `fdecode.kernels.mosaic_gpu.ops.Ops` (as the MLA kernel); the API subset
+(jax 0.10.2 and 0.11.2) is the MLA kernel's (`fdecode.kernels.mosaic_gpu.kernel`), plus
+``plgpu.load`` with ``Layout.WGMMA.reduce(0)`` (the scales as column vectors).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fdecode.combine import MASK_VALUE
+from fdecode.kernels.common import block as blk
+from fdecode.kernels.common.modifiers import Modifiers
+from fdecode.kernels.mosaic_gpu.ops import Ops
+from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS
+from fdecode.kernels.mosaic_gpu.rows_plan import RowsPlan
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_COLS = 64  # columns of one swizzled smem tile (128 B of bf16, 64 B of 8-bit)
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+def _to_bf16(x):
+  """A loaded tile as bf16, exactly: int8 directly; float8_e4m3fn through float16 (Hopper
+  converts e4m3 only to f16 in hardware; every e4m3 value, NaN included, is an f16 and a
+  bf16)."""
+  if x.dtype == jnp.float8_e4m3fn:
+    x = x.astype(jnp.float16)
+  return x.astype(jnp.bfloat16)
+
+
+def _bad_value_rows(v_tile):
+  """float32 ``[bk]``: 1 where value row j of ``v_tile`` [bk, D] holds an inf or NaN
+  (``abs(x) <= max`` is False for both), else 0."""
+  bk, d = v_tile.shape
+  bad = None
+  for c in range(d // _COLS):
+    v = _to_bf16(v_tile.at[:, pl.ds(c * _COLS, _COLS)][...]).astype(jnp.float32)
+    row = jnp.where(jnp.abs(v) <= _F32_MAX, 0.0, 1.0).max(axis=1)
+    bad = row if bad is None else jnp.maximum(bad, row)
+  return bad
+
+
+def _prepare_operands(k_src, v_src, k_dst, v_dst, ld, start, live_end, *, guard: bool, ops: Ops):
+  """The K / V wgmma operands of one block loaded from ``ld``: ``k_dst`` / ``v_dst``
+  [bk, D] bf16 get ``k_src`` / ``v_src`` as bf16 (8-bit: converted; bf16: in place, the
+  same refs), value rows of dead slots (before ``start``, at / past ``live_end``)
+  selected to 0; ``guard``: non-finite value rows selected to 0 and their key rows to
+  NaN (the module docstring's rule)."""
+  bk, d = k_src.shape
+  pos = ld + ops.iota((bk, _COLS), 0)
+  keep = (pos >= start) & (pos < live_end)
+  poison = None
+  if guard:
+    poison = lax.broadcast_in_dim(_bad_value_rows(v_src), (bk, _COLS), [0]) > 0.0
+    keep = keep & ~poison
+  for c in range(d // _COLS):
+    cols = pl.ds(c * _COLS, _COLS)
+    if guard or k_dst is not k_src:
+      kc = _to_bf16(k_src.at[:, cols][...])
+      if guard:
+        kc = jnp.where(poison, jnp.array(jnp.nan, jnp.bfloat16), kc)
+      k_dst.at[:, cols][...] = kc
+    vc = _to_bf16(v_src.at[:, cols][...])
+    v_dst.at[:, cols][...] = jnp.where(keep, vc, jnp.zeros_like(vc))
+
+
+def _row_limits(row_block, live_end, plan: RowsPlan, ops: Ops, bk: int):
+  """int32 ``[64, bk]``: the key position row r of the program stops before (causal:
+  ``L - T + t + 1`` clipped to ``[0, L]``; 0 for padding rows), broadcast along a block."""
+  r = row_block * BLOCK_ROWS + ops.iota((BLOCK_ROWS, bk), 0)
+  hi = jnp.clip(live_end - plan.num_tokens + r // plan.group + 1, 0, live_end)
+  return jnp.where(r < plan.rows, hi, 0)
+
+
+def _online_softmax(s, visible, m, l, seen, k_scale, v_scale, softmax_scale: float):
+  """One block of the online softmax (exp2 domain) over scores ``s`` float32 [64, bk].
+
+  ``visible`` bool [64, bk] (row r may see slot j); ``m``, ``l``, ``seen`` [64]: the
+  running max, sum and whether the row saw a key; ``k_scale`` / ``v_scale``: [bk] column
+  vectors (8-bit caches) or None: k_scale multiplies column j of S before the select,
+  v_scale column j of P after the row sum (l sums the unscaled probabilities), then a
+  select again (a dead slot's scale is garbage). Returns (P for the PV wgmma, alpha, m,
+  l, seen)."""
+  if k_scale is not None:
+    s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
+  s = jnp.where(visible, s * (softmax_scale * _LOG2E), MASK_VALUE)
+  m_new = jnp.maximum(m, s.max(axis=1))
+  alpha = jnp.exp2(m - m_new)
+  p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+  l = l * alpha + p.sum(axis=1)
+  seen = jnp.maximum(seen, jnp.where(visible, 1.0, 0.0).max(axis=1))
+  if v_scale is not None:
+    p = jnp.where(visible, p * lax.broadcast_in_dim(v_scale, s.shape, [1]), 0.0)
+  return p, alpha, m_new, l, seen
+
+
+def _write_state(acc, m, l, seen, o_tile, lse_rows):
+  """One split's normalized state of 64 rows: ``o_tile`` [64, D] = acc / l, ``lse_rows``
+  [64] natural-log LSE; a row that saw no key in the split (from the positions): 0, -inf.
+  A row whose ``acc`` holds an inf or NaN (a non-finite value it sees, through P V) gets
+  ``l = NaN`` first, so every column of its out and its lse are NaN
+  (`fdecode.combine.corrupt_rows`, as a row reduction of the accumulator tile)."""
+  corrupt = jnp.where(jnp.abs(acc) <= _F32_MAX, 0.0, 1.0).max(axis=1) > 0.0
+  l = jnp.where(corrupt, jnp.nan, l)
+  empty = seen == 0.0
+  o_tile[...] = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
+  lse_rows[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+
+
+def _kernel(ends_ref, q_ref, k_ref, v_ref, *refs, plan: RowsPlan, ops: Ops):
+  # ends_ref i32[B]; q_ref bf16[B*Hkv, R_p, D]; k_ref, v_ref [B*Hkv, S_c, D] (bf16 or 8-bit);
+  # 8-bit: ks_ref, vs_ref f32[B*Hkv, S_c]; o_ref f32[B*Hkv, n, R_p, D]; lse_ref f32[B*Hkv, n, R_p];
+  # smem: Q [64, D]; K, V [stages, bk, D]; 8-bit: bf16 K, V operands [bk, D], scales
+  # f32[2, stages, bk]; P bf16[64, bk].
+  if plan.quantized:
+    ks_ref, vs_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, kb_smem, vb_smem, sc_smem, p_smem, bars = refs
+  else:
+    o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, bars = refs
+  q_bar, k_full, v_full, s_full, free = bars
+  bk, stages = plan.block, plan.stages
+  row_block, split, bh = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("bh")
+  live_end = jnp.clip(ends_ref[bh // plan.kv_heads], 0, plan.seq_len)
+  first, last = blk.split_range(live_end, split, plan.num_splits, plan.num_tokens, plan.seq_len, bk, Modifiers())
+  steps = jnp.maximum(last - first, 0)
+  load_start = lambda j: jnp.minimum(j * bk, plan.cache_rows - bk)
+
+  def copy_block(step, slot):
+    rows = pl.ds(load_start(first + step), bk)
+    plgpu.copy_gmem_to_smem(k_ref.at[bh, rows], k_smem.at[slot], k_full.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[bh, rows], v_smem.at[slot], v_full.at[slot])
+    if plan.quantized:
+      plgpu.copy_gmem_to_smem(ks_ref.at[bh, rows], sc_smem.at[0, slot], s_full.at[slot])
+      plgpu.copy_gmem_to_smem(vs_ref.at[bh, rows], sc_smem.at[1, slot], s_full.at[stages + slot])
+
+  @pl.when(lax.axis_index("wg") == 1)
+  def _memory():
+    plgpu.set_max_registers(plan.memory_registers, action="decrease")
+
+    @pl.when(steps > 0)
+    def _():
+      plgpu.copy_gmem_to_smem(q_ref.at[bh, pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)], q_smem, q_bar.at[0])
+
+    for i in range(stages):
+      pl.when(i < steps)(functools.partial(copy_block, i, i))
+
+    @pl.loop(stages, steps)
+    def _(step):
+      slot = lax.rem(step, stages)
+      plgpu.barrier_wait(free.at[slot])
+      copy_block(step, slot)
+
+  @pl.when(lax.axis_index("wg") == 0)
+  def _compute():
+    plgpu.set_max_registers(plan.compute_registers, action="increase")
+    hi = _row_limits(row_block, live_end, plan, ops, bk)
+    band = live_end - (plan.num_tokens - 1)  # slots at or past it: seen by some rows only
+
+    @pl.when(steps > 0)
+    def _():
+      plgpu.barrier_wait(q_bar.at[0])
+
+    def step_body(step, carry):
+      acc, m, l, seen = carry
+      slot = lax.rem(step, stages)
+      start = (first + step) * bk
+      ld = load_start(first + step)
+      plgpu.barrier_wait(k_full.at[slot])
+      plgpu.barrier_wait(v_full.at[slot])
+      prepare = functools.partial(_prepare_operands, ld=ld, start=start, live_end=live_end,
+                                  guard=plan.guarded, ops=ops)
+      if plan.quantized:
+        plgpu.barrier_wait(s_full.at[slot])
+        plgpu.barrier_wait(s_full.at[stages + slot])
+        prepare(k_smem.at[slot], v_smem.at[slot], kb_smem, vb_smem)
+        k_op, v_op = kb_smem, vb_smem
+      else:
+        k_op, v_op = k_smem.at[slot], v_smem.at[slot]
+        touched = (ld < start) | (ld + bk > live_end) | (ld + bk > band if plan.guarded else False)
+        pl.when(touched)(functools.partial(prepare, k_op, v_op, k_op, v_op))
+      plgpu.commit_smem()
+      s = ops.qk(q_smem, k_op)
+      pos = ld + ops.iota((BLOCK_ROWS, bk), 1)
+      visible = (pos >= start) & (pos < hi)
+      cols = (lambda i: ops.load_cols(sc_smem.at[i, slot])) if plan.quantized else (lambda i: None)
+      p, alpha, m, l, seen = _online_softmax(s, visible, m, l, seen, cols(0), cols(1), plan.softmax_scale)
+      p_smem[...] = p.astype(p_smem.dtype)
+      plgpu.commit_smem()
+      acc = ops.pv(acc, alpha, p_smem, v_op)
+      # Release the slot only where it is written again: a barrier phase nobody waits
+      # for would be left behind (the interpreter rejects that).
+      pl.when(step + stages < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
+      return acc, m, l, seen
+
+    init = (ops.tile(jnp.zeros((BLOCK_ROWS, plan.head_dim), jnp.float32)),
+            ops.rows(jnp.full((BLOCK_ROWS,), MASK_VALUE, jnp.float32)),
+            ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32)), ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32)))
+    acc, m, l, seen = lax.fori_loop(0, steps, step_body, init)
+    out_rows = pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)
+    _write_state(acc, m, l, seen, o_ref.at[bh, split, out_rows], lse_ref.at[bh, split, out_rows])
+
+
+def _scratch(plan: RowsPlan):
+  d, bk, st = plan.head_dim, plan.block, plan.stages
+  tiled = (plgpu.TilingTransform((8, _COLS)), plgpu.SwizzleTransform(2 * _COLS))
+  barriers = (plgpu.Barrier(num_barriers=1),                      # Q landed
+              plgpu.Barrier(num_barriers=st),                     # K slot landed
+              plgpu.Barrier(num_barriers=st),                     # V slot landed
+              plgpu.Barrier(num_barriers=2 * st),                 # k / v scales of a slot landed
+              plgpu.Barrier(num_arrivals=1, num_barriers=st))     # slot released
+  q = plgpu.SMEM((BLOCK_ROWS, d), jnp.bfloat16, transforms=tiled)
+  p = plgpu.SMEM((BLOCK_ROWS, bk), jnp.bfloat16, transforms=tiled)
+  if not plan.quantized:
+    kv = plgpu.SMEM((st, bk, d), jnp.bfloat16, transforms=tiled)
+    return [q, kv, kv, p, barriers]
+  tiled8 = (plgpu.TilingTransform((8, _COLS)), plgpu.SwizzleTransform(_COLS))
+  kv8 = plgpu.SMEM((st, bk, d), jnp.dtype(plan.cache_dtype), transforms=tiled8)
+  op = plgpu.SMEM((bk, d), jnp.bfloat16, transforms=tiled)
+  return [q, kv8, kv8, op, op, plgpu.SMEM((2, st, bk), jnp.float32), p, barriers]
+
+
+def rows_states(q_rows, ends, k, v, k_scale=None, v_scale=None, *, plan: RowsPlan, interpret=None):
+  """The kernel's own outputs, rows padded to ``plan.rows_padded``: float32 ``(o [B, Hkv,
+  n_splits, R_p, D], lse [B, Hkv, n_splits, R_p])`` (`rows_partials` for the arguments)."""
+  b, hkv, r, d = q_rows.shape
+  want = (plan.batch, plan.kv_heads, plan.seq_len, plan.head_dim)
+  if (b, hkv, r, d) != (plan.batch, plan.kv_heads, plan.rows, plan.head_dim) or k.shape != want or v.shape != want:
+    raise ValueError(f"rows_partials: the plan is for q_rows [{b}, {plan.kv_heads}, {plan.rows}, {plan.head_dim}] and "
+                     f"k, v {list(want)}, got {q_rows.shape=} {k.shape=} {v.shape=}")
+  if plan.quantized != (k_scale is not None and v_scale is not None):
+    raise ValueError(f"rows_partials: a {plan.cache_dtype} plan needs k_scale and v_scale "
+                     f"{'[B, Hkv, S, 1]' if plan.quantized else 'None'}")
+  pad_s = [(0, 0), (0, plan.cache_rows - plan.seq_len)]  # S < bk or S % 8 != 0: a padded copy (RowsPlan)
+  flat = lambda x, pad: jnp.pad(x.reshape(b * hkv, *x.shape[2:]), pad + [(0, 0)] * (x.ndim - 3))
+  args = [flat(q_rows, [(0, 0), (0, plan.rows_padded - r)]), flat(k, pad_s), flat(v, pad_s)]
+  if plan.quantized:
+    args += [flat(s.astype(jnp.float32), pad_s)[..., 0] for s in (k_scale, v_scale)]
+  interpreted = interpret is not None and interpret is not False
+  kernel = plgpu.kernel(
+      functools.partial(_kernel, plan=plan, ops=Ops(interpreted)),
+      out_type=(jax.ShapeDtypeStruct((b * hkv, plan.num_splits, plan.rows_padded, d), jnp.float32),
+                jax.ShapeDtypeStruct((b * hkv, plan.num_splits, plan.rows_padded), jnp.float32)),
+      scratch_types=_scratch(plan),
+      grid=plan.grid,
+      grid_names=("rows", "split", "bh"),
+      num_threads=2,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      interpret=interpret if interpreted else None,
+      kernel_name="fdecode_rows_mosaic_gpu",
+  )
+  o, lse = kernel(ends.astype(jnp.int32), *args)
+  return (o.reshape(b, hkv, plan.num_splits, plan.rows_padded, d),
+          lse.reshape(b, hkv, plan.num_splits, plan.rows_padded))
+
+
+def rows_partials(q_rows, ends, k, v, k_scale=None, v_scale=None, *, plan: RowsPlan, interpret=None):
+  """Per-split partial states of GQA decode from the Hopper rows kernel.
+
+  Args:
+    q_rows: bf16 ``[B, Hkv, R, D]`` queries, row r = t * G + g of kv head h being query
+      head ``h * G + g`` of new token t.
+    ends: int32 ``[B]``: each sequence's length (new tokens included) in the cache.
+    k, v: ``[B, Hkv, S, D]`` contiguous caches, bf16 or (both) int8 / float8_e4m3fn.
+    k_scale, v_scale: float32 ``[B, Hkv, S, 1]`` per-token scales (8-bit caches), else None.
+    plan: `fdecode.kernels.mosaic_gpu.rows_plan.rows_plan` for these shapes.
+    interpret: None / False: compiled for the GPU (sm_90a); an ``InterpretGPUParams``:
+      jax's Mosaic GPU interpreter (CPU).
+
+  Returns:
+    ``(o, lse)``: float32 ``[B, Hkv, n_splits, R, D]`` and ``[B, Hkv, n_splits, R]``
+    (natural-log LSE; a row with no visible key in a split: o = 0, lse = -inf), merged
+    over axis 2 by `fdecode.combine.merge_states`.
+  """
+  o, lse = rows_states(q_rows, ends, k, v, k_scale, v_scale, plan=plan, interpret=interpret)
+  r = q_rows.shape[2]
+  return o[:, :, :, :r], lse[:, :, :, :r]

@@ -1,0 +1,180 @@
+"""Launch plan of the Hopper GQA rows kernel (`fdecode.kernels.mosaic_gpu.rows_kernel`).
+
+`rows_plan` decides every static choice of a launch (rows per program, tokens per block,
+stages, splits, grid, registers) and returns a frozen `RowsPlan` the kernel takes as it
+is; `rows_unsupported` says, as a sentence, why a call cannot run this kernel.
+
+Legend: B batch, T new tokens per sequence, Hq query heads, Hkv kv heads, G = Hq / Hkv,
+R = T * G query rows of one kv head (row r = t * G + g), S cache capacity, D head dim
+(keys and values alike), bk tokens per block.
+
+Shared memory of one program (bk = 64, two stages), D = 256: bf16 caches: Q 64 x D
+(32 KiB), K and V stages 2 x 2 x bk x D (128 KiB), P 64 x bk (8 KiB): 168 KiB. 8-bit
+caches: Q (32 KiB), 8-bit K and V stages (64 KiB), one bf16 K and V tile the 8-bit tiles
+are converted into (64 KiB), P (8 KiB), the per-token scales (1 KiB): 169 KiB. Both fit
+the 227 KiB of an sm_90 block; D = 64 and 128 take a half and a quarter of the tiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from fdecode.kernels.common import chips
+from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS, split_count
+
+HEAD_DIMS = (64, 128, 256)
+QUANT_DTYPES = ("int8", "float8_e4m3fn")
+_BF16 = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsPlan:
+  """Static launch of one GQA rows decode call (hashable: passed to the kernel as is).
+
+  Attributes:
+    batch, kv_heads, num_tokens, group, head_dim: B, Hkv, T, G, D.
+    rows: R = T * G real query rows of one kv head.
+    row_blocks: programs along the rows, `BLOCK_ROWS` (64) rows each, the last padded.
+    seq_len: S.
+    cache_rows: rows of the cache operands: S rounded up to a multiple of 8 and to at
+      least ``block`` (a TMA tiled copy needs whole 8-row tiles; another S is copied
+      padded, per call).
+    block: bk, tokens per pipeline step.
+    stages: K / V tiles in flight (TMA ring depth).
+    num_splits: programs along each sequence's blocks (partial states merged after).
+    softmax_scale: multiplies q . k.
+    quantized: the cache is 8-bit with per-token float32 scales (``cache_dtype``).
+    cache_dtype: "bfloat16", "int8" or "float8_e4m3fn".
+  """
+  batch: int
+  kv_heads: int
+  num_tokens: int
+  group: int
+  head_dim: int
+  rows: int
+  row_blocks: int
+  seq_len: int
+  cache_rows: int
+  block: int
+  stages: int
+  num_splits: int
+  softmax_scale: float
+  cache_dtype: str = "bfloat16"
+  compute_registers: int = 232
+  memory_registers: int = 40
+
+  @property
+  def quantized(self) -> bool:
+    return self.cache_dtype != "bfloat16"
+
+  @property
+  def grid(self) -> tuple:
+    """(row blocks, splits, B * Hkv): the row blocks of one (sequence, head, split) run
+    side by side, so the second reads the tiles the first just pulled into L2."""
+    return (self.row_blocks, self.num_splits, self.batch * self.kv_heads)
+
+  @property
+  def rows_padded(self) -> int:
+    return self.row_blocks * BLOCK_ROWS
+
+  @property
+  def guarded(self) -> bool:
+    """T > 1: a slot may be visible to one row of a program and not to another, so a
+    non-finite value row is routed through its key (see the kernel's module docstring)."""
+    return self.num_tokens > 1
+
+  def smem_bytes(self) -> int:
+    """Shared memory the kernel allocates (tiles, scales, barriers; approximate)."""
+    d, bk = self.head_dim, self.block
+    item = 1 if self.quantized else _BF16
+    q = BLOCK_ROWS * d * _BF16
+    kv = 2 * self.stages * bk * d * item
+    extra = 2 * bk * d * _BF16 + 2 * self.stages * bk * 4 if self.quantized else 0
+    p = BLOCK_ROWS * bk * _BF16
+    barriers = 8 * (5 * self.stages + 2)
+    return q + kv + extra + p + barriers
+
+
+def rows_unsupported(*, q_shape, q_dtype, k_shape, k_dtype, v_shape, v_dtype, scales: bool,
+                     paged: bool = False, modifiers: bool = False) -> str | None:
+  """Why these arguments cannot take the Hopper rows kernel, or None.
+
+  It takes: q bf16 ``[B, Hq, D]`` or ``[B, T, Hq, D]``; contiguous head-major k and v of
+  one shape ``[B, Hkv, S, D]`` with Hkv dividing Hq and D in 64 / 128 / 256; both bf16
+  (no scales), or both int8 or both float8_e4m3fn with per-token scales; no paging,
+  score modifiers (mask, bias, alibi, window, soft cap, sinks, indices) or offsets.
+  """
+  if paged:
+    return "paged caches are not supported (contiguous [B, Hkv, S, D] only)"
+  if modifiers:
+    return "score modifiers (mask, bias, alibi, window, soft cap, sinks, indices, offsets) are not supported"
+  if len(q_shape) not in (3, 4):
+    return f"needs q of shape [B, Hq, D] or [B, T, Hq, D], got q.shape={tuple(q_shape)}"
+  if len(k_shape) != 4 or tuple(v_shape) != tuple(k_shape):
+    return (f"needs k and v of one shape [B, Hkv, S, D] (head-major, contiguous), got "
+            f"k.shape={tuple(k_shape)}, v.shape={tuple(v_shape)}")
+  b, hkv, _, d = k_shape
+  if q_shape[0] != b or q_shape[-1] != d or q_shape[-2] % hkv:
+    return (f"needs q [B, (T,) Hq, D] with B={b}, D={d} and Hq a multiple of Hkv={hkv}, "
+            f"got q.shape={tuple(q_shape)}")
+  if d not in HEAD_DIMS:
+    return f"needs a head dim D in {HEAD_DIMS}, got D={d}"
+  if str(q_dtype) != "bfloat16":
+    return f"needs bfloat16 q (a wgmma operand), got q {q_dtype}"
+  if str(k_dtype) != str(v_dtype):
+    return f"needs k and v of one dtype, got k {k_dtype}, v {v_dtype}"
+  if str(k_dtype) == "bfloat16":
+    if scales:
+      return "k_scale / v_scale are for 8-bit caches; a bfloat16 cache takes none"
+  elif str(k_dtype) in QUANT_DTYPES:
+    if not scales:
+      return f"a {k_dtype} cache needs k_scale and v_scale (per token, [B, Hkv, S, 1] float32)"
+  else:
+    return f"needs a bfloat16, int8 or float8_e4m3fn cache, got {k_dtype}"
+  return None
+
+
+def rows_plan(*, batch: int, kv_heads: int, num_tokens: int, group: int, head_dim: int, seq_len: int,
+              softmax_scale: float, cache_dtype="bfloat16", num_splits: int | None = None,
+              block_k: int = 64, stages: int = 2, gpu: chips.Gpu | None = None) -> RowsPlan:
+  """The launch of one GQA rows decode call (see `RowsPlan`).
+
+  Args:
+    batch, kv_heads, num_tokens, group, head_dim, seq_len: B, Hkv, T, G, D, S.
+    softmax_scale: static float.
+    cache_dtype: the k / v dtype (bfloat16, int8, float8_e4m3fn).
+    num_splits: None: `fdecode.kernels.mosaic_gpu.plan.split_count` for ``gpu``; or a
+      positive int (at most the blocks of S).
+    block_k: tokens per step, a multiple of 64 (wgmma's K for P V and the swizzle).
+    stages: tiles in flight, >= 2.
+    gpu: the target (None: `fdecode.kernels.common.chips.lowering_gpu`).
+
+  Raises:
+    ValueError: a block, stage or split count that does not fit or does not tile.
+  """
+  gpu = gpu or chips.lowering_gpu()
+  cache_dtype = str(jnp.dtype(cache_dtype))
+  if block_k % 64 or block_k <= 0:
+    raise ValueError(f"rows_plan: block_k must be a positive multiple of 64, got block_k={block_k}")
+  if stages < 2:
+    raise ValueError(f"rows_plan: stages must be >= 2, got stages={stages}")
+  if head_dim not in HEAD_DIMS:
+    raise ValueError(f"rows_plan: head_dim must be one of {HEAD_DIMS}, got head_dim={head_dim}")
+  rows = num_tokens * group
+  row_blocks = -(-rows // BLOCK_ROWS)
+  blocks = max(1, -(-seq_len // block_k))
+  if num_splits is None:
+    num_splits = split_count(gpu, batch * kv_heads * row_blocks, blocks)
+  if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+    raise ValueError(f"rows_plan: num_splits must be a positive int or None, got {num_splits!r}")
+  plan = RowsPlan(batch=batch, kv_heads=kv_heads, num_tokens=num_tokens, group=group, head_dim=head_dim,
+                  rows=rows, row_blocks=row_blocks, seq_len=seq_len,
+                  cache_rows=max(-(-seq_len // 8) * 8, block_k), block=block_k, stages=stages,
+                  num_splits=min(num_splits, blocks), softmax_scale=float(softmax_scale),
+                  cache_dtype=cache_dtype)
+  if plan.smem_bytes() > gpu.smem_per_block:
+    raise ValueError(f"rows_plan: D={head_dim} {cache_dtype} with block_k={block_k} and stages={stages} needs "
+                     f"{plan.smem_bytes()} B of shared memory; {gpu.name} gives a block {gpu.smem_per_block} B")
+  return plan
