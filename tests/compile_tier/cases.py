@@ -17,6 +17,7 @@ import fdecode
 from fdecode.kernels.common import chips
 
 import fuzz  # tests/compile_tier/fuzz.py: this folder is on sys.path (compile_check, pytest)
+import model_cases  # tests/compile_tier/model_cases.py: Flax layers and Gemma 3, a step each
 
 class _Cases(dict):
   """name -> build; a ``fuzz:...`` name (tests/compile_tier/fuzz.py) builds its own case."""
@@ -339,78 +340,9 @@ TPU_XLA = {"paged1-bf16-d128", "float16-d128"}
 CASES["sharded-pod-v5e-4x4"] = functools.partial(_sharded, n_dev=16, head=4, seq=4, pod="v5e:4x4")
 
 
-def _layer_step(target, layer_fn):
-  """One decode step of a Flax layer / model, its parameters and cache abstract."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  built = {}
-
-  def make():
-    model, x = layer_fn()
-    built["x"] = x
-    return nnx.split(model)
-
-  graphdef, state = _abstract_split(make)
-  x = built["x"]
-
-  def step(state, x):
-    model = nnx.merge(graphdef, state)
-    return model.decode(x), nnx.state(model)
-
-  sd = target.spec
-  state = jax.tree.map(lambda a: sd(a.shape, a.dtype), state)
-  return step, (state, sd(x.shape, x.dtype))
-
-
-def _abstract_split(make):
-  """(graphdef, abstract state) of the model ``make`` builds, without allocating it."""
-  out = {}
-
-  def f():
-    graphdef, state = make()
-    out["graphdef"] = graphdef
-    return state
-
-  state = jax.eval_shape(f)
-  return out["graphdef"], state
-
-
-@case("flax-decode-attention")
-def _flax_step(target):
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  import fdecode.flax as fflax  # pylint: disable=g-import-not-at-top
-
-  def layer():
-    m = fflax.DecodeAttention(512, num_heads=8, num_kv_heads=2, head_dim=128, rngs=nnx.Rngs(0))
-    m.init_cache(B, S, jnp.bfloat16)
-    return m, jax.ShapeDtypeStruct((B, 1, 512), jnp.float32)
-  return _layer_step(target, layer)
-
-
-@case("flax-mla")
-def _flax_mla_step(target):
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  import fdecode.flax as fflax  # pylint: disable=g-import-not-at-top
-
-  def layer():
-    m = fflax.MLADecodeAttention(1024, 16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-                                 v_head_dim=128, rngs=nnx.Rngs(0))
-    m.init_cache(B, S, jnp.bfloat16)
-    return m, jax.ShapeDtypeStruct((B, 1, 1024), jnp.float32)
-  return _layer_step(target, layer)
-
-
-@case("gemma3-270m-decode")
-def _gemma_step(target):
-  """Gemma 3 270M's decode step, its first 6 of 18 layers: one period of the pattern (five
-  sliding-window layers, then a global one); the other 12 repeat it, and compiling them
-  took a fifth of a GPU target's time."""
-  from fdecode.models.gemma3 import Gemma3, Gemma3Config  # pylint: disable=g-import-not-at-top
-
-  def model():
-    m = Gemma3(Gemma3Config(dtype=jnp.bfloat16, layers=6))
-    m.init_cache(B, S, cache_dtype=jnp.bfloat16)
-    return m, jax.ShapeDtypeStruct((B,), jnp.int32)
-  return _layer_step(target, model)
+CASES["flax-decode-attention"] = functools.partial(model_cases.flax_step, b=B, s=S)
+CASES["flax-mla"] = functools.partial(model_cases.flax_mla_step, b=B, s=S)
+CASES["gemma3-270m-decode"] = functools.partial(model_cases.gemma_step, b=B, s=S)
 
 
 def names_for(target_name: str) -> list[str]:
@@ -435,18 +367,4 @@ for _n, (_b, _hkv, _hq, _s) in BENCH.items():
   CASES[_n] = functools.partial(_bench, b=_b, hkv=_hkv, hq=_hq, s=_s)
 
 
-@case("flax-mha-attention-fn")
-def _flax_mha(target):
-  """A Flax nnx.MultiHeadAttention decode step with fdecode.flax.attention_fn on its
-  token-major cache [B, S, H, D]: the Pallas kernel on GPU and TPU (Triton in place)."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from fdecode.flax import attention_fn  # pylint: disable=g-import-not-at-top
-  features = 1024
-
-  def step(x):
-    mha = nnx.MultiHeadAttention(num_heads=8, in_features=features, qkv_features=features, decode=True,
-                                 attention_fn=attention_fn, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
-                                 rngs=nnx.Rngs(0))
-    mha.init_cache((B, S, features), dtype=jnp.bfloat16)
-    return mha(x)
-  return step, (target.spec((B, 1, features), jnp.bfloat16),)
+CASES["flax-mha-attention-fn"] = functools.partial(model_cases.flax_mha, b=B, s=S)
