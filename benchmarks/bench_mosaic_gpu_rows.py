@@ -193,7 +193,7 @@ def main(argv=None):
   write(args.json, "bench_mosaic_gpu_rows", records, machine=machine, rows=rows)
   failed = [r for r in rows if r["section"] == "correctness" and not r.get("ok")]
   print(f"correctness: {len(failed)} failed of {sum(r['section'] == 'correctness' for r in rows)}", flush=True)
-  return 0
+  return 1 if failed else 0  # scripts/gpu_check reports a failed part
 
 
 if __name__ == "__main__":
