@@ -1,15 +1,17 @@
 """`rows_decode`: the opt-in entry point of the Hopper GQA rows kernel (not in the default
 dispatch: `fdecode.flash_decode` keeps the Triton kernel on GPU until a GPU measures this
-path faster)."""
+path faster). A call is three launches: q's rows laid out and padded (one XLA fusion), the
+rows kernel, and the Triton combine kernel, which merges the splits and writes each row
+at its query head's place."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
-from fdecode.combine import merge_states
+from fdecode.kernels import triton as triton_kernels
 from fdecode.kernels.common.quant import canonical_scale
-from fdecode.kernels.mosaic_gpu.rows_kernel import rows_partials
+from fdecode.kernels.mosaic_gpu.rows_kernel import rows_states
 from fdecode.kernels.mosaic_gpu.rows_plan import rows_plan, rows_unsupported
 from fdecode.validation import as_array, check_concrete_lengths, static_scale, to_int32
 
@@ -88,13 +90,15 @@ def rows_decode(q, k, v, lengths, *, k_scale=None, v_scale=None, softmax_scale=N
                    num_splits=num_splits)
   # rows r = t * G + g of kv head h: query head h * G + g of token t
   q_rows = q4.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
-  o, lse = rows_partials(q_rows, to_int32(lengths), k, v, k_scale, v_scale, plan=plan, interpret=interpret)
-  if plan.num_splits == 1:  # one split's state is already the final one
-    o, lse = o[:, :, 0], lse[:, :, 0]
-  else:
-    o, lse = merge_states(o, lse, axis=2)  # [B, Hkv, R, D], [B, Hkv, R]
-  out = o.reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d).astype(q.dtype)
-  lse = lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hq)
+  o, lse = rows_states(q_rows, to_int32(lengths), k, v, k_scale, v_scale, plan=plan, interpret=interpret)
+  # [B, Hkv, n_splits, R_p(, D)] -> out [B, T * Hq, D] in q's head order: the Triton
+  # combine (interpreted where the rows kernel is)
+  cp = triton_kernels.CombinePlan(
+      num_splits=plan.num_splits, width=triton_kernels.combine_width(plan.num_splits, d), num_tokens=t, group=g,
+      hq=hq, dv=d, out_dtype=q.dtype.name, interpret=interpret is not None and interpret is not False,
+      split_major=True)
+  out, lse = triton_kernels.combine(cp, o, lse)
+  out, lse = out.reshape(b, t, hq, d), lse.reshape(b, t, hq)
   if single:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out

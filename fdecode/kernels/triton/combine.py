@@ -5,8 +5,8 @@ states over ``width`` of its columns (`fdecode.combine.merge_by`, the same math 
 `fdecode.combine.merge_states`), joins the sink, casts, and stores the row at its place
 in ``out [B, T * Hq, Dv]`` (and its lse in ``[B, T * Hq]``). With a split kernel, a call
 launches two kernels and XLA adds nothing around them. It merges the Triton split
-kernel's states and the Hopper MLA kernel's (`fdecode.kernels.mosaic_gpu`), laid out
-as `CombinePlan` says.
+kernel's states and the Hopper kernels' (`fdecode.kernels.mosaic_gpu`: MLA and GQA rows),
+laid out as `CombinePlan` says.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from fdecode.kernels.triton.plan import pow2_at_least
 class CombinePlan:
   """What the combine kernel merges: ``num_splits`` states of R = ``num_tokens * group``
   rows per kv head (``hq`` query heads), ``dv`` columns, ``width`` a program, into
-  ``out_dtype``. ``split_major``: states laid out ``[B, n_splits, R_p, Dv]`` (one kv
-  head; the Hopper kernel's), else ``[B, Hkv, R_p, n_splits, Dv]`` (the Triton split
+  ``out_dtype``. ``split_major``: states laid out ``[B, Hkv, n_splits, R_p, Dv]`` (the
+  Hopper kernels'; ``[B, n_splits, R_p, Dv]`` for one kv head, MLA's), else ``[B, Hkv, R_p, n_splits, Dv]`` (the Triton split
   kernel's); lse likewise without Dv. ``segmented``: the balanced schedule's states, ``[n_splits,
   Hkv, R_p, 1, Dv]`` (``n_splits`` work items), a sequence merging the items whose segment
   id is its own (`fdecode.kernels.triton.schedule`)."""
@@ -86,11 +86,13 @@ def combine(plan: CombinePlan, o, lse, sinks=None, *, segments=None, batch=None)
   ``segments`` (``plan.segmented``): int32 ``[n_splits]``, each item's sequence in
   ``[0, B]`` (B: an empty item), with ``batch`` = B."""
   b = batch if plan.segmented else o.shape[0]
-  hkv = 1 if plan.split_major else o.shape[1]
+  if plan.split_major and o.ndim == 4:  # [B, n, R_p, Dv]: one kv head (a free reshape)
+    o, lse = o[:, None], lse[:, None]
+  hkv = o.shape[1]
   dv, w, rows, n = plan.dv, plan.width, plan.num_rows, plan.num_splits
-  if plan.split_major:  # [B, n, R_p(, Dv)]: one kv head
-    in_specs = [pl.BlockSpec((None, n, None), lambda i, hr, c: (i, 0, hr)),
-                pl.BlockSpec((None, n, None, dv), lambda i, hr, c: (i, 0, hr, 0))]
+  if plan.split_major:  # [B, Hkv, n, R_p(, Dv)]
+    in_specs = [pl.BlockSpec((None, None, n, None), lambda i, hr, c: (i, hr // rows, 0, hr % rows)),
+                pl.BlockSpec((None, None, n, None, dv), lambda i, hr, c: (i, hr // rows, 0, hr % rows, 0))]
   elif plan.segmented:  # [n, Hkv, R_p, 1(, Dv)]: every item, for every sequence
     o, lse = o[:, :, :, 0], lse[:, :, :, 0]
     in_specs = [pl.BlockSpec((n, None, None), lambda i, hr, c: (0, hr // rows, hr % rows)),
