@@ -70,7 +70,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fdecode.combine import MASK_VALUE
 from fdecode.kernels.common import block as blk
-from fdecode.kernels.mosaic_gpu.ops import Ops
+from fdecode.kernels.mosaic_gpu.ops import Ops, tma_ring
 from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS, DK, DV, HALF_DV, SWIZZLE, MlaPlan
 from fdecode.kernels.common.modifiers import Modifiers
 
@@ -152,19 +152,8 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
   @pl.when(wg == 2)
   def _memory():
     plgpu.set_max_registers(plan.memory_registers, action="decrease")
-
-    @pl.when(steps > 0)
-    def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)], q_smem, q_bar.at[0])
-
-    for i in range(stages):
-      pl.when(i < steps)(functools.partial(copy_block, i, i))
-
-    @pl.loop(stages, steps)
-    def _(step):
-      slot = lax.rem(step, stages)
-      plgpu.barrier_wait(k_free.at[slot])
-      copy_block(step, slot)
+    q_rows = q_ref.at[b, pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)]
+    tma_ring(steps, stages, lambda: plgpu.copy_gmem_to_smem(q_rows, q_smem, q_bar.at[0]), copy_block, k_free)
 
   def compute(half):
     plgpu.set_max_registers(plan.compute_registers, action="increase")

@@ -1,6 +1,8 @@
-"""The few operations whose form differs between a compiled Hopper kernel and jax 0.10.2's
-Mosaic GPU interpreter, shared by the MLA kernel (`fdecode.kernels.mosaic_gpu.kernel`) and
-the GQA rows kernel (`fdecode.kernels.mosaic_gpu.rows_kernel`).
+"""What the two Hopper kernels share: the MLA kernel (`fdecode.kernels.mosaic_gpu.kernel`)
+and the GQA rows kernel (`fdecode.kernels.mosaic_gpu.rows_kernel`).
+
+`tma_ring` is their memory warpgroup's loop. `Ops` holds the few operations whose form
+differs between a compiled Hopper kernel and jax 0.10.2's Mosaic GPU interpreter.
 
 Interpreted, layouts mean nothing (casts are no-ops, iotas and loads are plain), its wgmma
 takes no transposed smem operand (Q K^T is a dot of the two smem tiles) and it cannot run
@@ -10,6 +12,7 @@ takes no transposed smem operand (Q K^T is a dot of the two smem tiles) and it c
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 from jax import lax
@@ -70,3 +73,20 @@ class Ops:
     def accumulate(acc_ref):
       plgpu.wgmma(acc_ref, p_ref, v_ref)
     return pl.run_state(accumulate)(plgpu.ACC.init(scaled))
+
+
+def tma_ring(steps, stages: int, copy_q, copy_block, free):
+  """The memory warpgroup's loop over one split's ``steps`` blocks (traced int32): Q once
+  (``copy_q()``, only if the split has a block), the first ``stages`` blocks into slots 0,
+  1, ..., then block ``step`` into slot ``step % stages`` once the compute warpgroups
+  released that slot's previous block (barrier ``free.at[slot]``). ``copy_block(step,
+  slot)`` issues the TMA copies of one block, each onto its own "landed" barrier."""
+  pl.when(steps > 0)(copy_q)
+  for i in range(stages):
+    pl.when(i < steps)(functools.partial(copy_block, i, i))
+
+  @pl.loop(stages, steps)
+  def _(step):
+    slot = lax.rem(step, stages)
+    plgpu.barrier_wait(free.at[slot])
+    copy_block(step, slot)

@@ -64,7 +64,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fdecode.combine import MASK_VALUE
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.modifiers import Modifiers
-from fdecode.kernels.mosaic_gpu.ops import Ops
+from fdecode.kernels.mosaic_gpu.ops import Ops, tma_ring
 from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS
 from fdecode.kernels.mosaic_gpu.rows_plan import RowsPlan
 
@@ -190,19 +190,8 @@ def _kernel(ends_ref, q_ref, k_ref, v_ref, *refs, plan: RowsPlan, ops: Ops):
   @pl.when(lax.axis_index("wg") == 1)
   def _memory():
     plgpu.set_max_registers(plan.memory_registers, action="decrease")
-
-    @pl.when(steps > 0)
-    def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[bh, pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)], q_smem, q_bar.at[0])
-
-    for i in range(stages):
-      pl.when(i < steps)(functools.partial(copy_block, i, i))
-
-    @pl.loop(stages, steps)
-    def _(step):
-      slot = lax.rem(step, stages)
-      plgpu.barrier_wait(free.at[slot])
-      copy_block(step, slot)
+    q_rows = q_ref.at[bh, pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)]
+    tma_ring(steps, stages, lambda: plgpu.copy_gmem_to_smem(q_rows, q_smem, q_bar.at[0]), copy_block, free)
 
   @pl.when(lax.axis_index("wg") == 0)
   def _compute():
