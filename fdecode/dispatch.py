@@ -229,30 +229,26 @@ def _triton(q, view, ends, *, num_tokens, softmax_scale, cfg, interpret, compute
 def _hopper_mla_takes(q, view, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg) -> bool:
   """Whether the call goes to the Hopper MLA kernel (`fdecode.kernels.mosaic_gpu`): an
   sm_90 GPU lowered for, and a call it takes (bf16 MLA latents 576 / 512, one contiguous kv
-  head, T = 1, G a multiple of 16, no scales, modifiers, sinks or index lists). Measured
-  on an H200 (benchmarks/RESULTS.md): 2-8x faster than the Triton kernel at G 16 and 128."""
+  head, T = 1, G a multiple of 16, no scales, modifiers, sinks or index lists; the kernel's
+  8-bit path is opt-in, ``default_dispatch``, until a GPU measures it). Measured on an H200 (benchmarks/RESULTS.md): 2-8x faster than the Triton kernel at G 16 and 128."""
   if chips.lowering_gpu().capability != (9, 0) or cfg.balance:
     return False
   extras = (sinks is not None or sparse is not None or mask is not None or bias is not None
             or alibi is not None or view.k_rope is not None or not mods.plain)
   return mosaic_gpu.unsupported(
       q_shape=q.shape, q_dtype=q.dtype, k_shape=view.k.shape, k_dtype=view.k.dtype, v_is_none=view.v is None,
-      v_head_dim=v_head_dim, paged=view.paged, quantized=view.k_scale is not None, modifiers=extras) is None
+      v_head_dim=v_head_dim, k_scale_shape=None if view.k_scale is None else view.k_scale.shape,
+      paged=view.paged, modifiers=extras, default_dispatch=True) is None
 
 
 def _hopper_mla(q, k, ends, *, softmax_scale, num_splits):
   """MLA decode on the Hopper kernel, its split states merged by the Triton combine kernel
-  (read in the Hopper kernel's layout): two kernels."""
-  b, t, g, dk = q.shape
+  (`fdecode.kernels.mosaic_gpu.api.mla_run`): two kernels."""
+  b, t, g, _ = q.shape
   p = mosaic_gpu.mla_plan(batch=b, num_tokens=t, group=g, seq_len=k.shape[2], softmax_scale=softmax_scale,
                           num_splits=num_splits)
   _note(p)
-  o, lse = mosaic_gpu.mla_states(q.reshape(b, 1, t * g, dk), ends, k, plan=p)
-  dv = o.shape[-1]
-  cp = triton_kernels.CombinePlan(num_splits=p.num_splits, width=triton_kernels.combine_width(p.num_splits, dv),
-                                  num_tokens=t, group=g, hq=g, dv=dv, out_dtype=q.dtype.name, split_major=True)
-  out, out_lse = triton_kernels.combine(cp, o, lse)
-  return out.reshape(b, t, g, dv), out_lse.reshape(b, t, g)
+  return mosaic_gpu.mla_run(p, q, ends, k)
 
 
 def _mosaic(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, interpret, **extra):

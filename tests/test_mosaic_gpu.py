@@ -16,9 +16,14 @@ Tolerances (`conftest.TOLERANCES`, bfloat16): the reference is float32 over the 
 bf16 inputs; the kernel rounds the softmax weights to bf16 for the PV matmul (relative
 error 2^-9 per weight) and accumulates in float32.
 
+8-bit caches: the codes convert to bf16 exactly and the reference dequantizes the same
+codes and scales in float32, so the tolerances are bf16's too (P, with the scale folded
+in, is rounded to bf16).
+
 Cost: the kernel body compiles once per call (`mosaic_gpu_interpret.compiled_once`),
 about 2.5 s of CPU, and each program (one sequence x split x 64 rows) runs in well under
-1 s more; the file runs 11 programs in 4 calls (about 25 s of CPU).
+1 s more; the file runs 28 programs in 7 calls (about 42 s on one core; the three 8-bit
+calls, 17 programs, about 17 s of it).
 """
 
 import math
@@ -32,6 +37,7 @@ import fdecode
 from conftest import assert_close, tol
 from fdecode.combine import merge_states
 from fdecode.kernels import mosaic_gpu
+from fdecode.kernels.common.quant import quantize
 from fdecode.kernels.mosaic_gpu.plan import mla_plan, split_count, unsupported
 
 from mosaic_gpu_interpret import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
@@ -133,6 +139,86 @@ def test_corruption_a_row_sees_makes_its_whole_row_nan():
   check(out[1:2], lse[1:2], want_out, want_lse)
 
 
+def quantized_problem(seed, b, g, s, dtype):
+  """q bf16 [B, G, 576]; the latent cache quantized per token: k ``dtype`` [B, 1, S, 576],
+  k_scale float32 [B, 1, S, 1] (`fdecode.kernels.common.quant.quantize`)."""
+  q, k = problem(seed, b, g, s)
+  k, k_scale = quantize(k.astype(jnp.float32), dtype)
+  return q, k, k_scale
+
+
+def reference_8bit(q, k, k_scale, lengths):
+  return fdecode.flash_decode(q, k, None, lengths, v_head_dim=DV, k_scale=k_scale, impl="reference",
+                              return_lse=True)
+
+
+def run_8bit(q, k, k_scale, lengths, num_splits):
+  out, lse = mosaic_gpu.mla_decode(q, k, lengths, k_scale=k_scale, num_splits=num_splits, return_lse=True,
+                                   interpret=INTERPRET)
+  assert_no_races()
+  return out, lse
+
+
+@pytest.mark.parametrize("dtype, g, s, lengths, splits", [
+    # S = 130: neither a multiple of the 64-token block nor of the TMA's 8 rows (padded);
+    # lengths 0, 1, bk - 1, S; two splits (the one of length 1 has nothing in its second).
+    (jnp.int8, 16, 130, (0, 1, 63, 130), 2),
+    # G = 32, S = 300: lengths bk + 1 and 290 (the last block loaded overlapped from 236)
+    # in three splits; the 2-slot TMA ring refills the 8-bit slots.
+    (jnp.float8_e4m3fn, 32, 300, (65, 290), 3),
+])
+def test_8bit_latents_match_the_reference_with_garbage_past_lengths(dtype, g, s, lengths, splits):
+  """int8 / float8_e4m3fn latent caches with one float32 scale per token (FlashMLA's 576
+  columns, values the first 512, all 8-bit) against the float32 reference over the same
+  codes and scales. Past every length: the largest code (e4m3: the NaN code) and NaN k
+  scales (e4m3: +inf), which the conversion's dead-row select, the score select and the
+  probability select keep out (the reference reads the clean cache)."""
+  q, k, ks = quantized_problem(5, len(lengths), g, s, dtype)
+  lengths = jnp.array(lengths, jnp.int32)
+  code, bad_scale = (127, jnp.nan) if dtype == jnp.int8 else (jnp.nan, jnp.inf)
+  out, lse = run_8bit(q, with_garbage_past(k, lengths, code), with_garbage_past(ks, lengths, bad_scale), lengths,
+                      splits)
+  check(out, lse, *reference_8bit(q, k, ks, lengths))
+  empty = np.asarray(lengths) == 0
+  assert np.all(np.asarray(lse)[empty] == -np.inf) and np.all(np.asarray(out, np.float32)[empty] == 0)
+
+
+def test_8bit_corruption_a_row_sees_makes_its_whole_row_nan():
+  """e4m3, G = 16, S = 64, lengths 10: sequence 0 sees e4m3's NaN code in its last visible
+  slot (9), in latent column 300 (a key column and warpgroup 1's value half, converted by
+  warpgroup 1), sequence 1 a NaN scale in slot 9: every column of their out and their
+  lse is NaN (a select that stopped a slot early would hide them). Sequence 2 (length 5)
+  holds both past its length (slots 5 and 7): the reference.
+
+  In MLA an 8-bit value is also a key column, so a NaN code reaches the scores (and the
+  whole row) before the epilogue's row rule; e4m3 has no inf code, and a NaN or inf
+  scale reaches S or P in every column."""
+  q, k, ks = quantized_problem(6, 3, 16, 64, jnp.float8_e4m3fn)
+  nan8 = jnp.array(jnp.nan, jnp.float32).astype(k.dtype)
+  k_bad = k.at[0, 0, 9, 300].set(nan8).at[2, 0, 5, 300].set(nan8)
+  ks_bad = ks.at[1, 0, 9].set(jnp.nan).at[2, 0, 7].set(jnp.nan)
+  lengths = jnp.array([10, 10, 5], jnp.int32)
+  out, lse = run_8bit(q, k_bad, ks_bad, lengths, 1)
+  assert np.all(np.isnan(np.asarray(out[:2], np.float32))) and np.all(np.isnan(np.asarray(lse[:2])))
+  check(out[2:], lse[2:], *reference_8bit(q[2:], k[2:], ks[2:], lengths[2:]))
+
+
+def test_8bit_refuses_what_it_cannot_take():
+  q = jnp.zeros((2, 16, DK), jnp.bfloat16)
+  k8, one = jnp.zeros((2, 1, 64, DK), jnp.int8), jnp.ones((2, 1, 64, 1), jnp.float32)
+  n = jnp.array([1, 2], jnp.int32)
+  with pytest.raises(ValueError, match="needs k_scale"):
+    mosaic_gpu.mla_decode(q, k8, n)
+  with pytest.raises(ValueError, match="takes none"):
+    mosaic_gpu.mla_decode(q, k8.astype(jnp.bfloat16), n, k_scale=one)
+  with pytest.raises(ValueError, match="one k_scale per token"):
+    mosaic_gpu.mla_decode(q, k8, n, k_scale=jnp.ones((2, 1, 64, 4), jnp.float32))
+  with pytest.raises(ValueError, match="float8_e4m3fn cache"):
+    mosaic_gpu.mla_decode(q, k8.astype(jnp.float8_e5m2), n, k_scale=one)
+  with pytest.raises(ValueError, match="k_scale must be a scalar or shaped like the cache"):
+    mosaic_gpu.mla_decode(q, k8, n, k_scale=jnp.ones((2, 1, 32, 1), jnp.float32))
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(q=(2, 8, DK)), "multiple of 16"),
     (dict(q=(2, 2, 16, DK)), "T=1"),
@@ -153,14 +239,24 @@ def test_refuses_concrete_lengths_out_of_range():
     mosaic_gpu.mla_decode(q, k, jnp.array([1, 65], jnp.int32))
 
 
-def test_unsupported_names_paging_and_modifiers():
+def test_unsupported_names_paging_modifiers_and_the_caches_it_takes():
   args = dict(q_shape=(2, 16, DK), q_dtype="bfloat16", k_shape=(2, 1, 64, DK), k_dtype="bfloat16",
               v_is_none=True, v_head_dim=DV)
   assert unsupported(**args) is None
   assert "paged" in unsupported(**args, paged=True)
-  assert "8-bit" in unsupported(**args, quantized=True)
   assert "modifiers" in unsupported(**args, modifiers=True)
   assert "v_head_dim=512" in unsupported(**dict(args, v_head_dim=128))
+  assert "takes none" in unsupported(**args, k_scale_shape=(2, 1, 64, 1))
+  for dtype in ("int8", "float8_e4m3fn"):
+    q8 = dict(args, k_dtype=dtype)
+    assert unsupported(**q8, k_scale_shape=(2, 1, 64, 1)) is None
+    assert unsupported(**q8, k_scale_shape=(1, 1, 1, 1)) is None
+    assert "needs k_scale" in unsupported(**q8)
+    assert "one k_scale per token" in unsupported(**q8, k_scale_shape=(2, 1, 64, 4))
+    # fdecode.flash_decode's default dispatch keeps 8-bit MLA on Triton (unmeasured here).
+    assert "opt-in" in unsupported(**q8, k_scale_shape=(2, 1, 64, 1), default_dispatch=True)
+  assert unsupported(**args, default_dispatch=True) is None
+  assert "float8_e4m3fn cache" in unsupported(**dict(args, k_dtype="float8_e5m2"), k_scale_shape=(2, 1, 64, 1))
 
 
 def test_plan_fits_shared_memory_and_fills_the_gpu():
@@ -175,3 +271,10 @@ def test_plan_fits_shared_memory_and_fills_the_gpu():
     mla_plan(batch=1, num_tokens=1, group=16, seq_len=64, softmax_scale=1.0, block_k=32, gpu=chips.H100)
   with pytest.raises(ValueError, match="shared memory"):
     mla_plan(batch=1, num_tokens=1, group=16, seq_len=64, softmax_scale=1.0, stages=3, gpu=chips.H100)
+  for dtype in ("int8", "float8_e4m3fn"):  # Q, two 8-bit stages, one bf16 tile, P, scales: 225 KiB
+    plan = mla_plan(batch=64, num_tokens=1, group=128, seq_len=4096, softmax_scale=0.1, cache_dtype=dtype,
+                    gpu=chips.H100)
+    assert plan.quantized and plan.smem_bytes() <= chips.H100.smem_per_block
+    with pytest.raises(ValueError, match="shared memory"):
+      mla_plan(batch=1, num_tokens=1, group=16, seq_len=64, softmax_scale=1.0, cache_dtype=dtype, stages=3,
+               gpu=chips.H100)

@@ -155,7 +155,8 @@ CASES["modifier-mask-s100"] = functools.partial(_modifier, which="mask", s=100)
 
 def _mla(target, *, g, dtype=jnp.bfloat16, paged=None, t=1, kv_layout="HND"):
   """DeepSeek MLA: a 576-wide latent key, values its first 512 columns; fp8: FlashMLA's
-  layout (e4m3 latent with 1x128 tile scales, bf16 RoPE columns)."""
+  layout (e4m3 latent with 1x128 tile scales, bf16 RoPE columns); int8: the whole latent
+  row 8-bit with one scale per token."""
   sd = target.spec
   if kv_layout == "NHD":
     lead = (S // 16 * B + 3, 16, 1) if paged else (B, S, 1)
@@ -168,6 +169,9 @@ def _mla(target, *, g, dtype=jnp.bfloat16, paged=None, t=1, kv_layout="HND"):
   if dtype == jnp.float8_e4m3fn:
     k = sd(lead + (512,), dtype)
     opts.update(k_scale=sd(lead + (4,), jnp.float32), k_rope=sd(lead + (64,), jnp.bfloat16))
+  elif dtype == jnp.int8:  # all 576 columns 8-bit, one scale per token (the Hopper kernel's opt-in form)
+    k = sd(lead + (576,), dtype)
+    opts.update(k_scale=sd(lead + (1,), jnp.float32))
   else:
     k = sd(lead + (576,), dtype)
   fn = lambda q, k, n, opts: fdecode.flash_decode(q, k, None, n, v_head_dim=512, kv_layout=kv_layout, **opts)
@@ -179,6 +183,9 @@ CASES["mla-bf16-g128"] = functools.partial(_mla, g=128)
 CASES["mla-fp8-g128"] = functools.partial(_mla, g=128, dtype=jnp.float8_e4m3fn)
 CASES["mla-fp8-g16-paged16"] = functools.partial(_mla, g=16, dtype=jnp.float8_e4m3fn, paged=True)
 CASES["mla-bf16-g128-t2"] = functools.partial(_mla, g=128, t=2)
+# The default dispatch keeps 8-bit MLA on Triton on sm_90 too (the Hopper kernel's 8-bit
+# path is opt-in until a GPU measures it: test_8bit_mla_stays_on_triton_on_sm90).
+CASES["mla-int8-token-g128"] = functools.partial(_mla, g=128, dtype=jnp.int8)
 
 
 @case("mla-bf16-g128-mosaic-gpu")
@@ -190,6 +197,22 @@ def _mla_mosaic_gpu(target):
   sd = target.spec
   fn = lambda q, k, n: mosaic_gpu.mla_decode(q, k, n)
   return fn, (sd((B, 128, 576), jnp.bfloat16), sd((B, 1, S, 576), jnp.bfloat16), sd((B,), jnp.int32))
+
+
+def _mla_mosaic_gpu_8bit(target, *, dtype):
+  """The Hopper MLA kernel's 8-bit path (opt-in: `fdecode.kernels.mosaic_gpu.mla_decode`
+  with ``k_scale``), G=128: an int8 / e4m3 latent cache [B, 1, S, 576] with one float32
+  scale per token, converted to a bf16 wgmma operand in shared memory; a Mosaic GPU
+  custom call, proven lowered (not assembled) as the bf16 case."""
+  from fdecode.kernels import mosaic_gpu  # pylint: disable=g-import-not-at-top
+  sd = target.spec
+  fn = lambda q, k, n, ks: mosaic_gpu.mla_decode(q, k, n, k_scale=ks)
+  return fn, (sd((B, 128, 576), jnp.bfloat16), sd((B, 1, S, 576), dtype), sd((B,), jnp.int32),
+              sd((B, 1, S, 1), jnp.float32))
+
+
+CASES["mla-int8-g128-mosaic-gpu"] = functools.partial(_mla_mosaic_gpu_8bit, dtype=jnp.int8)
+CASES["mla-fp8-g128-mosaic-gpu"] = functools.partial(_mla_mosaic_gpu_8bit, dtype=jnp.float8_e4m3fn)
 
 
 def _rows_mosaic_gpu(target, *, dtype, d=128, t=4, g=16):
@@ -331,8 +354,8 @@ def _sharded(target, n_dev, head, seq, pod=None):
 CASES["sharded-4dev"] = functools.partial(_sharded, n_dev=4, head=2, seq=2)
 TPU_ONLY = {"sharded-pod-v5e-4x4"}  # a 16-chip, 4-host slice (TPU topology only)
 # Mosaic GPU (Hopper: TMA, wgmma, setmaxnreg) cases: sm_90 targets only.
-SM90_ONLY = {"mla-bf16-g128-mosaic-gpu", "rows-bf16-t4-g16-mosaic-gpu", "rows-int8-t4-g16-mosaic-gpu",
-             "rows-fp8-t4-g16-d256-mosaic-gpu"}
+SM90_ONLY = {"mla-bf16-g128-mosaic-gpu", "mla-int8-g128-mosaic-gpu", "mla-fp8-g128-mosaic-gpu",
+             "rows-bf16-t4-g16-mosaic-gpu", "rows-int8-t4-g16-mosaic-gpu", "rows-fp8-t4-g16-d256-mosaic-gpu"}
 # Cases whose documented TPU path is XLA, not a kernel: bf16 pages of one token split a
 # 32-bit sublane, which no Mosaic DMA addresses (`fdecode.kernels.mosaic_tpu.plan.dma_unit`);
 # float16 caches, which Mosaic cannot load.

@@ -263,10 +263,12 @@ def test_tpu_decode_launches(reports, target, name):
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS and chips.GPUS[t].capability == (9, 0)])
-@pytest.mark.parametrize("name", ["mla-bf16-g128-mosaic-gpu", *sorted(HOPPER_MLA)])
+@pytest.mark.parametrize("name", ["mla-bf16-g128-mosaic-gpu", "mla-int8-g128-mosaic-gpu", "mla-fp8-g128-mosaic-gpu",
+                                  *sorted(HOPPER_MLA)])
 def test_mla_lowers_to_mosaic_gpu_on_sm90(reports, target, name):
-  """The MLA decode (`fdecode.kernels.mosaic_gpu.mla_decode`, and flash_decode's default
-  dispatch for bf16 MLA at G >= 16) compiled for sm_90 holds the Hopper kernel as a Mosaic
+  """The MLA decode (`fdecode.kernels.mosaic_gpu.mla_decode`: bf16, and int8 / e4m3 latents
+  with per-token scales; flash_decode's default dispatch for bf16 MLA at G >= 16) compiled
+  for sm_90 holds the Hopper kernel as a Mosaic
   GPU custom call (TMA + wgmma; its PTX is assembled when the program loads on a GPU, so
   this proves the lowering); the only Triton kernel beside it is the split combine (one launch
   that merges the splits' partials), never the Triton split kernel."""
@@ -275,6 +277,17 @@ def test_mla_lowers_to_mosaic_gpu_on_sm90(reports, target, name):
   assert any(c.startswith("mosaic_gpu") for c in report["custom_calls"]), report["custom_calls"]
   assert report["mosaic_gpu_kernels"] == ["fdecode_mla_mosaic_gpu"], report["mosaic_gpu_kernels"]
   assert [k["name"] for k in report["kernels"]] in ([], ["fdecode_combine_triton"]), report["kernels"]
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS and chips.GPUS[t].capability == (9, 0)])
+def test_8bit_mla_stays_on_triton_on_sm90(reports, target):
+  """flash_decode's default dispatch does not route 8-bit MLA (int8 latents, one scale per
+  token: a call `fdecode.kernels.mosaic_gpu.mla_decode` takes) to the Hopper kernel: its
+  8-bit path is opt-in until a GPU measures it, so the Triton split kernel runs."""
+  report = reports[target]["mla-int8-token-g128"]
+  assert report["ok"], report.get("error")
+  assert not report["mosaic_gpu_kernels"], report["mosaic_gpu_kernels"]
+  assert "fdecode_split_kv_triton" in [k["name"] for k in report["kernels"]], report["kernels"]
 
 
 ROWS_MOSAIC_GPU = ["rows-bf16-t4-g16-mosaic-gpu", "rows-int8-t4-g16-mosaic-gpu", "rows-fp8-t4-g16-d256-mosaic-gpu"]

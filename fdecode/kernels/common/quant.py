@@ -64,6 +64,17 @@ def canonical_scale(scale, cache_shape, name: str, caller: str = "flash_decode")
   return scale
 
 
+def per_token_scale(scale, cache_shape, name: str, caller: str):
+  """A scale `canonical_scale` takes, with one tile per row (per token, per head or per
+  tensor: last axis 1), broadcast to float32 ``[*cache_shape[:3], 1]`` (one scale per
+  token of each head); ValueError for tiles (a last axis > 1)."""
+  scale = canonical_scale(scale, cache_shape, name, caller)
+  if scale.shape[-1] != 1:
+    raise ValueError(f"{caller}: {name} must have one scale per token (last axis 1), got "
+                     f"{name}.shape={tuple(scale.shape)}")
+  return jnp.broadcast_to(scale, (*cache_shape[:3], 1))
+
+
 def dequantize(values, scale, offset=None, dtype=jnp.float32):
   """``(values + offset) * scale`` with tile-wise scales.
 

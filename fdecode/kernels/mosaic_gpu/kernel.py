@@ -17,6 +17,18 @@ and the two output halves keep each compute warpgroup's accumulator at 64 x 256 
 (128 registers a thread). Each program writes one normalized partial state per row;
 `fdecode.combine.merge_states` merges the splits.
 
+8-bit caches (int8 / float8_e4m3fn, one float32 scale per token; built and interpreted,
+opt-in, not yet measured on a GPU): the TMA brings 8-bit stages and each block's bk
+scales; both compute warpgroups convert the stage into one bf16 tile (exactly: e4m3
+through f16), each its own columns (`fdecode.kernels.mosaic_gpu.plan`'s budget), dead
+slots' rows selected to 0 there; warpgroup 1 hands its columns to warpgroup 0 through a
+barrier, and both release the 8-bit stage. The scale is never applied to the tile: it
+multiplies column j of S before the mask and column j of P after the row sum
+(`fdecode.kernels.mosaic_gpu.ops.online_softmax`; one scale, values being the keys' rows).
+A code the row sees that is NaN, or a NaN / inf scale, reaches S or P in every column. A
+finite scale so large that code * scale overflows float32 (beyond ~7e35 for e4m3) is
+outside the corruption rule: the reference's dequantized inf is never formed here.
+
 Semantics (the per-split states of every fdecode kernel, `fdecode.combine`): a row with no
 visible key gives o = 0, lse = -inf (decided from the positions: l == 0); dead slots
 (past the sequence's end, before a block's start in the overlapped tail load) are
@@ -70,11 +82,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fdecode.combine import MASK_VALUE
 from fdecode.kernels.common import block as blk
-from fdecode.kernels.mosaic_gpu.ops import Ops
+from fdecode.kernels.mosaic_gpu.ops import Ops, online_softmax, tma_ring, to_bf16
 from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS, DK, DV, HALF_DV, SWIZZLE, MlaPlan
 from fdecode.kernels.common.modifiers import Modifiers
 
-_LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _TILE_COLS = SWIZZLE // 2  # bf16 columns of one swizzled tile row
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
@@ -90,6 +101,56 @@ def _select_dead_values(k_tile, ld, start, live_end, ops):
     tile = k_tile.at[:, pl.ds(c * _TILE_COLS, _TILE_COLS)]
     v = tile[...]
     tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
+
+
+def _convert_columns(half, k8_tile, kb_tile, ld, start, live_end, ops):
+  """Warpgroup ``half``'s share of one 8-bit K stage ``k8_tile`` [bk, 576] (loaded from
+  ``ld``) converted exactly into the bf16 wgmma operand ``kb_tile`` [bk, 576]: warpgroup 0
+  the columns 0..255, warpgroup 1 the columns 256..575 (`fdecode.kernels.mosaic_gpu.plan`
+  says why); the rows of dead slots (before ``start``, at / past ``live_end``) become 0 (a
+  select, never a product: a garbage code may be NaN)."""
+  bk = k8_tile.shape[0]
+  pos = ld + ops.iota((bk, _TILE_COLS), 0)
+  keep = (pos >= start) & (pos < live_end)
+  split = HALF_DV // _TILE_COLS
+  for c in (range(split) if half == 0 else range(split, DK // _TILE_COLS)):
+    cols = pl.ds(c * _TILE_COLS, _TILE_COLS)
+    x = to_bf16(k8_tile.at[:, cols][...])
+    kb_tile.at[:, cols][...] = jnp.where(keep, x, jnp.zeros_like(x))
+
+
+def _quantized_operand(half, k8_tile, kb_tile, scales, scales_full, converted, ld, start, live_end, ops):
+  """Warpgroup ``half``'s part of one 8-bit block: its columns converted
+  (`_convert_columns`), then warpgroup 1 hands them to warpgroup 0 (barrier
+  ``converted``), and warpgroup 0 takes the block's per-token scales ``scales`` f32[bk]
+  (landed on ``scales_full``) as a column vector, which it returns (warpgroup 1: None)."""
+  _convert_columns(half, k8_tile, kb_tile, ld, start, live_end, ops)
+  plgpu.commit_smem()
+  if half == 1:
+    plgpu.barrier_arrive(converted)
+    return None
+  plgpu.barrier_wait(scales_full)
+  k_scale = ops.load_cols(scales)
+  plgpu.barrier_wait(converted)
+  return k_scale
+
+
+def _hand_over_p(half, step, p, alpha, p_smem, rows_smem, p_full, p_free, ops):
+  """P and its row rescale ``alpha`` from warpgroup 0 (writes them into ``p_smem`` and
+  row 0 of ``rows_smem`` once warpgroup 1 read the previous ones, barrier ``p_free``) to
+  warpgroup 1 (waits on ``p_full``); returns alpha."""
+  if half == 0:
+    @pl.when(step > 0)
+    def _():
+      plgpu.barrier_wait(p_free)
+
+    p_smem[...] = p.astype(p_smem.dtype)
+    rows_smem.at[0][...] = alpha
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(p_full)
+    return alpha
+  plgpu.barrier_wait(p_full)
+  return ops.load_rows(rows_smem.at[0])
 
 
 def _corrupt_rows(acc):
@@ -127,18 +188,20 @@ def _finish(half, acc, m, l, rows_smem, flags, done, o_tile, lse_rows, ops):
     lse_rows[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
 
 
-def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows_smem, barriers, *,
-            plan: MlaPlan, ops: Ops):
-  # ends_ref i32[B]; q_ref bf16[B, R_p, 576]; k_ref bf16[B, S_c, 576];
-  # o_ref f32[B, n_splits, R_p, 512]; lse_ref f32[B, n_splits, R_p];
-  # q_smem [64, 576]; k_smem [stages, bk, 576]; p_smem bf16[64, bk]; rows_smem f32[3, 64]:
-  # P's row rescale alpha (then warpgroup 1's corrupt-row flags, 1 -> 0), the final m and l (0 -> 1).
+def _kernel(ends_ref, q_ref, k_ref, *refs, plan: MlaPlan, ops: Ops):
+  # ends_ref i32[B]; q_ref bf16[B, R_p, 576]; k_ref [B, S_c, 576] (bf16 or 8-bit);
+  # 8-bit: ks_ref f32[B, S_c]; o_ref f32[B, n_splits, R_p, 512]; lse_ref f32[B, n_splits, R_p];
+  # q_smem [64, 576]; k_smem [stages, bk, 576]; 8-bit: kb_smem bf16[bk, 576] (the wgmma
+  # operand), sc_smem f32[stages, bk]; p_smem bf16[64, bk]; rows_smem f32[3, 64]: P's row
+  # rescale alpha (then warpgroup 1's corrupt-row flags, 1 -> 0), the final m and l (0 -> 1).
+  if plan.quantized:
+    ks_ref, o_ref, lse_ref, q_smem, k_smem, kb_smem, sc_smem, p_smem, rows_smem, barriers = refs
+    *barriers, s_full, converted = barriers
+  else:
+    o_ref, lse_ref, q_smem, k_smem, p_smem, rows_smem, barriers = refs
   q_bar, k_full, k_free, p_full, p_free, done, flags = barriers
   bk, stages = plan.block, plan.stages
-  row_block = lax.axis_index("rows")
-  split = lax.axis_index("split")
-  b = lax.axis_index("batch")
-  wg = lax.axis_index("wg")
+  row_block, split, b, wg = (lax.axis_index(n) for n in ("rows", "split", "batch", "wg"))
   end = ends_ref[b]
   live_end = jnp.clip(end, 0, plan.seq_len)
   first, last = blk.split_range(end, split, plan.num_splits, plan.num_tokens, plan.seq_len, bk, Modifiers())
@@ -148,31 +211,34 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
   def copy_block(step, slot):
     rows = pl.ds(load_start(first + step), bk)
     plgpu.copy_gmem_to_smem(k_ref.at[b, rows], k_smem.at[slot], k_full.at[slot])
+    if plan.quantized:
+      plgpu.copy_gmem_to_smem(ks_ref.at[b, rows], sc_smem.at[slot], s_full.at[slot])
 
   @pl.when(wg == 2)
   def _memory():
     plgpu.set_max_registers(plan.memory_registers, action="decrease")
+    q_rows = q_ref.at[b, pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)]
+    tma_ring(steps, stages, lambda: plgpu.copy_gmem_to_smem(q_rows, q_smem, q_bar.at[0]), copy_block, k_free)
 
-    @pl.when(steps > 0)
-    def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)], q_smem, q_bar.at[0])
+  def release(step, slot):
+    # Only where the slot is written again: a barrier phase nobody waits for would be
+    # left behind (the interpreter rejects that).
+    pl.when(step + stages < steps)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
 
-    for i in range(stages):
-      pl.when(i < steps)(functools.partial(copy_block, i, i))
-
-    @pl.loop(stages, steps)
-    def _(step):
-      slot = lax.rem(step, stages)
-      plgpu.barrier_wait(k_free.at[slot])
-      copy_block(step, slot)
+  def operands(half, step, slot, ld, start):
+    """The K operand of a block (V: its first 512 columns) and, 8-bit, warpgroup 0's
+    per-token scales: bf16, the stage itself; 8-bit, the bf16 tile both warpgroups
+    converted their columns into, the 8-bit stage then released to the TMA."""
+    if not plan.quantized:
+      return k_smem.at[slot], None
+    k_scale = _quantized_operand(half, k_smem.at[slot], kb_smem, sc_smem.at[slot], s_full.at[slot], converted.at[0],
+                                 ld, start, live_end, ops)
+    release(step, slot)
+    return kb_smem, k_scale
 
   def compute(half):
     plgpu.set_max_registers(plan.compute_registers, action="increase")
     scores = half == 0
-
-    m0 = ops.rows(jnp.full((BLOCK_ROWS,), MASK_VALUE, jnp.float32))
-    l0 = ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32))
-    acc0 = ops.tile(jnp.zeros((BLOCK_ROWS, HALF_DV), jnp.float32))
 
     @pl.when(jnp.logical_and(scores, steps > 0))
     def _():
@@ -184,43 +250,31 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
       start = (first + step) * bk
       ld = load_start(first + step)
       plgpu.barrier_wait(k_full.at[slot])
-      v_ref = k_smem.at[slot, :, pl.ds(half * HALF_DV, HALF_DV)]
+      k_op, k_scale = operands(half, step, slot, ld, start)
       if scores:
-        s = ops.qk(q_smem, k_smem.at[slot])
+        s = ops.qk(q_smem, k_op)
         # T = 1: every row sees the same keys (padding rows too; their outputs are
-        # dropped), so the mask is a function of the column alone.
+        # dropped), so the mask is a function of the column alone. MLA's values are the
+        # keys' rows: one per-token scale serves S and P.
         pos = ld + ops.iota((BLOCK_ROWS, bk), 1)
         visible = (pos >= start) & (pos < live_end)
-        s = jnp.where(visible, s * (plan.softmax_scale * _LOG2E), MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
-        l = l * alpha + p.sum(axis=1)
-        m = m_new
-
-        pl.when((ld < start) | (ld + bk > live_end))(
-            functools.partial(_select_dead_values, k_smem.at[slot], ld, start, live_end, ops))
-
-        @pl.when(step > 0)  # warpgroup 1 is done with the previous P
-        def _():
-          plgpu.barrier_wait(p_free.at[0])
-
-        p_smem[...] = p.astype(p_smem.dtype)
-        rows_smem.at[0][...] = alpha
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(p_full.at[0])
+        p, alpha, m, l = online_softmax(s, visible, m, l, plan.softmax_scale, k_scale, k_scale)
+        if not plan.quantized:  # 8-bit: selected in the conversion
+          pl.when((ld < start) | (ld + bk > live_end))(
+              functools.partial(_select_dead_values, k_smem.at[slot], ld, start, live_end, ops))
       else:
-        plgpu.barrier_wait(p_full.at[0])
-        alpha = ops.load_rows(rows_smem.at[0])
-      acc = ops.pv(acc, alpha, p_smem, v_ref)
-      # Release P and the K slot only where they are written again: a barrier phase
-      # nobody waits for would be left behind (the interpreter rejects that).
+        p = alpha = None
+      alpha = _hand_over_p(half, step, p, alpha, p_smem, rows_smem, p_full.at[0], p_free.at[0], ops)
+      acc = ops.pv(acc, alpha, p_smem, k_op.at[:, pl.ds(half * HALF_DV, HALF_DV)])
       if not scores:
         pl.when(step + 1 < steps)(lambda: plgpu.barrier_arrive(p_free.at[0]))
-      pl.when(step + stages < steps)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+      if not plan.quantized:
+        release(step, slot)
       return acc, m, l
 
-    acc, m, l = lax.fori_loop(0, steps, step_body, (acc0, m0, l0))
+    init = (ops.tile(jnp.zeros((BLOCK_ROWS, HALF_DV), jnp.float32)),
+            ops.rows(jnp.full((BLOCK_ROWS,), MASK_VALUE, jnp.float32)), ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32)))
+    acc, m, l = lax.fori_loop(0, steps, step_body, init)
     out_rows = pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)
     _finish(half, acc, m, l, rows_smem, flags.at[0], done.at[0], o_ref.at[b, split, out_rows, pl.ds(half * HALF_DV, HALF_DV)],
             lse_ref.at[b, split, out_rows], ops)
@@ -229,7 +283,30 @@ def _kernel(ends_ref, q_ref, k_ref, o_ref, lse_ref, q_smem, k_smem, p_smem, rows
   pl.when(wg == 1)(functools.partial(compute, 1))
 
 
-def mla_states(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
+def _scratch(plan: MlaPlan):
+  """The shared memory of one program (`fdecode.kernels.mosaic_gpu.plan` budgets it)."""
+  tiled = (plgpu.TilingTransform((8, _TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE))
+  barriers = (plgpu.Barrier(num_barriers=1),                                      # Q landed
+              plgpu.Barrier(num_barriers=plan.stages),                            # K slot landed
+              plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),            # K slot released
+              plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # P written
+              plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # P read (warpgroup 1)
+              plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # final m, l written
+              plgpu.Barrier(num_arrivals=1, num_barriers=1))                      # warpgroup 1's row flags written
+  q = plgpu.SMEM((BLOCK_ROWS, DK), jnp.bfloat16, transforms=tiled)
+  p = plgpu.SMEM((BLOCK_ROWS, plan.block), jnp.bfloat16, transforms=tiled)
+  rows = plgpu.SMEM((3, BLOCK_ROWS), jnp.float32)
+  if not plan.quantized:
+    return [q, plgpu.SMEM((plan.stages, plan.block, DK), jnp.bfloat16, transforms=tiled), p, rows, barriers]
+  tiled8 = (plgpu.TilingTransform((8, _TILE_COLS)), plgpu.SwizzleTransform(_TILE_COLS))  # 64 B rows
+  barriers += (plgpu.Barrier(num_barriers=plan.stages),                           # a slot's scales landed
+               plgpu.Barrier(num_arrivals=1, num_barriers=1))                     # warpgroup 1's columns converted
+  return [q, plgpu.SMEM((plan.stages, plan.block, DK), jnp.dtype(plan.cache_dtype), transforms=tiled8),
+          plgpu.SMEM((plan.block, DK), jnp.bfloat16, transforms=tiled), plgpu.SMEM((plan.stages, plan.block), jnp.float32),
+          p, rows, barriers]
+
+
+def mla_states(q_rows, ends, k, k_scale=None, *, plan: MlaPlan, interpret=None):
   """The kernel's own outputs, rows padded to ``plan.rows_padded``: float32 ``(o [B,
   n_splits, R_p, 512], lse [B, n_splits, R_p])`` (`mla_partials` for the arguments; the
   dispatch hands these to the Triton combine kernel as they are)."""
@@ -237,33 +314,24 @@ def mla_states(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
   if hkv != 1 or dq != DK or k.shape[1] != 1 or k.shape[3] != DK:
     raise ValueError(f"mla_partials: need q_rows [B, 1, R, {DK}] and k [B, 1, S, {DK}], got "
                      f"{q_rows.shape=} {k.shape=}")
-  if (b, r, k.shape[2]) != (plan.batch, plan.rows, plan.seq_len):
-    raise ValueError(f"mla_partials: the plan is for B={plan.batch} R={plan.rows} S={plan.seq_len}, got "
-                     f"{q_rows.shape=} {k.shape=}")
+  if (b, r, k.shape[2]) != (plan.batch, plan.rows, plan.seq_len) or str(k.dtype) != plan.cache_dtype:
+    raise ValueError(f"mla_partials: the plan is for B={plan.batch} R={plan.rows} S={plan.seq_len} and a "
+                     f"{plan.cache_dtype} cache, got {q_rows.shape=} {k.shape=} {k.dtype=}")
+  if plan.quantized != (k_scale is not None) or (k_scale is not None and k_scale.shape != (*k.shape[:3], 1)):
+    raise ValueError(f"mla_partials: a {plan.cache_dtype} plan needs k_scale "
+                     f"{f'[B, 1, S, 1] = {(*k.shape[:3], 1)}' if plan.quantized else 'None'}, got "
+                     f"{None if k_scale is None else k_scale.shape}")
   q = jnp.pad(q_rows[:, 0], [(0, 0), (0, plan.rows_padded - r), (0, 0)])
-  k = k[:, 0]
-  if plan.cache_rows != plan.seq_len:  # S < bk or S % 8 != 0: a padded copy (see MlaPlan)
-    k = jnp.pad(k, [(0, 0), (0, plan.cache_rows - plan.seq_len), (0, 0)])
-  tiled = (plgpu.TilingTransform((8, _TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE))
-  scratch = [
-      plgpu.SMEM((BLOCK_ROWS, DK), jnp.bfloat16, transforms=tiled),
-      plgpu.SMEM((plan.stages, plan.block, DK), jnp.bfloat16, transforms=tiled),
-      plgpu.SMEM((BLOCK_ROWS, plan.block), jnp.bfloat16, transforms=tiled),
-      plgpu.SMEM((3, BLOCK_ROWS), jnp.float32),
-      (plgpu.Barrier(num_barriers=1),                                      # Q landed
-       plgpu.Barrier(num_barriers=plan.stages),                            # K slot landed
-       plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),            # K slot released
-       plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # P written
-       plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # P read (warpgroup 1)
-       plgpu.Barrier(num_arrivals=1, num_barriers=1),                      # final m, l written
-       plgpu.Barrier(num_arrivals=1, num_barriers=1)),                     # warpgroup 1's row flags written
-  ]
+  pad_s = [(0, 0), (0, plan.cache_rows - plan.seq_len)]  # S < bk or S % 8 != 0: a padded copy (see MlaPlan)
+  args = [q, jnp.pad(k[:, 0], pad_s + [(0, 0)])]
+  if plan.quantized:
+    args.append(jnp.pad(k_scale[:, 0, :, 0].astype(jnp.float32), pad_s))
   interpreted = interpret is not None and interpret is not False
   kernel = plgpu.kernel(
       functools.partial(_kernel, plan=plan, ops=Ops(interpreted)),
       out_type=(jax.ShapeDtypeStruct((b, plan.num_splits, plan.rows_padded, DV), jnp.float32),
                 jax.ShapeDtypeStruct((b, plan.num_splits, plan.rows_padded), jnp.float32)),
-      scratch_types=scratch,
+      scratch_types=_scratch(plan),
       grid=plan.grid,
       grid_names=("rows", "split", "batch"),
       num_threads=3,
@@ -274,17 +342,20 @@ def mla_states(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
       interpret=interpret if interpreted else None,
       kernel_name="fdecode_mla_mosaic_gpu",
   )
-  o, lse = kernel(ends.astype(jnp.int32), q, k)
+  o, lse = kernel(ends.astype(jnp.int32), *args)
   return o, lse
 
 
-def mla_partials(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
+def mla_partials(q_rows, ends, k, k_scale=None, *, plan: MlaPlan, interpret=None):
   """Per-split partial states of MLA decode from the Hopper kernel.
 
   Args:
     q_rows: bf16 ``[B, 1, R, 576]`` queries, row r = t * G + g (one latent kv head).
     ends: int32 ``[B]``: each sequence's length (new tokens included) in the cache.
-    k: bf16 ``[B, 1, S, 576]`` latent cache; the values are its first 512 columns.
+    k: ``[B, 1, S, 576]`` latent cache, bf16 or int8 / float8_e4m3fn; the values are its
+      first 512 columns.
+    k_scale: float32 ``[B, 1, S, 1]``, 8-bit caches only: the real latent row is
+      ``k * k_scale`` (keys and values alike), else None.
     plan: `fdecode.kernels.mosaic_gpu.plan.mla_plan` for these shapes.
     interpret: None / False: compiled for the GPU (sm_90a); an ``InterpretGPUParams``:
       jax's Mosaic GPU interpreter (CPU), with the substitutions of
@@ -295,6 +366,6 @@ def mla_partials(q_rows, ends, k, *, plan: MlaPlan, interpret=None):
     (natural-log LSE; a row with no visible key: o = 0, lse = -inf), merged over axis 2
     by `fdecode.combine.merge_states`.
   """
-  o, lse = mla_states(q_rows, ends, k, plan=plan, interpret=interpret)
+  o, lse = mla_states(q_rows, ends, k, k_scale, plan=plan, interpret=interpret)
   r = q_rows.shape[2]
   return o[:, None, :, :r], lse[:, None, :, :r]

@@ -10,22 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdecode.kernels import triton as triton_kernels
-from fdecode.kernels.common.quant import canonical_scale
+from fdecode.kernels.common.quant import per_token_scale
 from fdecode.kernels.mosaic_gpu.rows_kernel import rows_states
 from fdecode.kernels.mosaic_gpu.rows_plan import rows_plan, rows_unsupported
 from fdecode.validation import as_array, check_concrete_lengths, static_scale, to_int32
 
 _CALLER = "rows_decode"
-
-
-def _per_token(scale, k_shape, name):
-  """A scale fdecode takes for an 8-bit cache (`canonical_scale`) with one tile per row
-  (per token, per head or per tensor), as float32 ``[B, Hkv, S, 1]``."""
-  scale = canonical_scale(scale, k_shape, name, _CALLER)
-  if scale.shape[-1] != 1:
-    raise ValueError(f"{_CALLER}: {name} must have one scale per token (last axis 1), got "
-                     f"{name}.shape={tuple(scale.shape)}")
-  return jnp.broadcast_to(scale, (*k_shape[:3], 1))
 
 
 def rows_decode(q, k, v, lengths, *, k_scale=None, v_scale=None, softmax_scale=None, num_splits=None,
@@ -83,7 +73,8 @@ def rows_decode(q, k, v, lengths, *, k_scale=None, v_scale=None, softmax_scale=N
                      f"dtype {lengths.dtype}")
   check_concrete_lengths(lengths, s, _CALLER)
   if scales:
-    k_scale, v_scale = _per_token(k_scale, k.shape, "k_scale"), _per_token(v_scale, v.shape, "v_scale")
+    k_scale = per_token_scale(k_scale, k.shape, "k_scale", _CALLER)
+    v_scale = per_token_scale(v_scale, v.shape, "v_scale", _CALLER)
   g = hq // hkv
   plan = rows_plan(batch=b, kv_heads=hkv, num_tokens=t, group=g, head_dim=d, seq_len=s,
                    softmax_scale=static_scale(softmax_scale, d, _CALLER), cache_dtype=k.dtype,

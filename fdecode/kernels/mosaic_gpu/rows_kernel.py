@@ -64,23 +64,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fdecode.combine import MASK_VALUE
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.modifiers import Modifiers
-from fdecode.kernels.mosaic_gpu.ops import Ops
+from fdecode.kernels.mosaic_gpu.ops import Ops, online_softmax, tma_ring, to_bf16
 from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS
 from fdecode.kernels.mosaic_gpu.rows_plan import RowsPlan
 
-_LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _COLS = 64  # columns of one swizzled smem tile (128 B of bf16, 64 B of 8-bit)
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
-
-
-def _to_bf16(x):
-  """A loaded tile as bf16, exactly: int8 directly; float8_e4m3fn through float16 (Hopper
-  converts e4m3 only to f16 in hardware; every e4m3 value, NaN included, is an f16 and a
-  bf16)."""
-  if x.dtype == jnp.float8_e4m3fn:
-    x = x.astype(jnp.float16)
-  return x.astype(jnp.bfloat16)
 
 
 def _bad_value_rows(v_tile):
@@ -89,7 +79,7 @@ def _bad_value_rows(v_tile):
   bk, d = v_tile.shape
   bad = None
   for c in range(d // _COLS):
-    v = _to_bf16(v_tile.at[:, pl.ds(c * _COLS, _COLS)][...]).astype(jnp.float32)
+    v = to_bf16(v_tile.at[:, pl.ds(c * _COLS, _COLS)][...]).astype(jnp.float32)
     row = jnp.where(jnp.abs(v) <= _F32_MAX, 0.0, 1.0).max(axis=1)
     bad = row if bad is None else jnp.maximum(bad, row)
   return bad
@@ -111,11 +101,11 @@ def _prepare_operands(k_src, v_src, k_dst, v_dst, ld, start, live_end, *, guard:
   for c in range(d // _COLS):
     cols = pl.ds(c * _COLS, _COLS)
     if guard or k_dst is not k_src:
-      kc = _to_bf16(k_src.at[:, cols][...])
+      kc = to_bf16(k_src.at[:, cols][...])
       if guard:
         kc = jnp.where(poison, jnp.array(jnp.nan, jnp.bfloat16), kc)
       k_dst.at[:, cols][...] = kc
-    vc = _to_bf16(v_src.at[:, cols][...])
+    vc = to_bf16(v_src.at[:, cols][...])
     v_dst.at[:, cols][...] = jnp.where(keep, vc, jnp.zeros_like(vc))
 
 
@@ -125,28 +115,6 @@ def _row_limits(row_block, live_end, plan: RowsPlan, ops: Ops, bk: int):
   r = row_block * BLOCK_ROWS + ops.iota((BLOCK_ROWS, bk), 0)
   hi = jnp.clip(live_end - plan.num_tokens + r // plan.group + 1, 0, live_end)
   return jnp.where(r < plan.rows, hi, 0)
-
-
-def _online_softmax(s, visible, m, l, seen, k_scale, v_scale, softmax_scale: float):
-  """One block of the online softmax (exp2 domain) over scores ``s`` float32 [64, bk].
-
-  ``visible`` bool [64, bk] (row r may see slot j); ``m``, ``l``, ``seen`` [64]: the
-  running max, sum and whether the row saw a key; ``k_scale`` / ``v_scale``: [bk] column
-  vectors (8-bit caches) or None: k_scale multiplies column j of S before the select,
-  v_scale column j of P after the row sum (l sums the unscaled probabilities), then a
-  select again (a dead slot's scale is garbage). Returns (P for the PV wgmma, alpha, m,
-  l, seen)."""
-  if k_scale is not None:
-    s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
-  s = jnp.where(visible, s * (softmax_scale * _LOG2E), MASK_VALUE)
-  m_new = jnp.maximum(m, s.max(axis=1))
-  alpha = jnp.exp2(m - m_new)
-  p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
-  l = l * alpha + p.sum(axis=1)
-  seen = jnp.maximum(seen, jnp.where(visible, 1.0, 0.0).max(axis=1))
-  if v_scale is not None:
-    p = jnp.where(visible, p * lax.broadcast_in_dim(v_scale, s.shape, [1]), 0.0)
-  return p, alpha, m_new, l, seen
 
 
 def _write_state(acc, m, l, seen, o_tile, lse_rows):
@@ -190,19 +158,8 @@ def _kernel(ends_ref, q_ref, k_ref, v_ref, *refs, plan: RowsPlan, ops: Ops):
   @pl.when(lax.axis_index("wg") == 1)
   def _memory():
     plgpu.set_max_registers(plan.memory_registers, action="decrease")
-
-    @pl.when(steps > 0)
-    def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[bh, pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)], q_smem, q_bar.at[0])
-
-    for i in range(stages):
-      pl.when(i < steps)(functools.partial(copy_block, i, i))
-
-    @pl.loop(stages, steps)
-    def _(step):
-      slot = lax.rem(step, stages)
-      plgpu.barrier_wait(free.at[slot])
-      copy_block(step, slot)
+    q_rows = q_ref.at[bh, pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)]
+    tma_ring(steps, stages, lambda: plgpu.copy_gmem_to_smem(q_rows, q_smem, q_bar.at[0]), copy_block, free)
 
   @pl.when(lax.axis_index("wg") == 0)
   def _compute():
@@ -237,7 +194,8 @@ def _kernel(ends_ref, q_ref, k_ref, v_ref, *refs, plan: RowsPlan, ops: Ops):
       pos = ld + ops.iota((BLOCK_ROWS, bk), 1)
       visible = (pos >= start) & (pos < hi)
       cols = (lambda i: ops.load_cols(sc_smem.at[i, slot])) if plan.quantized else (lambda i: None)
-      p, alpha, m, l, seen = _online_softmax(s, visible, m, l, seen, cols(0), cols(1), plan.softmax_scale)
+      p, alpha, m, l = online_softmax(s, visible, m, l, plan.softmax_scale, cols(0), cols(1))
+      seen = jnp.maximum(seen, jnp.where(visible, 1.0, 0.0).max(axis=1))
       p_smem[...] = p.astype(p_smem.dtype)
       plgpu.commit_smem()
       acc = ops.pv(acc, alpha, p_smem, v_op)

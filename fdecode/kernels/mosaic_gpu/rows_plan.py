@@ -22,10 +22,9 @@ import dataclasses
 import jax.numpy as jnp
 
 from fdecode.kernels.common import chips
-from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS, split_count
+from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS, QUANT_DTYPES, split_count
 
 HEAD_DIMS = (64, 128, 256)
-QUANT_DTYPES = ("int8", "float8_e4m3fn")
 _BF16 = 2
 
 
