@@ -37,20 +37,20 @@ def load_start(plan: RowsPlan, block):
   return jnp.minimum(block * plan.block, plan.cache_rows - plan.block)
 
 
-def _pieces(plan: RowsPlan, tables_ref, seq, start, live_end, num_pages: int):
-  """[(page, offset)] of the block at token ``start`` of sequence ``seq``: one per copy.
-  ``tables_ref``: int32 ``[B * n]`` (the table, flat). Piece 0 is live (the block is);
-  a later piece past ``live_end`` takes piece 0's page (its own entry is not read as an
-  id: it may be garbage, or past the table's end)."""
+def block_pieces(plan: RowsPlan, entry, start, live_end, num_pages: int):
+  """[(page, offset)] of the block at token ``start`` (live: ``start < live_end``) of one
+  sequence: one per copy. ``entry(col)``: the sequence's table entry at column ``col``
+  (int32 scalar). Piece 0 is live (the block is); a later piece at or past ``live_end``
+  takes piece 0's page: its own entry (garbage, or past the table's end where the last
+  block runs past S) is never used as a page id. Every id is clipped into ``[0, P)``."""
   ps, n = plan.page_size, plan.pages
-  first = tables_ref[seq * n + start // ps]
+  first = entry(start // ps)
   pieces = []
   for i in range(plan.copies):
     token = start + i * plan.piece
     page = first
     if i:
-      entry = tables_ref[seq * n + jnp.minimum(token // ps, n - 1)]
-      page = jnp.where(token < live_end, entry, first)
+      page = jnp.where(token < live_end, entry(jnp.minimum(token // ps, n - 1)), first)
     offset = token % ps if ps > plan.block else 0
     pieces.append((jnp.clip(page, 0, num_pages - 1), offset))
   return pieces
@@ -78,7 +78,8 @@ def copy_block(plan: RowsPlan, sources, slots, barriers, *, tables_ref, seq, hea
     piece = plan.piece
     dst = (lambda ref, i: ref.at[slot]) if plan.copies == 1 else (
         lambda ref, i: ref.at[slot, pl.ds(i * piece, piece)])
-    pieces = _pieces(plan, tables_ref, seq, block * bk, live_end, k_ref.shape[1])
+    entry = lambda col: tables_ref[seq * plan.pages + col]  # the table, flat [B * n]
+    pieces = block_pieces(plan, entry, block * bk, live_end, k_ref.shape[1])
     for i, (page, offset) in enumerate(pieces):
       src = pl.ds(offset, piece)
       plgpu.copy_gmem_to_smem(k_ref.at[head, page, src], dst(k_smem, i), k_full.at[slot])
