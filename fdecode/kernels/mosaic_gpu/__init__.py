@@ -4,8 +4,9 @@ docs/semantics.md "Backends"); the rows kernel is opt-in (`rows_decode`): no GPU
 measured it yet, so Triton stays the default for those calls.
 
 `mla_decode` (MLA, one latent kv head) and `rows_decode` (GQA over bf16 or 8-bit
-per-token caches, T new tokens x G query heads as the MMA's rows) are the public entry
-points (the final output, like `fdecode.flash_decode`). `mla_plan` / `rows_plan` decide a
+per-token caches, contiguous or paged pools read in place through the block table at
+page sizes 8, 16, 32 and multiples of 64; T new tokens x G query heads as the MMA's
+rows) are the public entry points (the final output, like `fdecode.flash_decode`). `mla_plan` / `rows_plan` decide a
 launch, `mla_partials` / `rows_partials` run it (per-split partial states, the states
 `fdecode.combine.merge_states` merges), `unsupported` / `rows_unsupported` name what
 each cannot take.
