@@ -10,10 +10,11 @@ parts, each contender guarded (one that fails prints its error and the run goes 
    tokens): max |out - oracle|, max |lse - oracle| over finite rows, -inf rows agree,
    and the same with NaN in every slot past the lengths (selected away).
 2. device time at full lengths, ``rows_decode`` against the Triton path
-   (``flash_decode(impl="pallas")``) on the same data (paged: the same pool and table): a sample is one jitted program of
-   --chain dependent calls (each call's q gets ``0 * out[..., :1]`` of the previous
-   one), median of --iters, compile apart; the fraction of the chip's spec bandwidth
-   the cache read reaches (B * Hkv * S * 2D bytes per element byte).
+   (``flash_decode(impl="pallas")``) on the same data (paged: the same pool and table):
+   a sample is one jitted program of --chain dependent calls (each call's q gets
+   ``0 * out[..., :1]`` of the previous one), median of --iters, compile apart; the
+   fraction of the chip's spec bandwidth the cache read reaches (B * Hkv * S * 2D bytes
+   per element byte).
 
   python benchmarks/bench_mosaic_gpu_rows.py --json PATH   # GPU (jax 0.11.2); a few minutes
   python benchmarks/bench_mosaic_gpu_rows.py --interpret   # CPU: tiny shapes, interpreter

@@ -10,7 +10,7 @@ tail) holds garbage (NaN, +-huge, extreme 8-bit codes, NaN / inf scales) and tab
 entries past a sequence's length hold ids far outside the pool; neither may fault or
 leak. What the interpreter runs and does not is as in tests/test_mosaic_gpu_rows.py.
 
-Cost: 5 interpreted calls, 30 programs, about 30 s of CPU (most of it one compilation
+Cost: 5 interpreted calls, 32 programs, about 30 s of CPU (most of it one compilation
 of the kernel body per call, `mosaic_gpu_interpret.compiled_once`).
 """
 

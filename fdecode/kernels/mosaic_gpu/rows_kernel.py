@@ -284,7 +284,8 @@ def rows_states(q_rows, ends, k, v, k_scale=None, v_scale=None, *, block_tables=
   b, hkv, r, d = q_rows.shape
   if plan.paged:
     want = (plan.kv_heads, k.shape[1] if k.ndim == 4 else -1, plan.page_size, plan.head_dim)
-    names = f"pools [{plan.kv_heads}, P, {plan.page_size}, {plan.head_dim}] and block_tables [{plan.batch}, {plan.pages}]"
+    names = (f"pools [{plan.kv_heads}, P, {plan.page_size}, {plan.head_dim}] and block_tables "
+             f"[{plan.batch}, {plan.pages}]")
     tables_ok = block_tables is not None and tuple(block_tables.shape) == (plan.batch, plan.pages)
   else:
     want, tables_ok = (plan.batch, plan.kv_heads, plan.seq_len, plan.head_dim), block_tables is None
