@@ -2,17 +2,19 @@
 short run (prepared without a GPU: only ``--interpret`` has run).
 
 GQA decode of T new tokens x G query heads per kv head (T * G rows a wgmma tile) over a
-contiguous ``[B, Hkv, S, D]`` cache, bf16 and 8-bit with per-token scales. Two parts,
-each contender guarded (one that fails prints its error and the run goes on):
+contiguous ``[B, Hkv, S, D]`` cache or a paged pool ``[Hkv, P, page_size, D]`` with a
+shuffled block table (rows with a page size), bf16 and 8-bit with per-token scales. Two
+parts, each contender guarded (one that fails prints its error and the run goes on):
 
 1. correctness against a float64 numpy oracle (the dequantized cache, causal over the T
    tokens): max |out - oracle|, max |lse - oracle| over finite rows, -inf rows agree,
    and the same with NaN in every slot past the lengths (selected away).
 2. device time at full lengths, ``rows_decode`` against the Triton path
-   (``flash_decode(impl="pallas")``) on the same data: a sample is one jitted program of
-   --chain dependent calls (each call's q gets ``0 * out[..., :1]`` of the previous
-   one), median of --iters, compile apart; the fraction of the chip's spec bandwidth
-   the cache read reaches (B * Hkv * S * 2D bytes per element byte).
+   (``flash_decode(impl="pallas")``) on the same data (paged: the same pool and table):
+   a sample is one jitted program of --chain dependent calls (each call's q gets
+   ``0 * out[..., :1]`` of the previous one), median of --iters, compile apart; the
+   fraction of the chip's spec bandwidth the cache read reaches (B * Hkv * S * 2D bytes
+   per element byte).
 
   python benchmarks/bench_mosaic_gpu_rows.py --json PATH   # GPU (jax 0.11.2); a few minutes
   python benchmarks/bench_mosaic_gpu_rows.py --interpret   # CPU: tiny shapes, interpreter
@@ -47,6 +49,26 @@ def make(seed, b, t, hq, hkv, s, d, dtype):
     return q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), None, None
   (k, ks), (v, vs) = quantize(k, dtype), quantize(v, dtype)
   return q, k, v, ks, vs
+
+
+def to_pool(x, page_size, perm):
+  """``[B, Hkv, S, ...]`` -> a pool ``[Hkv, B * n, page_size, ...]`` holding page j of
+  sequence b at ``perm[b * n + j]`` (the table is ``perm.reshape(B, n)``)."""
+  b, hkv, s = x.shape[:3]
+  n, rest = s // page_size, x.shape[3:]
+  pages = jnp.moveaxis(x.reshape(b, hkv, n, page_size, *rest), 1, 0).reshape(hkv, b * n, page_size, *rest)
+  return jnp.zeros_like(pages).at[:, perm].set(pages)
+
+
+def cache_args(k, v, ks, vs, page_size, seed):
+  """(k, v, ks, vs, block_tables): the contiguous cache as it is (table None), or as a
+  paged pool with a shuffled table."""
+  if not page_size:
+    return k, v, ks, vs, None
+  b, _, s = k.shape[:3]
+  perm = np.random.default_rng(seed).permutation(b * (s // page_size))
+  pool = lambda x: None if x is None else to_pool(x, page_size, perm)
+  return pool(k), pool(v), pool(ks), pool(vs), jnp.asarray(perm.reshape(b, -1), jnp.int32)
 
 
 def oracle(q, k, v, ks, vs, lengths):
@@ -95,24 +117,29 @@ def correctness(rows, shapes, interpret):
   if interpret:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # pylint: disable=g-import-not-at-top
     params = InterpretGPUParams()
-  for b, t, hq, hkv, s, d, dtype in shapes:
+  for b, t, hq, hkv, s, d, dtype, *paged in shapes:
+    ps = paged[0] if paged else None
     q, k, v, ks, vs = make(b + t + s + d, b, t, hq, hkv, s, d, dtype)
     lengths = np.random.default_rng(s).integers(0, s + 1, b)
     lengths[0] = s
     lengths = jnp.asarray(lengths, jnp.int32)
     want = oracle(q, k, v, ks, vs, np.asarray(lengths))
-    shape = dict(B=b, T=t, Hq=hq, Hkv=hkv, S=s, D=d, dtype=dtype, lengths=[int(x) for x in lengths])
+    shape = dict(B=b, T=t, Hq=hq, Hkv=hkv, S=s, D=d, dtype=dtype, lengths=[int(x) for x in lengths], page_size=ps)
     print(f"{shape}", flush=True)
-    mosaic = jax.jit(lambda q, k, v, n, ks, vs: mosaic_gpu.rows_decode(
-        q, k, v, n, k_scale=ks, v_scale=vs, return_lse=True, interpret=params))
-    check("mosaic (rows_decode)", mosaic, (q, k, v, lengths, ks, vs), want, rows, shape)
+    mosaic = jax.jit(lambda q, k, v, n, ks, vs, bt: mosaic_gpu.rows_decode(
+        q, k, v, n, block_tables=bt, k_scale=ks, v_scale=vs, return_lse=True, interpret=params))
+
+    def args(k, v):
+      k, v, k_scale, v_scale, tables = cache_args(k, v, ks, vs, ps, s)
+      return q, k, v, lengths, k_scale, v_scale, tables
+    check("mosaic (rows_decode)", mosaic, args(k, v), want, rows, shape)
     dead = jnp.arange(s)[None, None, :, None] >= lengths[:, None, None, None]
     garbage = lambda x: jnp.where(dead, jnp.nan, x.astype(jnp.float32)).astype(x.dtype)
-    check("mosaic, NaN past the lengths", mosaic, (q, garbage(k), garbage(v), lengths, ks, vs), want, rows, shape)
+    check("mosaic, NaN past the lengths", mosaic, args(garbage(k), garbage(v)), want, rows, shape)
     if not interpret:
-      triton = jax.jit(lambda q, k, v, n, ks, vs: fdecode.flash_decode(q, k, v, n, k_scale=ks, v_scale=vs,
-                                                                     impl="pallas", return_lse=True))
-      check("triton (flash_decode pallas)", triton, (q, k, v, lengths, ks, vs), want, rows, shape)
+      triton = jax.jit(lambda q, k, v, n, ks, vs, bt: fdecode.flash_decode(
+          q, k, v, n, block_tables=bt, k_scale=ks, v_scale=vs, impl="pallas", return_lse=True))
+      check("triton (flash_decode pallas)", triton, args(k, v), want, rows, shape)
 
 
 def device_time(fn, args, *, chain, iters):
@@ -138,21 +165,23 @@ def device_time(fn, args, *, chain, iters):
 def timing(rows, configs, *, chain, iters):
   chip, bw = spec_bandwidth()
   print(f"\n## device time ({chip}, spec {bw / 1e12:.2f} TB/s; {chain} chained calls a sample, median of {iters})")
-  print("| B | T | Hq | Hkv | S | D | cache | contender | ms | min ms | compile s | fraction of spec bw |")
-  print("|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|", flush=True)
-  for b, t, hq, hkv, s, d, dtype in configs:
+  print("| B | T | Hq | Hkv | S | D | cache | page size | contender | ms | min ms | compile s | fraction of spec bw |")
+  print("|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---:|", flush=True)
+  for b, t, hq, hkv, s, d, dtype, *paged in configs:
+    ps = paged[0] if paged else None
     q, k, v, ks, vs = make(0, b, t, hq, hkv, s, d, dtype)
+    k, v, ks, vs, bt = cache_args(k, v, ks, vs, ps, 0)
     lengths = jnp.full((b,), s, jnp.int32)
     nbytes = 2 * b * hkv * s * d * k.dtype.itemsize + (0 if ks is None else 2 * b * hkv * s * 4)
-    contenders = [("mosaic (rows_decode)", lambda q, k, v, n, ks, vs: mosaic_gpu.rows_decode(
-        q, k, v, n, k_scale=ks, v_scale=vs)),
-                  ("triton (flash_decode pallas)", lambda q, k, v, n, ks, vs: fdecode.flash_decode(
-                      q, k, v, n, k_scale=ks, v_scale=vs, impl="pallas"))]
-    shape = dict(B=b, T=t, Hq=hq, Hkv=hkv, S=s, D=d)
+    contenders = [("mosaic (rows_decode)", lambda q, k, v, n, ks, vs, bt: mosaic_gpu.rows_decode(
+        q, k, v, n, block_tables=bt, k_scale=ks, v_scale=vs)),
+                  ("triton (flash_decode pallas)", lambda q, k, v, n, ks, vs, bt: fdecode.flash_decode(
+                      q, k, v, n, block_tables=bt, k_scale=ks, v_scale=vs, impl="pallas"))]
+    shape = dict(B=b, T=t, Hq=hq, Hkv=hkv, S=s, D=d, page_size=ps)
     for name, fn in contenders:
-      head = f"| {b} | {t} | {hq} | {hkv} | {s} | {d} | {dtype} | {name} |"
+      head = f"| {b} | {t} | {hq} | {hkv} | {s} | {d} | {dtype} | {ps or '-'} | {name} |"
       try:
-        sec, best, comp = device_time(fn, (q, k, v, lengths, ks, vs), chain=chain, iters=iters)
+        sec, best, comp = device_time(fn, (q, k, v, lengths, ks, vs, bt), chain=chain, iters=iters)
       except Exception as e:  # noqa: BLE001 - report and go on
         print(f"{head} failed: {short_error(e)} | | | |", flush=True)
         rows.append(dict(section="timing", contender=name, shape=shape, dtype=dtype, error=short_error(e)))
@@ -174,15 +203,18 @@ def main(argv=None):
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, device {jax.devices()[0].device_kind}", flush=True)
   rows = []
   if args.interpret:  # no timing: the interpreter is no GPU
-    correctness(rows, [(2, 4, 16, 1, 70, 64, "bfloat16"), (1, 5, 16, 1, 70, 64, "int8")], interpret=True)
+    correctness(rows, [(2, 4, 16, 1, 70, 64, "bfloat16"), (1, 5, 16, 1, 70, 64, "int8"),
+                       (2, 4, 16, 1, 96, 64, "int8", 16)], interpret=True)
   else:
     correctness(rows, [(2, 4, 32, 2, 777, 128, "bfloat16"), (2, 16, 32, 8, 300, 128, "int8"),
-                       (2, 8, 16, 2, 513, 256, "float8_e4m3fn"), (3, 1, 64, 1, 1000, 64, "bfloat16")],
+                       (2, 8, 16, 2, 513, 256, "float8_e4m3fn"), (3, 1, 64, 1, 1000, 64, "bfloat16"),
+                       (2, 4, 32, 2, 768, 128, "bfloat16", 16), (2, 8, 16, 2, 512, 128, "int8", 64)],
                 interpret=False)
     configs = [(b, t, hq, hkv, s, d, dtype)
                for b, t, hq, hkv, s, d in [(8, 16, 32, 8, 8192, 128), (64, 16, 32, 8, 4096, 128),
                                            (8, 32, 16, 8, 8192, 256)]
                for dtype in ("bfloat16", "int8")]
+    configs += [(8, 16, 32, 8, 8192, 128, dtype, ps) for dtype in ("bfloat16", "int8") for ps in (16, 64)]
     timing(rows, configs, chain=args.chain, iters=args.iters)
   print(f"\ntotal {time.time() - start:.0f} s", flush=True)
   machine = machine_line()

@@ -184,9 +184,9 @@ def test_refuses_bad_lengths_and_scales():
     mosaic_gpu.rows_decode(q, k, k, jnp.array([1, 2], jnp.int32), k_scale=jnp.ones((2, 2, 64, 2)), v_scale=one)
   with pytest.raises(ValueError, match="both k_scale and v_scale"):
     mosaic_gpu.rows_decode(q, k, k, jnp.array([1, 2], jnp.int32), k_scale=one)
-  assert "paged" in rows_unsupported(q_shape=(2, 8, 64), q_dtype="bfloat16", k_shape=(2, 2, 64, 64),
-                                     k_dtype="bfloat16", v_shape=(2, 2, 64, 64), v_dtype="bfloat16",
-                                     scales=False, paged=True)
+  assert "page_size=4 is not a multiple of 8" in rows_unsupported(
+      q_shape=(2, 8, 64), q_dtype="bfloat16", k_shape=(2, 9, 4, 64), k_dtype="bfloat16", v_shape=(2, 9, 4, 64),
+      v_dtype="bfloat16", scales=False, paged=True)
 
 
 def test_plan_fits_shared_memory_at_every_head_dim():

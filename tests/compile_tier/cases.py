@@ -235,6 +235,30 @@ def _rows_mosaic_gpu(target, *, dtype, d=128, t=4, g=16):
 CASES["rows-bf16-t4-g16-mosaic-gpu"] = functools.partial(_rows_mosaic_gpu, dtype=jnp.bfloat16)
 CASES["rows-int8-t4-g16-mosaic-gpu"] = functools.partial(_rows_mosaic_gpu, dtype=jnp.int8)
 CASES["rows-fp8-t4-g16-d256-mosaic-gpu"] = functools.partial(_rows_mosaic_gpu, dtype=jnp.float8_e4m3fn, d=256)
+
+
+def _rows_paged_mosaic_gpu(target, *, dtype, page_size, d=128, t=4, g=16):
+  """The Hopper GQA rows kernel over a paged pool ``[Hkv, P, page_size, D]`` read in place
+  through a ``[B, S / page_size]`` table (`fdecode.kernels.mosaic_gpu.rows_paging`): pages
+  smaller than the 64-token block are one TMA copy each into a slice of the swizzled slot,
+  all onto the slot's one barrier; 8-bit with page_size >= 32 copies the per-token scales
+  from the paged scale pool likewise."""
+  from fdecode.kernels import mosaic_gpu  # pylint: disable=g-import-not-at-top
+  sd = target.spec
+  hkv, n = 8, S // page_size
+  pool = sd((hkv, B * n, page_size, d), dtype)
+  args = [sd((B, t, hkv * g, d), jnp.bfloat16), pool, pool, sd((B,), jnp.int32), sd((B, n), jnp.int32)]
+  if dtype == jnp.bfloat16:
+    return (lambda q, k, v, n, bt: mosaic_gpu.rows_decode(q, k, v, n, block_tables=bt)), tuple(args)
+  scale = sd((hkv, B * n, page_size, 1), jnp.float32)
+  fn = lambda q, k, v, n, bt, ks, vs: mosaic_gpu.rows_decode(q, k, v, n, block_tables=bt, k_scale=ks, v_scale=vs)
+  return fn, (*args, scale, scale)
+
+
+CASES["rows-bf16-t4-g16-paged16-mosaic-gpu"] = functools.partial(_rows_paged_mosaic_gpu, dtype=jnp.bfloat16,
+                                                                 page_size=16)
+CASES["rows-int8-t4-g16-paged32-mosaic-gpu"] = functools.partial(_rows_paged_mosaic_gpu, dtype=jnp.int8,
+                                                                 page_size=32)
 # One kv head, token-major (MQA as Gemma 3 270M holds it, MLA latents): the head-major
 # view is a free reshape on CPU / GPU; Mosaic DMAs [page_size, 1, D] windows in place.
 CASES["nhd-mla-fp8-g16-paged16"] = functools.partial(_mla, g=16, dtype=jnp.float8_e4m3fn, paged=True,
@@ -355,7 +379,8 @@ CASES["sharded-4dev"] = functools.partial(_sharded, n_dev=4, head=2, seq=2)
 TPU_ONLY = {"sharded-pod-v5e-4x4"}  # a 16-chip, 4-host slice (TPU topology only)
 # Mosaic GPU (Hopper: TMA, wgmma, setmaxnreg) cases: sm_90 targets only.
 SM90_ONLY = {"mla-bf16-g128-mosaic-gpu", "mla-int8-g128-mosaic-gpu", "mla-fp8-g128-mosaic-gpu",
-             "rows-bf16-t4-g16-mosaic-gpu", "rows-int8-t4-g16-mosaic-gpu", "rows-fp8-t4-g16-d256-mosaic-gpu"}
+             "rows-bf16-t4-g16-mosaic-gpu", "rows-int8-t4-g16-mosaic-gpu", "rows-fp8-t4-g16-d256-mosaic-gpu",
+             "rows-bf16-t4-g16-paged16-mosaic-gpu", "rows-int8-t4-g16-paged32-mosaic-gpu"}
 # Cases whose documented TPU path is XLA, not a kernel: bf16 pages of one token split a
 # 32-bit sublane, which no Mosaic DMA addresses (`fdecode.kernels.mosaic_tpu.plan.dma_unit`);
 # float16 caches, which Mosaic cannot load.

@@ -292,14 +292,16 @@ def test_8bit_mla_stays_on_triton_on_sm90(reports, target):
   assert "fdecode_split_kv_triton" in [k["name"] for k in report["kernels"]], report["kernels"]
 
 
-ROWS_MOSAIC_GPU = ["rows-bf16-t4-g16-mosaic-gpu", "rows-int8-t4-g16-mosaic-gpu", "rows-fp8-t4-g16-d256-mosaic-gpu"]
+ROWS_MOSAIC_GPU = ["rows-bf16-t4-g16-mosaic-gpu", "rows-int8-t4-g16-mosaic-gpu", "rows-fp8-t4-g16-d256-mosaic-gpu",
+                   "rows-bf16-t4-g16-paged16-mosaic-gpu", "rows-int8-t4-g16-paged32-mosaic-gpu"]
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS and chips.GPUS[t].capability == (9, 0)])
 @pytest.mark.parametrize("name", ROWS_MOSAIC_GPU)
 def test_rows_lower_to_mosaic_gpu_on_sm90(reports, target, name):
   """The GQA rows decode (`fdecode.kernels.mosaic_gpu.rows_decode`: bf16, int8 and e4m3
-  per-token caches, D = 128 and 256, 4 causal tokens x 16 heads) lowers for sm_90 to the
+  per-token caches, D = 128 and 256, 4 causal tokens x 16 heads; contiguous, and paged
+  pools read in place, a page per TMA copy, at page sizes 16 and 32) lowers for sm_90 to the
   Hopper kernel as a Mosaic GPU custom call (register layouts, wgmma operand and dtype
   conversions are checked by the lowering; ptxas runs when the program loads on a GPU),
   its splits merged by the Triton combine kernel: three launches in all, q's rows laid out

@@ -64,15 +64,16 @@ def canonical_scale(scale, cache_shape, name: str, caller: str = "flash_decode")
   return scale
 
 
-def per_token_scale(scale, cache_shape, name: str, caller: str):
+def per_token_scale(scale, cache_shape, name: str, caller: str, *, broadcast: bool = True):
   """A scale `canonical_scale` takes, with one tile per row (per token, per head or per
   tensor: last axis 1), broadcast to float32 ``[*cache_shape[:3], 1]`` (one scale per
-  token of each head); ValueError for tiles (a last axis > 1)."""
+  token of each head; ``broadcast=False``: rank 4, leading axes of size 1 left for the
+  caller to broadcast); ValueError for tiles (a last axis > 1)."""
   scale = canonical_scale(scale, cache_shape, name, caller)
   if scale.shape[-1] != 1:
     raise ValueError(f"{caller}: {name} must have one scale per token (last axis 1), got "
                      f"{name}.shape={tuple(scale.shape)}")
-  return jnp.broadcast_to(scale, (*cache_shape[:3], 1))
+  return jnp.broadcast_to(scale, (*cache_shape[:3], 1)) if broadcast else scale
 
 
 def dequantize(values, scale, offset=None, dtype=jnp.float32):

@@ -5,12 +5,13 @@ per-token scales, `mla_decode(..., k_scale=)`) and the rows kernel are opt-in (b
 interpreted on CPU and lowered for sm_90, but no GPU has measured them yet, so Triton
 stays the default for those calls).
 
-`mla_decode` (MLA, one latent kv head, bf16 or 8-bit) and `rows_decode` (GQA over bf16 or 8-bit
-per-token caches, T new tokens x G query heads as the MMA's rows) are the public entry
-points (the final output, like `fdecode.flash_decode`). `mla_plan` / `rows_plan` decide a
-launch; `mla_run` runs an MLA plan to the final output (the kernel, then the Triton
-combine: what the sm_90 dispatch runs); `mla_partials` / `rows_partials` give the
-per-split partial states (the states `fdecode.combine.merge_states` merges);
+`mla_decode` (MLA, one latent kv head, bf16 or 8-bit) and `rows_decode` (GQA over bf16 or
+8-bit per-token caches, contiguous or paged pools read in place through the block table at
+page sizes 8, 16, 32 and multiples of 64; T new tokens x G query heads as the MMA's rows)
+are the public entry points (the final output, like `fdecode.flash_decode`). `mla_plan` /
+`rows_plan` decide a launch; `mla_run` runs an MLA plan to the final output (the kernel,
+then the Triton combine: what the sm_90 dispatch runs); `mla_partials` / `rows_partials`
+give the per-split partial states (the states `fdecode.combine.merge_states` merges);
 `unsupported` / `rows_unsupported` name what each cannot take.
 """
 

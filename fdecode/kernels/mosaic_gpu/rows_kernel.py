@@ -1,5 +1,6 @@
 """Hopper (sm_90) GQA decode kernel in Pallas' Mosaic GPU backend: TMA + wgmma over query
-rows, for bf16 and 8-bit (int8 / float8_e4m3fn, per-token scales) contiguous caches.
+rows, for bf16 and 8-bit (int8 / float8_e4m3fn, per-token scales) caches, contiguous or
+paged (a pool read in place through the block table: `fdecode.kernels.mosaic_gpu.rows_paging`).
 
 One program owns 64 query rows (``row r = t*G + g``: the T new tokens x G query heads of
 one kv head of one sequence; one wgmma M tile) and one split (a contiguous range of
@@ -8,6 +9,7 @@ one kv head of one sequence; one wgmma M tile) and one split (a contiguous range
 * warpgroup 1 (memory, 40 registers): TMA copies of Q (64 x D) once and, per block, of K
   and V (bk x D each; 8-bit: also the bk per-token scales of each) into a ring of
   ``stages`` swizzled shared-memory slots, refilling a slot when warpgroup 0 released it;
+  paged, a block is one copy or one per page, the table read here (`rows_paging`);
 * warpgroup 0 (compute): per block, prepares the K / V operands (below), S = Q K^T by
   wgmma, the scales and the mask, the online softmax in the exp2 domain, P (bf16) into
   shared memory, O = alpha * O + P V by wgmma; at the end one normalized partial state
@@ -64,6 +66,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from fdecode.combine import MASK_VALUE
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.modifiers import Modifiers
+from fdecode.kernels.mosaic_gpu import rows_paging as paging
 from fdecode.kernels.mosaic_gpu.ops import Ops, online_softmax, tma_ring, to_bf16
 from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS
 from fdecode.kernels.mosaic_gpu.rows_plan import RowsPlan
@@ -130,30 +133,31 @@ def _write_state(acc, m, l, seen, o_tile, lse_rows):
   lse_rows[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
 
 
-def _kernel(ends_ref, q_ref, k_ref, v_ref, *refs, plan: RowsPlan, ops: Ops):
-  # ends_ref i32[B]; q_ref bf16[B*Hkv, R_p, D]; k_ref, v_ref [B*Hkv, S_c, D] (bf16 or 8-bit);
-  # 8-bit: ks_ref, vs_ref f32[B*Hkv, S_c]; o_ref f32[B*Hkv, n, R_p, D]; lse_ref f32[B*Hkv, n, R_p];
-  # smem: Q [64, D]; K, V [stages, bk, D]; 8-bit: bf16 K, V operands [bk, D], scales
-  # f32[2, stages, bk]; P bf16[64, bk].
+def _kernel(*refs, plan: RowsPlan, ops: Ops):
+  # ends_ref i32[B]; paged: tables_ref i32[B * n]; q_ref bf16[B*Hkv, R_p, D]; k_ref, v_ref
+  # [B*Hkv, S_c, D] or pools [Hkv, P, page_size, D] (bf16 or 8-bit); 8-bit: ks_ref, vs_ref
+  # f32 (`rows_paging.copy_block`); o_ref f32[B*Hkv, n_splits, R_p, D]; lse_ref
+  # f32[B*Hkv, n_splits, R_p]; smem: Q [64, D]; K, V [stages, bk, D]; 8-bit: bf16 K, V
+  # operands [bk, D], scales f32[2, stages, bk]; P bf16[64, bk].
+  ends_ref, *refs = refs
+  tables_ref = refs.pop(0) if plan.paged else None
+  q_ref, k_ref, v_ref, *refs = refs
   if plan.quantized:
     ks_ref, vs_ref, o_ref, lse_ref, q_smem, k_smem, v_smem, kb_smem, vb_smem, sc_smem, p_smem, bars = refs
   else:
-    o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, bars = refs
+    (o_ref, lse_ref, q_smem, k_smem, v_smem, p_smem, bars), ks_ref, vs_ref, sc_smem = refs, None, None, None
   q_bar, k_full, v_full, s_full, free = bars
   bk, stages = plan.block, plan.stages
   row_block, split, bh = lax.axis_index("rows"), lax.axis_index("split"), lax.axis_index("bh")
-  live_end = jnp.clip(ends_ref[bh // plan.kv_heads], 0, plan.seq_len)
+  seq, head = bh // plan.kv_heads, lax.rem(bh, plan.kv_heads)
+  live_end = jnp.clip(ends_ref[seq], 0, plan.seq_len)
   first, last = blk.split_range(live_end, split, plan.num_splits, plan.num_tokens, plan.seq_len, bk, Modifiers())
   steps = jnp.maximum(last - first, 0)
-  load_start = lambda j: jnp.minimum(j * bk, plan.cache_rows - bk)
-
-  def copy_block(step, slot):
-    rows = pl.ds(load_start(first + step), bk)
-    plgpu.copy_gmem_to_smem(k_ref.at[bh, rows], k_smem.at[slot], k_full.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[bh, rows], v_smem.at[slot], v_full.at[slot])
-    if plan.quantized:
-      plgpu.copy_gmem_to_smem(ks_ref.at[bh, rows], sc_smem.at[0, slot], s_full.at[slot])
-      plgpu.copy_gmem_to_smem(vs_ref.at[bh, rows], sc_smem.at[1, slot], s_full.at[stages + slot])
+  load_start = functools.partial(paging.load_start, plan)
+  copy_block = lambda step, slot: paging.copy_block(
+      plan, (k_ref, v_ref, ks_ref, vs_ref), (k_smem, v_smem, sc_smem),
+      (k_full, v_full, s_full if plan.quantized else None), tables_ref=tables_ref, seq=seq, head=head, bh=bh,
+      block=first + step, live_end=live_end, slot=slot)
 
   @pl.when(lax.axis_index("wg") == 1)
   def _memory():
@@ -215,10 +219,10 @@ def _kernel(ends_ref, q_ref, k_ref, v_ref, *refs, plan: RowsPlan, ops: Ops):
 def _scratch(plan: RowsPlan):
   d, bk, st = plan.head_dim, plan.block, plan.stages
   tiled = (plgpu.TilingTransform((8, _COLS)), plgpu.SwizzleTransform(2 * _COLS))
-  barriers = (plgpu.Barrier(num_barriers=1),                      # Q landed
-              plgpu.Barrier(num_barriers=st),                     # K slot landed
-              plgpu.Barrier(num_barriers=st),                     # V slot landed
-              plgpu.Barrier(num_barriers=2 * st),                 # k / v scales of a slot landed
+  barriers = (plgpu.Barrier(num_barriers=1),                                  # Q landed
+              plgpu.Barrier(num_arrivals=plan.copies, num_barriers=st),       # K slot landed
+              plgpu.Barrier(num_arrivals=plan.copies, num_barriers=st),       # V slot landed
+              plgpu.Barrier(num_arrivals=plan.scale_copies, num_barriers=2 * st),  # k / v scales landed
               plgpu.Barrier(num_arrivals=1, num_barriers=st))     # slot released
   q = plgpu.SMEM((BLOCK_ROWS, d), jnp.bfloat16, transforms=tiled)
   p = plgpu.SMEM((BLOCK_ROWS, bk), jnp.bfloat16, transforms=tiled)
@@ -231,22 +235,28 @@ def _scratch(plan: RowsPlan):
   return [q, kv8, kv8, op, op, plgpu.SMEM((2, st, bk), jnp.float32), p, barriers]
 
 
-def rows_states(q_rows, ends, k, v, k_scale=None, v_scale=None, *, plan: RowsPlan, interpret=None):
+def rows_states(q_rows, ends, k, v, k_scale=None, v_scale=None, *, block_tables=None, plan: RowsPlan,
+                interpret=None):
   """The kernel's own outputs, rows padded to ``plan.rows_padded``: float32 ``(o [B, Hkv,
   n_splits, R_p, D], lse [B, Hkv, n_splits, R_p])`` (`rows_partials` for the arguments)."""
   b, hkv, r, d = q_rows.shape
-  want = (plan.batch, plan.kv_heads, plan.seq_len, plan.head_dim)
-  if (b, hkv, r, d) != (plan.batch, plan.kv_heads, plan.rows, plan.head_dim) or k.shape != want or v.shape != want:
-    raise ValueError(f"rows_partials: the plan is for q_rows [{b}, {plan.kv_heads}, {plan.rows}, {plan.head_dim}] and "
-                     f"k, v {list(want)}, got {q_rows.shape=} {k.shape=} {v.shape=}")
+  if plan.paged:
+    want = (plan.kv_heads, k.shape[1] if k.ndim == 4 else -1, plan.page_size, plan.head_dim)
+    names = (f"pools [{plan.kv_heads}, P, {plan.page_size}, {plan.head_dim}] and block_tables "
+             f"[{plan.batch}, {plan.pages}]")
+    tables_ok = block_tables is not None and tuple(block_tables.shape) == (plan.batch, plan.pages)
+  else:
+    want, tables_ok = (plan.batch, plan.kv_heads, plan.seq_len, plan.head_dim), block_tables is None
+    names = f"k, v {list(want)} and no block_tables"
+  if (b, hkv, r, d) != (plan.batch, plan.kv_heads, plan.rows, plan.head_dim) or k.shape != want or \
+      v.shape != want or not tables_ok:
+    raise ValueError(f"rows_partials: the plan is for q_rows [{plan.batch}, {plan.kv_heads}, {plan.rows}, "
+                     f"{plan.head_dim}], {names}; got {q_rows.shape=} {k.shape=} {v.shape=} "
+                     f"block_tables.shape={None if block_tables is None else tuple(block_tables.shape)}")
   if plan.quantized != (k_scale is not None and v_scale is not None):
     raise ValueError(f"rows_partials: a {plan.cache_dtype} plan needs k_scale and v_scale "
-                     f"{'[B, Hkv, S, 1]' if plan.quantized else 'None'}")
-  pad_s = [(0, 0), (0, plan.cache_rows - plan.seq_len)]  # S < bk or S % 8 != 0: a padded copy (RowsPlan)
-  flat = lambda x, pad: jnp.pad(x.reshape(b * hkv, *x.shape[2:]), pad + [(0, 0)] * (x.ndim - 3))
-  args = [flat(q_rows, [(0, 0), (0, plan.rows_padded - r)]), flat(k, pad_s), flat(v, pad_s)]
-  if plan.quantized:
-    args += [flat(s.astype(jnp.float32), pad_s)[..., 0] for s in (k_scale, v_scale)]
+                     f"{'(per token)' if plan.quantized else 'None'}")
+  args = paging.operands(plan, q_rows, ends, k, v, k_scale, v_scale, block_tables)
   interpreted = interpret is not None and interpret is not False
   kernel = plgpu.kernel(
       functools.partial(_kernel, plan=plan, ops=Ops(interpreted)),
@@ -261,20 +271,26 @@ def rows_states(q_rows, ends, k, v, k_scale=None, v_scale=None, *, plan: RowsPla
       interpret=interpret if interpreted else None,
       kernel_name="fdecode_rows_mosaic_gpu",
   )
-  o, lse = kernel(ends.astype(jnp.int32), *args)
+  o, lse = kernel(*args)
   return (o.reshape(b, hkv, plan.num_splits, plan.rows_padded, d),
           lse.reshape(b, hkv, plan.num_splits, plan.rows_padded))
 
 
-def rows_partials(q_rows, ends, k, v, k_scale=None, v_scale=None, *, plan: RowsPlan, interpret=None):
+def rows_partials(q_rows, ends, k, v, k_scale=None, v_scale=None, *, block_tables=None, plan: RowsPlan,
+                  interpret=None):
   """Per-split partial states of GQA decode from the Hopper rows kernel.
 
   Args:
     q_rows: bf16 ``[B, Hkv, R, D]`` queries, row r = t * G + g of kv head h being query
       head ``h * G + g`` of new token t.
     ends: int32 ``[B]``: each sequence's length (new tokens included) in the cache.
-    k, v: ``[B, Hkv, S, D]`` contiguous caches, bf16 or (both) int8 / float8_e4m3fn.
-    k_scale, v_scale: float32 ``[B, Hkv, S, 1]`` per-token scales (8-bit caches), else None.
+    k, v: ``[B, Hkv, S, D]`` contiguous caches, or with ``block_tables`` paged pools
+      ``[Hkv, P, page_size, D]`` (`fdecode.flash_decode`'s layout), bf16 or (both) int8
+      / float8_e4m3fn.
+    k_scale, v_scale: float32 per-token scales (8-bit caches), else None: ``[B, Hkv, S,
+      1]``, paged ``[Hkv, P, page_size, 1]`` (leading axes of size 1 broadcast).
+    block_tables: int32 ``[B, n]`` (paged; entries past a sequence's length are never
+      dereferenced, ids are clipped into the pool) or None.
     plan: `fdecode.kernels.mosaic_gpu.rows_plan.rows_plan` for these shapes.
     interpret: None / False: compiled for the GPU (sm_90a); an ``InterpretGPUParams``:
       jax's Mosaic GPU interpreter (CPU).
@@ -284,6 +300,7 @@ def rows_partials(q_rows, ends, k, v, k_scale=None, v_scale=None, *, plan: RowsP
     (natural-log LSE; a row with no visible key in a split: o = 0, lse = -inf), merged
     over axis 2 by `fdecode.combine.merge_states`.
   """
-  o, lse = rows_states(q_rows, ends, k, v, k_scale, v_scale, plan=plan, interpret=interpret)
+  o, lse = rows_states(q_rows, ends, k, v, k_scale, v_scale, block_tables=block_tables, plan=plan,
+                       interpret=interpret)
   r = q_rows.shape[2]
   return o[:, :, :, :r], lse[:, :, :, :r]

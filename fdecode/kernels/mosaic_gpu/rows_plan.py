@@ -1,12 +1,18 @@
 """Launch plan of the Hopper GQA rows kernel (`fdecode.kernels.mosaic_gpu.rows_kernel`).
 
 `rows_plan` decides every static choice of a launch (rows per program, tokens per block,
-stages, splits, grid, registers) and returns a frozen `RowsPlan` the kernel takes as it
-is; `rows_unsupported` says, as a sentence, why a call cannot run this kernel.
+stages, splits, grid, registers, how the cache is read: contiguous or through a block
+table) and returns a frozen `RowsPlan` the kernel takes as it is; `rows_unsupported`
+says, as a sentence, why a call cannot run this kernel.
 
 Legend: B batch, T new tokens per sequence, Hq query heads, Hkv kv heads, G = Hq / Hkv,
 R = T * G query rows of one kv head (row r = t * G + g), S cache capacity, D head dim
-(keys and values alike), bk tokens per block.
+(keys and values alike), bk tokens per block, P pages in a paged pool, page_size its
+tokens per page, n table columns (S = n * page_size).
+
+Paged pools (`fdecode.kernels.mosaic_gpu.rows_paging`): a block is one TMA copy (page_size
+a multiple of bk) or bk / page_size copies of a page each (page_size 8, 16, 32), onto one
+barrier; a TMA tiled copy moves whole 8-row tiles, so other page sizes are refused.
 
 Shared memory of one program (bk = 64, two stages), D = 256: bf16 caches: Q 64 x D
 (32 KiB), K and V stages 2 x 2 x bk x D (128 KiB), P 64 x bk (8 KiB): 168 KiB. 8-bit
@@ -37,15 +43,17 @@ class RowsPlan:
     rows: R = T * G real query rows of one kv head.
     row_blocks: programs along the rows, `BLOCK_ROWS` (64) rows each, the last padded.
     seq_len: S.
-    cache_rows: rows of the cache operands: S rounded up to a multiple of 8 and to at
-      least ``block`` (a TMA tiled copy needs whole 8-row tiles; another S is copied
-      padded, per call).
+    cache_rows: rows of the contiguous cache operands: S rounded up to a multiple of 8
+      and to at least ``block`` (a TMA tiled copy needs whole 8-row tiles; another S is
+      copied padded, per call). Paged: S (the pool is read in place, never copied).
     block: bk, tokens per pipeline step.
     stages: K / V tiles in flight (TMA ring depth).
     num_splits: programs along each sequence's blocks (partial states merged after).
     softmax_scale: multiplies q . k.
     quantized: the cache is 8-bit with per-token float32 scales (``cache_dtype``).
     cache_dtype: "bfloat16", "int8" or "float8_e4m3fn".
+    page_size: 0 for a contiguous cache; else the pool's tokens per page (paged).
+    pages: n, block table columns (paged; S = n * page_size).
   """
   batch: int
   kv_heads: int
@@ -61,12 +69,41 @@ class RowsPlan:
   num_splits: int
   softmax_scale: float
   cache_dtype: str = "bfloat16"
+  page_size: int = 0
+  pages: int = 0
   compute_registers: int = 232
   memory_registers: int = 40
 
   @property
   def quantized(self) -> bool:
     return self.cache_dtype != "bfloat16"
+
+  @property
+  def paged(self) -> bool:
+    return self.page_size > 0
+
+  @property
+  def piece(self) -> int:
+    """Tokens of one TMA copy of K or V: a block, or a page where pages are smaller."""
+    return min(self.page_size, self.block) if self.paged else self.block
+
+  @property
+  def copies(self) -> int:
+    """TMA copies that fill one K (or V) slot: the arrivals its barrier waits for."""
+    return self.block // self.piece
+
+  @property
+  def scales_paged(self) -> bool:
+    """8-bit paged pools: the per-token scales are read from the paged scale pool, a
+    piece per copy, where one piece's scales are whole 128-byte units (page_size >= 32:
+    a Mosaic GPU copy's bytes are shared by the warpgroup's 128 threads); smaller pages
+    take their scales gathered per call (`rows_paging.gathered_scales`), 4 bytes a
+    token, beside the cache's 2 * D read in place."""
+    return self.quantized and self.paged and self.piece * 4 % 128 == 0
+
+  @property
+  def scale_copies(self) -> int:
+    return self.copies if self.scales_paged else 1
 
   @property
   def grid(self) -> tuple:
@@ -100,21 +137,23 @@ def rows_unsupported(*, q_shape, q_dtype, k_shape, k_dtype, v_shape, v_dtype, sc
                      paged: bool = False, modifiers: bool = False) -> str | None:
   """Why these arguments cannot take the Hopper rows kernel, or None.
 
-  It takes: q bf16 ``[B, Hq, D]`` or ``[B, T, Hq, D]``; contiguous head-major k and v of
-  one shape ``[B, Hkv, S, D]`` with Hkv dividing Hq and D in 64 / 128 / 256; both bf16
-  (no scales), or both int8 or both float8_e4m3fn with per-token scales; no paging,
-  score modifiers (mask, bias, alibi, window, soft cap, sinks, indices) or offsets.
+  It takes: q bf16 ``[B, Hq, D]`` or ``[B, T, Hq, D]``; head-major k and v of one shape,
+  contiguous ``[B, Hkv, S, D]`` or (``paged``) a pool ``[Hkv, P, page_size, D]`` with
+  page_size a multiple of 8 that divides the 64-token block or is a multiple of it, with
+  Hkv dividing Hq and D in 64 / 128 / 256; both bf16 (no scales), or both int8 or both
+  float8_e4m3fn with per-token scales; no score modifiers (mask, bias, alibi, window,
+  soft cap, sinks, indices) or offsets.
   """
-  if paged:
-    return "paged caches are not supported (contiguous [B, Hkv, S, D] only)"
   if modifiers:
     return "score modifiers (mask, bias, alibi, window, soft cap, sinks, indices, offsets) are not supported"
   if len(q_shape) not in (3, 4):
     return f"needs q of shape [B, Hq, D] or [B, T, Hq, D], got q.shape={tuple(q_shape)}"
+  layout = "a paged pool [Hkv, P, page_size, D]" if paged else "[B, Hkv, S, D] (head-major, contiguous)"
   if len(k_shape) != 4 or tuple(v_shape) != tuple(k_shape):
-    return (f"needs k and v of one shape [B, Hkv, S, D] (head-major, contiguous), got "
-            f"k.shape={tuple(k_shape)}, v.shape={tuple(v_shape)}")
-  b, hkv, _, d = k_shape
+    return f"needs k and v of one shape {layout}, got k.shape={tuple(k_shape)}, v.shape={tuple(v_shape)}"
+  b, hkv, _, d = (q_shape[0], *k_shape[0:1], *k_shape[2:]) if paged else k_shape
+  if paged and (reason := page_size_unsupported(k_shape[2])):
+    return reason
   if q_shape[0] != b or q_shape[-1] != d or q_shape[-2] % hkv:
     return (f"needs q [B, (T,) Hq, D] with B={b}, D={d} and Hq a multiple of Hkv={hkv}, "
             f"got q.shape={tuple(q_shape)}")
@@ -135,9 +174,22 @@ def rows_unsupported(*, q_shape, q_dtype, k_shape, k_dtype, v_shape, v_dtype, sc
   return None
 
 
+def page_size_unsupported(page_size: int, block_k: int = 64) -> str | None:
+  """Why a pool of ``page_size`` tokens per page cannot be read by ``block_k``-token
+  blocks, or None."""
+  if page_size < 8 or page_size % 8:
+    return (f"page_size={page_size} is not a multiple of 8: a TMA tiled copy moves whole 8-row tiles "
+            f"(use page_size 8, 16, 32 or a multiple of {block_k})")
+  if block_k % page_size and page_size % block_k:
+    return (f"page_size={page_size} neither divides nor is a multiple of the {block_k}-token block "
+            f"(a block would straddle pages): use 8, 16, 32 or a multiple of {block_k}")
+  return None
+
+
 def rows_plan(*, batch: int, kv_heads: int, num_tokens: int, group: int, head_dim: int, seq_len: int,
               softmax_scale: float, cache_dtype="bfloat16", num_splits: int | None = None,
-              block_k: int = 64, stages: int = 2, gpu: chips.Gpu | None = None) -> RowsPlan:
+              block_k: int = 64, stages: int = 2, page_size: int | None = None,
+              gpu: chips.Gpu | None = None) -> RowsPlan:
   """The launch of one GQA rows decode call (see `RowsPlan`).
 
   Args:
@@ -148,10 +200,12 @@ def rows_plan(*, batch: int, kv_heads: int, num_tokens: int, group: int, head_di
       positive int (at most the blocks of S).
     block_k: tokens per step, a multiple of 64 (wgmma's K for P V and the swizzle).
     stages: tiles in flight, >= 2.
+    page_size: None for a contiguous cache; a paged pool's tokens per page (`seq_len`
+      then ``n * page_size``, n the table's columns; see `page_size_unsupported`).
     gpu: the target (None: `fdecode.kernels.common.chips.lowering_gpu`).
 
   Raises:
-    ValueError: a block, stage or split count that does not fit or does not tile.
+    ValueError: a block, stage, split count or page size that does not fit or does not tile.
   """
   gpu = gpu or chips.lowering_gpu()
   cache_dtype = str(jnp.dtype(cache_dtype))
@@ -161,6 +215,11 @@ def rows_plan(*, batch: int, kv_heads: int, num_tokens: int, group: int, head_di
     raise ValueError(f"rows_plan: stages must be >= 2, got stages={stages}")
   if head_dim not in HEAD_DIMS:
     raise ValueError(f"rows_plan: head_dim must be one of {HEAD_DIMS}, got head_dim={head_dim}")
+  if page_size is not None:
+    if reason := page_size_unsupported(page_size, block_k):
+      raise ValueError(f"rows_plan: {reason}")
+    if seq_len % page_size:
+      raise ValueError(f"rows_plan: a paged seq_len is n * page_size, got seq_len={seq_len}, page_size={page_size}")
   rows = num_tokens * group
   row_blocks = -(-rows // BLOCK_ROWS)
   blocks = max(1, -(-seq_len // block_k))
@@ -170,9 +229,10 @@ def rows_plan(*, batch: int, kv_heads: int, num_tokens: int, group: int, head_di
     raise ValueError(f"rows_plan: num_splits must be a positive int or None, got {num_splits!r}")
   plan = RowsPlan(batch=batch, kv_heads=kv_heads, num_tokens=num_tokens, group=group, head_dim=head_dim,
                   rows=rows, row_blocks=row_blocks, seq_len=seq_len,
-                  cache_rows=max(-(-seq_len // 8) * 8, block_k), block=block_k, stages=stages,
-                  num_splits=min(num_splits, blocks), softmax_scale=float(softmax_scale),
-                  cache_dtype=cache_dtype)
+                  cache_rows=seq_len if page_size else max(-(-seq_len // 8) * 8, block_k), block=block_k,
+                  stages=stages, num_splits=min(num_splits, blocks), softmax_scale=float(softmax_scale),
+                  cache_dtype=cache_dtype, page_size=page_size or 0,
+                  pages=seq_len // page_size if page_size else 0)
   if plan.smem_bytes() > gpu.smem_per_block:
     raise ValueError(f"rows_plan: D={head_dim} {cache_dtype} with block_k={block_k} and stages={stages} needs "
                      f"{plan.smem_bytes()} B of shared memory; {gpu.name} gives a block {gpu.smem_per_block} B")
