@@ -8,7 +8,8 @@ warps, splits or the balanced schedule, and whether one kernel finishes the outp
 free reshapes (a contiguous cache shorter than one block is padded). The balanced schedule
 adds no launch: each of its work items (a split-kernel program) derives its sequence and
 split from the whole ``ends [B]``, and each combine program its sequence's run of items
-(`fdecode.kernels.triton.schedule`); the items read q and the block table in place. ``interpret=True`` runs the same plan in Pallas' interpreter.
+(`fdecode.kernels.triton.schedule`); the items read q and the block table in place.
+``interpret=True`` runs the same plan in Pallas' interpreter.
 """
 
 from __future__ import annotations
