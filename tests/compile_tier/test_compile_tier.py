@@ -239,7 +239,7 @@ def test_tpu_cost_estimate_counts_the_kv_bytes(reports, target, name):
 GPU_TWO_LAUNCHES = list(BENCH) + [
     "contiguous-bfloat16-d128", "contiguous-float32-d128", "paged16-bf16-d128", "paged1-f32-d128",
     "nhd-bf16-d128", "int8-token-offsets", "float8_e4m3fn-token", "t8-bf16-d128-g8", "mla-bf16-g16",
-    "mla-bf16-g128", "mla-fp8-g16-paged16", "rows-t5-g7-hkv2", "rows-t1-g48-hkv1",
+    "mla-bf16-g128", "mla-fp8-g16-paged16", "rows-t5-g7-hkv2", "rows-t1-g48-hkv1", "balance-b37-paged16",
     *[f"modifier-{m}" for m in ("bias", "alibi", "window", "soft_cap", "sinks", "non_causal")]]
 # bf16 MLA at G >= 16 (T = 1, contiguous) runs on the Hopper kernel on sm_90 (dispatch).
 HOPPER_MLA = {"mla-bf16-g16", "mla-bf16-g128"}
