@@ -79,15 +79,13 @@ def load_ends(ref, sched: Schedule):
 
 
 def _splits(ends, sched: Schedule):
-  """``ends`` int32 ``[B_p]`` (0 past B) -> (items per sequence ``[B_p]``, their inclusive
-  cumsum ``[B_p]``): `balanced_schedule`'s ``splits`` and ``bounds``."""
+  """``ends`` int32 ``[B_p]`` (0 past B) -> items per sequence ``[B_p]``: `balanced_schedule`'s ``splits``."""
   first, last = blk.split_range(ends, 0, 1, sched.num_tokens, sched.seq_len, sched.block, sched.mods)
   real = lax.iota(jnp.int32, ends.shape[0]) < sched.batch
   blocks = jnp.where(real, last - first, 0)
   live = jnp.sum(jnp.where(blocks > 0, 1, 0))
   per_item = jnp.maximum(1, _cdiv(jnp.sum(blocks), jnp.maximum(sched.items - live, 1)))
-  splits = _cdiv(blocks, per_item)
-  return splits, lax.cumsum(splits, axis=0)
+  return _cdiv(blocks, per_item)
 
 
 def _cdiv(a, b):  # a >= 0, b >= 1
@@ -104,7 +102,8 @@ def item_work(ends, item, sched: Schedule):
   """Work item ``item`` (int32 scalar) from ``ends`` (`load_ends`): ``(seq, split, count,
   end)``, `balanced_schedule`'s ``item_seq``, ``work`` and ``item_ends`` for it, with
   ``seq`` clipped into ``[0, B)`` (an empty item: split 0 of 1, end 0)."""
-  splits, bounds = _splits(ends, sched)
+  splits = _splits(ends, sched)
+  bounds = lax.cumsum(splits, axis=0)
   seq = jnp.sum(jnp.where(bounds <= item, 1, 0))
   used = item < jnp.sum(splits)
   seq = jnp.where(used, seq, 0)
@@ -116,6 +115,6 @@ def item_work(ends, item, sched: Schedule):
 def sequence_items(ends, seq, sched: Schedule):
   """Sequence ``seq``'s work items, ``[first, last)`` (int32 scalars; empty for a
   sequence with no live block), from ``ends`` (`load_ends`)."""
-  splits, bounds = _splits(ends, sched)
-  last = _at(bounds, seq)
+  splits = _splits(ends, sched)
+  last = jnp.sum(jnp.where(lax.iota(jnp.int32, splits.shape[0]) <= seq, splits, 0))  # bounds[seq]
   return last - _at(splits, seq), last
