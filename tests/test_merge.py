@@ -122,11 +122,13 @@ def test_merge_segments_is_merge_states_per_segment():
 
 def test_segmented_combine_kernel_is_merge_segments():
   """The Triton combine kernel, segmented (the balanced schedule's merge, interpreted): each
-  sequence merges the items whose id is its own, as `merge_segments` does (empty parts,
-  NaN lse or o, +inf; a sequence with no item gives 0, -inf; an empty item's id B is no
-  one's), then joins the sinks and lays the rows out as ``[B, T * Hq, Dv]``."""
+  sequence merges the items the schedule gives it (derived in the kernel from the ends),
+  as `merge_segments` does (empty parts, NaN lse or o, +inf; a sequence with no item
+  gives 0, -inf; an empty item, NaN here, is no one's), then joins the sinks and lays the
+  rows out as ``[B, T * Hq, Dv]``."""
   from fdecode.combine import apply_sinks, merge_segments
-  from fdecode.kernels.triton import CombinePlan, combine
+  from fdecode.kernels.common.modifiers import Modifiers
+  from fdecode.kernels.triton import CombinePlan, Schedule, balanced_schedule, combine
   n, hkv, t, g, dv, b = 9, 2, 2, 2, 8, 5
   r = t * g
   o = jax.random.normal(jax.random.key(3), (n, hkv, r, 1, dv))
@@ -134,11 +136,15 @@ def test_segmented_combine_kernel_is_merge_segments():
   lse = lse.at[1, 0, 0].set(-jnp.inf).at[3, 1, 2].set(jnp.nan).at[5, 0, 1].set(jnp.inf)
   o = o.at[6, 1, 3].set(jnp.nan).at[8].set(jnp.nan)
   lse = lse.at[8].set(jnp.nan)
-  segments = jnp.array([0, 0, 2, 2, 2, 4, 4, 4, b], jnp.int32)  # 1, 3: no item; item 8 empty (id B)
+  # Blocks of 16 keys [3, 0, 7, 0, 5]: 3 an item, items [0, 2, 2, 2, 4, 4] (1, 3: no item), 6-8 empty.
+  ends = jnp.array([40, 0, 100, 0, 70], jnp.int32)
+  sched = Schedule(items=n, batch=b, block=16, num_tokens=t, seq_len=128, mods=Modifiers())
+  segments = balanced_schedule(ends, n, 16, t, 128, Modifiers())[0]
+  np.testing.assert_array_equal(segments, [0, 2, 2, 2, 4, 4, b, b, b])
   sinks = jnp.linspace(-1.0, 1.0, hkv * g)
   plan = CombinePlan(num_splits=n, width=4, num_tokens=t, group=g, hq=hkv * g, dv=dv, out_dtype="float32",
-                     interpret=True, segmented=True)
-  out, out_lse = combine(plan, o, lse, sinks, segments=segments, batch=b)
+                     interpret=True, schedule=sched)
+  out, out_lse = combine(plan, o, lse, sinks, ends=ends)
   want, want_lse = merge_segments(o[:, :, :, 0], lse[:, :, :, 0], segments, b)  # [B, Hkv, R, Dv]
   want = want.reshape(b, hkv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, hkv * g, dv)
   want_lse = want_lse.reshape(b, hkv, t, g).transpose(0, 2, 1, 3).reshape(b, t, hkv * g)

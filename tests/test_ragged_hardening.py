@@ -151,3 +151,32 @@ def test_visible_nan_value_gives_whole_rows_on_every_impl(impl):
   assert np.isfinite(out[:5, g:]).all() and np.isfinite(lse[:5, g:]).all()
   assert np.isfinite(out[5, :g]).all() and np.isfinite(lse[5, :g]).all()
   assert (out[6:] == 0).all() and np.isneginf(lse[6:]).all() and hq == 4
+
+
+@pytest.mark.parametrize("m", [5, 1100], ids=["pairs", "cummax"])
+def test_row_positions_clip_traced_geometry(m):
+  """`row_positions` on traced, unchecked geometry (cu_q_lens decreasing, negative, past
+  N; kv_lens past S; num_seqs past M) against its docstring in numpy: cu is the running
+  maximum of the clipped offsets (for short batches computed over all pairs, past ~1M
+  pairs by ``lax.cummax``), and each owned row's position one of its sequence's new ones."""
+  from fdecode.ragged.decode import row_positions
+  rng = np.random.default_rng(m)
+  n, cap = 3 * m, 64
+  fn = jax.jit(lambda kv, cu, ns: row_positions(kv, cu, ns, n, cap))
+  for trial in range(3):
+    cu_in = np.sort(rng.integers(-5, n + 5, m + 1)).astype(np.int32)
+    swaps = rng.choice(m + 1, (m + 1) // 3)
+    cu_in[swaps] = rng.integers(-5, n + 5, swaps.shape[0])  # non-monotone, out of range
+    kv = rng.integers(-3, cap + 10, m).astype(np.int32)
+    ns = np.array([rng.integers(0, m + 2)], np.int32)
+    got = [np.asarray(x) for x in fn(kv, cu_in, ns)]
+    live = np.arange(m) < min(int(ns[0]), m)
+    cu = np.maximum.accumulate(np.clip(cu_in, 0, n))
+    lens = np.where(live, np.clip(kv, 0, cap), 0)
+    q_len = np.where(live, np.diff(cu), 0)
+    rows = np.arange(n)
+    seq = np.clip(np.searchsorted(cu[1:], rows, side="right"), 0, m - 1)
+    owned = (rows >= cu[0]) & (rows < cu[min(int(ns[0]), m)])
+    pos = np.where(owned, lens[seq] - q_len[seq] + rows - cu[seq], -1)
+    for name, g, want in zip(("cu", "lens", "q_len", "seq", "pos"), got, (cu, lens, q_len, seq, pos)):
+      np.testing.assert_array_equal(g, want, f"trial {trial}: {name}")

@@ -284,7 +284,7 @@ def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):
   ``num_seqs`` int32 ``[1]``; M >= 1."""
   m = kv_lens.shape[0]
   ns = jnp.clip(num_seqs[0], 0, m)
-  cu = lax.cummax(jnp.clip(cu_q_lens, 0, n_rows))
+  cu = _cummax(jnp.clip(cu_q_lens, 0, n_rows))
   live = jnp.arange(m) < ns
   lens = jnp.where(live, jnp.clip(kv_lens, 0, capacity), 0)
   q_len = jnp.where(live, cu[1:] - cu[:-1], 0)
@@ -293,6 +293,15 @@ def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):
   owned = (rows >= cu[0]) & (rows < cu[ns])
   pos = jnp.where(owned, lens[seq] - q_len[seq] + rows - cu[seq], -1)
   return cu, lens, q_len, seq, pos
+
+
+def _cummax(x):
+  """``lax.cummax(x)`` of a short int vector as one reduction over all pairs (``lax.cummax``
+  is a reduce-window, which XLA:GPU splits into a few tiny kernels); past ~1M pairs, it."""
+  if x.size * x.size > 1 << 20:
+    return lax.cummax(x)
+  i = jnp.arange(x.size)
+  return jnp.max(jnp.where(i[None, :] <= i[:, None], x[None, :], jnp.iinfo(x.dtype).min), axis=1)
 
 
 def _searchsorted(edges, x):

@@ -103,6 +103,9 @@ for _ps in (1, 16, 64, 128):
 CASES["paged1-f32-d128"] = functools.partial(_contiguous, dk=128, dtype=jnp.float32, paged=1)
 CASES["paged2-bf16-d128"] = functools.partial(_contiguous, dk=128, paged=2)
 CASES["paged16-f32-d256"] = functools.partial(_contiguous, dk=256, dtype=jnp.float32, paged=16)
+# The balanced schedule (ragged_decode's prefill call), B not a power of two: two launches,
+# the kernels derive the schedule themselves.
+CASES["balance-b37-paged16"] = functools.partial(_contiguous, dk=128, paged=16, b=37, num_splits="balance")
 CASES["paged16-int8-token"] = functools.partial(_contiguous, dk=128, dtype=jnp.int8, paged=16)
 CASES["paged64-float8_e4m3fn-tiles"] = functools.partial(_contiguous, dk=128, dtype=jnp.float8_e4m3fn,
                                                           paged=64, quant=("tiles", False))

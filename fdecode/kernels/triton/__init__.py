@@ -6,9 +6,10 @@ warps, splits or the balanced schedule, and whether one kernel finishes the outp
 (`fdecode.kernels.triton.kernel`) and, with several splits, the combine kernel
 (`fdecode.kernels.triton.combine`): at most two kernels a call, nothing around them but
 free reshapes (a contiguous cache shorter than one block is padded). The balanced schedule
-adds its work list, computed in XLA from the lengths (a few fusions of ``[B]`` / ``[items]``
-integers); its items read q and the block table in place and the combine kernel merges
-them. ``interpret=True`` runs the same plan in Pallas' interpreter.
+adds no launch: each of its work items (a split-kernel program) derives its sequence and
+split from the whole ``ends [B]``, and each combine program its sequence's run of items
+(`fdecode.kernels.triton.schedule`); the items read q and the block table in place.
+``interpret=True`` runs the same plan in Pallas' interpreter.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from fdecode.kernels.triton.combine import CombinePlan, combine
 from fdecode.kernels.triton.kernel import split_kernel
 from fdecode.kernels.triton.plan import (Launch, TritonPlan, block_size, combine_width, launch_plan, make_plan,
                                          row_tiling, triton_unsupported)
-from fdecode.kernels.triton.schedule import balanced_schedule
+from fdecode.kernels.triton.schedule import Schedule, balanced_schedule, item_work, sequence_items
 from fdecode.kernels.common.sparse import Sparse, pad_slots
 
-__all__ = ["CombinePlan", "Launch", "TritonPlan", "combine", "combine_width", "balanced_schedule", "block_size", "decode_fp8_bits", "launch_plan",
-           "make_plan", "row_tiling", "run", "triton_unsupported"]
+__all__ = ["CombinePlan", "Launch", "Schedule", "TritonPlan", "combine", "combine_width", "balanced_schedule",
+           "block_size", "decode_fp8_bits", "item_work", "launch_plan", "make_plan", "row_tiling", "run",
+           "sequence_items", "triton_unsupported"]
 
 
 def _cache_operands(p: TritonPlan, k, v, k_rope, quant_arrays):
@@ -71,17 +73,19 @@ def _quant_spec(p: TritonPlan, x):
 
 
 def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_arrays, mask, bias, alibi, sinks,
-              indices, index_bounds, work):
+              indices, index_bounds):
   """Every operand of the split kernel and its BlockSpec over grid ``(i, h, j)`` (h the kv
   head; the row block is folded in by `run`), in `fdecode.kernels.triton.kernel._take`'s order."""
-  operands, specs = [ends.astype(jnp.int32)], [pl.BlockSpec((1,), lambda i, h, j: (i,))]
+  operands, specs = [], []
   add = lambda x, spec: (operands.append(x), specs.append(spec))
   whole = lambda x: add(x, pl.BlockSpec(x.shape, lambda i, h, j: (0,) * x.ndim))
-  if p.balanced:  # an item reads q and the table of its sequence (work[:, 2]) in place
-    add(work, pl.BlockSpec((None, 3), lambda i, h, j: (i, 0)))
+  if p.balanced:  # every item derives its work from all ends; reads q and its sequence's table in place
+    whole(ends.astype(jnp.int32))
     whole(block_tables.astype(jnp.int32).reshape(-1))
-  elif p.paged:
-    add(block_tables.astype(jnp.int32), pl.BlockSpec((None, p.table_len), lambda i, h, j: (i, 0)))
+  else:
+    add(ends.astype(jnp.int32), pl.BlockSpec((1,), lambda i, h, j: (i,)))
+    if p.paged:
+      add(block_tables.astype(jnp.int32), pl.BlockSpec((None, p.table_len), lambda i, h, j: (i, 0)))
   if p.sparse:
     idx = pad_slots(indices, p.block, p.seq_len)
     per_head = lambda h: h if idx.shape[1] > 1 else 0
@@ -119,14 +123,10 @@ def run(p: TritonPlan, q, ends, k, v, *, softmax_scale: float, block_tables=None
   p.out_dtype, lse f32 [B, T, Hq])``. ``sparse``: a sparse call's fold (q row b' reads
   cache row ``b' // fold``)."""
   b, t, hq, _ = q.shape
-  work = None
-  if p.balanced:  # a fixed grid of work items, each a run of one sequence's live blocks
-    item_seq, work, ends = balanced_schedule(ends.astype(jnp.int32), p.items, p.block, p.num_tokens,
-                                             p.seq_len, p.mods)
   operands, specs, caches = _operands(
       p, q, ends, k, v, block_tables=block_tables, k_rope=k_rope,
       quant_arrays=(k_scale, k_offset, v_scale, v_offset), mask=mask, bias=bias, alibi=alibi, sinks=sinks,
-      indices=indices, index_bounds=index_bounds, work=work)
+      indices=indices, index_bounds=index_bounds)
   n = p.items
   hkv = hq // p.group
   rb = p.row_blocks
@@ -155,6 +155,6 @@ def run(p: TritonPlan, q, ends, k, v, *, softmax_scale: float, block_tables=None
   )(*operands)
   if p.final:
     return o.reshape(b, t, hq, dv), lse.reshape(b, t, hq)
-  # Balanced: the combine merges each sequence's items (item_seq), whichever they are.
-  out, out_lse = combine(p.combine_plan, o, lse, sinks, segments=item_seq if p.balanced else None, batch=b)
+  # Balanced: the combine merges each sequence's run of items, derived from the same ends.
+  out, out_lse = combine(p.combine_plan, o, lse, sinks, ends=ends if p.balanced else None)
   return out.reshape(b, t, hq, dv), out_lse.reshape(b, t, hq)

@@ -21,6 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 from fdecode.combine import add_sink, merge_by
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.triton.plan import pow2_at_least
+from fdecode.kernels.triton.schedule import Schedule, load_ends, sequence_items
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,10 +29,11 @@ class CombinePlan:
   """What the combine kernel merges: ``num_splits`` states of R = ``num_tokens * group``
   rows per kv head (``hq`` query heads), ``dv`` columns, ``width`` a program, into
   ``out_dtype``. ``split_major``: states laid out ``[B, Hkv, n_splits, R_p, Dv]`` (the
-  Hopper kernels'; ``[B, n_splits, R_p, Dv]`` for one kv head, MLA's), else ``[B, Hkv, R_p, n_splits, Dv]`` (the Triton split
-  kernel's); lse likewise without Dv. ``segmented``: the balanced schedule's states, ``[n_splits,
-  Hkv, R_p, 1, Dv]`` (``n_splits`` work items), a sequence merging the items whose segment
-  id is its own (`fdecode.kernels.triton.schedule`)."""
+  Hopper kernels'; ``[B, n_splits, R_p, Dv]`` for one kv head, MLA's), else ``[B, Hkv,
+  R_p, n_splits, Dv]`` (the Triton split kernel's); lse likewise without Dv.
+  ``schedule``: the balanced schedule's states, ``[n_splits, Hkv, R_p, 1, Dv]``
+  (``n_splits`` work items), each sequence merging its own run of items, which its
+  program derives from the sequences' ends (`fdecode.kernels.triton.schedule`)."""
   num_splits: int
   width: int
   num_tokens: int
@@ -41,7 +43,7 @@ class CombinePlan:
   out_dtype: str
   interpret: bool = False
   split_major: bool = False
-  segmented: bool = False
+  schedule: Schedule | None = None
 
   @property
   def num_rows(self) -> int:
@@ -50,18 +52,20 @@ class CombinePlan:
 
 def _kernel(lse_ref, o_ref, *refs, plan: CombinePlan):
   # lse_ref f32[n_splits], o_ref f32[n_splits, Dv] (this row's partial states),
-  # [segments int32[n_splits]], [sinks f32[Hq]], out [T * Hq, Dv], out_lse f32[T * Hq]
+  # [ends int32[B]], [sinks f32[Hq]], out [T * Hq, Dv], out_lse f32[T * Hq]
   refs = list(refs)
-  seg_ref = refs.pop(0) if plan.segmented else None
+  ends_ref = refs.pop(0) if plan.schedule is not None else None
   sinks_ref, out_ref, out_lse_ref = refs if len(refs) == 3 else (None, *refs)
   n, w = plan.num_splits, plan.width
   sp = pow2_at_least(n)
   row = pl.program_id(1) % plan.num_rows
   h = pl.program_id(1) // plan.num_rows
   c = pl.program_id(2) * w
-  live = lax.iota(jnp.int32, sp) < n
-  if seg_ref is not None:  # this sequence's items only (an empty item's id is B: no one's)
-    live = live & (plgpu.load(seg_ref.at[pl.ds(0, sp)], mask=live, other=-1) == pl.program_id(0))
+  item = lax.iota(jnp.int32, sp)
+  live = item < n
+  if ends_ref is not None:  # this sequence's run of items only
+    first, last = sequence_items(load_ends(ends_ref, plan.schedule), pl.program_id(0), plan.schedule)
+    live = live & (item >= first) & (item < last)
   lse = plgpu.load(lse_ref.at[pl.ds(0, sp)], mask=live, other=-jnp.inf)
   o = plgpu.load(o_ref.at[pl.ds(0, sp), pl.ds(c, w)], mask=live[:, None], other=0.0)
   axis0 = lambda fn: (lambda x: fn(x, axis=0))
@@ -80,12 +84,13 @@ def _kernel(lse_ref, o_ref, *refs, plan: CombinePlan):
     out_lse_ref[pl.ds(dst, 1)] = out_lse.reshape(1)
 
 
-def combine(plan: CombinePlan, o, lse, sinks=None, *, segments=None, batch=None):
+def combine(plan: CombinePlan, o, lse, sinks=None, *, ends=None):
   """Partial states ``o`` / ``lse`` (float32, laid out as ``plan`` says) -> ``(out
   [B, T * Hq, Dv] in plan.out_dtype, lse f32 [B, T * Hq])``; ``sinks``: f32 ``[Hq]`` or None.
-  ``segments`` (``plan.segmented``): int32 ``[n_splits]``, each item's sequence in
-  ``[0, B]`` (B: an empty item), with ``batch`` = B."""
-  b = batch if plan.segmented else o.shape[0]
+  ``ends`` (with ``plan.schedule``): int32 ``[B]``, the sequences' ends the schedule was
+  dealt from."""
+  sched = plan.schedule
+  b = sched.batch if sched is not None else o.shape[0]
   if plan.split_major and o.ndim == 4:  # [B, n, R_p, Dv]: one kv head (a free reshape)
     o, lse = o[:, None], lse[:, None]
   hkv = o.shape[1]
@@ -93,7 +98,7 @@ def combine(plan: CombinePlan, o, lse, sinks=None, *, segments=None, batch=None)
   if plan.split_major:  # [B, Hkv, n, R_p(, Dv)]
     in_specs = [pl.BlockSpec((None, None, n, None), lambda i, hr, c: (i, hr // rows, 0, hr % rows)),
                 pl.BlockSpec((None, None, n, None, dv), lambda i, hr, c: (i, hr // rows, 0, hr % rows, 0))]
-  elif plan.segmented:  # [n, Hkv, R_p, 1(, Dv)]: every item, for every sequence
+  elif sched is not None:  # [n, Hkv, R_p, 1(, Dv)]: every item, for every sequence
     o, lse = o[:, :, :, 0], lse[:, :, :, 0]
     in_specs = [pl.BlockSpec((n, None, None), lambda i, hr, c: (0, hr // rows, hr % rows)),
                 pl.BlockSpec((n, None, None, dv), lambda i, hr, c: (0, hr // rows, hr % rows, 0))]
@@ -101,9 +106,9 @@ def combine(plan: CombinePlan, o, lse, sinks=None, *, segments=None, batch=None)
     in_specs = [pl.BlockSpec((None, None, None, n), lambda i, hr, c: (i, hr // rows, hr % rows, 0)),
                 pl.BlockSpec((None, None, None, n, dv), lambda i, hr, c: (i, hr // rows, hr % rows, 0, 0))]
   operands = [lse, o]
-  if plan.segmented:
-    operands.append(segments.astype(jnp.int32))
-    in_specs.append(pl.BlockSpec((n,), lambda i, hr, c: (0,)))
+  if sched is not None:
+    operands.append(ends.astype(jnp.int32))
+    in_specs.append(pl.BlockSpec((b,), lambda i, hr, c: (0,)))
   if sinks is not None:
     operands.append(sinks.astype(jnp.float32))
     in_specs.append(pl.BlockSpec((plan.hq,), lambda i, hr, c: (0,)))

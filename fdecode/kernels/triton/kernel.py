@@ -10,8 +10,9 @@ splits and blocks past it do no work and load nothing.
 
 Queries are read in place from ``q [B, T * Hq, Dq]`` (row r = t * G + g of kv head h is
 q row ``t * Hq + h * G + g``), cast to the compute dtype in the kernel; rows past R load a
-real row and see nothing. A balanced work item reads its sequence's rows (``work[2]``) of
-the whole ``q [B * T * Hq, Dq]`` and of the whole block table ``[B * n]``. Outputs: with
+real row and see nothing. A balanced work item (axis 0) derives its sequence, split and
+split count from the whole ``ends [B]`` (`fdecode.kernels.triton.schedule.item_work`) and
+reads its sequence's rows of the whole ``q [B * T * Hq, Dq]`` and block table ``[B * n]``. Outputs: with
 one split (``plan.final``) the kernel writes the finished output ``[B, T * Hq, Dv]`` in the
 output dtype and the lse ``[B, T * Hq]`` (sinks applied), its stores masked to the real
 rows; otherwise partial states
@@ -44,6 +45,7 @@ from fdecode.combine import add_sink
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.block import decode_fp8_bits
 from fdecode.kernels.triton.plan import TritonPlan
+from fdecode.kernels.triton.schedule import item_work, load_ends
 from fdecode.kernels.common.modifiers import window_start
 from fdecode.kernels.common.sparse import slot_range
 
@@ -53,17 +55,21 @@ def _take(refs, plan: TritonPlan):
   refs, mods = list(refs), plan.mods
   pop = lambda cond=True: refs.pop(0) if cond else None
   r = types.SimpleNamespace()
-  r.end, r.work, r.table = pop(), pop(plan.balanced), pop(plan.paged)
+  r.end, r.table = pop(), pop(plan.paged)
   r.idx, r.bounds = pop(plan.sparse), pop(plan.sparse)
   r.q, r.k, r.v, r.rope = pop(), pop(), pop(not plan.v_from_k), pop(bool(plan.r_pieces))
   r.quant = [pop(dims is not None) for dims in plan.quant]
   r.mask, r.bias, r.alibi = pop(bool(mods.mask)), pop(bool(mods.bias)), pop(bool(mods.alibi))
   r.sinks = pop(plan.final and plan.has_sinks)
   r.o, r.lse = refs
-  # Balanced: the item's sequence; q and the block table are the whole arrays, flattened.
-  seq = r.work[2] if plan.balanced else None
-  r.q_base = 0 if seq is None else seq * (plan.num_tokens * plan.hq)
-  r.table_base = 0 if seq is None else seq * plan.table_len
+  if plan.balanced:  # this program's work item, derived from every sequence's end (ends [B])
+    r.seq, r.split, r.count, r.end_value = item_work(load_ends(r.end, plan.schedule), pl.program_id(0),
+                                                     plan.schedule)
+  else:
+    r.seq, r.split, r.count, r.end_value = None, pl.program_id(2), plan.num_splits, r.end[0]
+  # Balanced: q and the block table are the whole arrays, flattened; the item reads its sequence's rows.
+  r.q_base = 0 if r.seq is None else r.seq * (plan.num_tokens * plan.hq)
+  r.table_base = 0 if r.seq is None else r.seq * plan.table_len
   return r
 
 
@@ -155,7 +161,7 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float):
   h = pl.program_id(1) // plan.row_blocks
   first_row = (pl.program_id(1) % plan.row_blocks) * rows_p
   dtype = jnp.dtype(plan.compute_dtype)
-  end = r.end[0]
+  end = r.end_value
   live_end = jnp.clip(end, 0, plan.seq_len)
   rows = blk.row_geometry(end, plan.num_rows, rows_p, plan.group, plan.num_tokens, plan.seq_len, mods, first_row)
   first_visible = window_start(end, plan.num_tokens, plan.seq_len, mods)
@@ -167,10 +173,8 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float):
   slopes = None if r.alibi is None else r.alibi[head].astype(jnp.float32)
   if plan.sparse:
     first, last = slot_range((r.bounds[0], r.bounds[1]), pl.program_id(2), plan.num_splits, bk)
-  elif plan.balanced:
-    first, last = blk.split_range(end, r.work[0], r.work[1], plan.num_tokens, plan.seq_len, bk, mods)
   else:
-    first, last = blk.split_range(end, pl.program_id(2), plan.num_splits, plan.num_tokens, plan.seq_len, bk, mods)
+    first, last = blk.split_range(end, r.split, r.count, plan.num_tokens, plan.seq_len, bk, mods)
 
   def by_rows(ref, form, load_start):
     """A mask / bias block for the rows: ``[R_p | 1, bk]``, gathered by row; columns past

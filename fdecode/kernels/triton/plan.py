@@ -187,7 +187,8 @@ class TritonPlan:
   (k_scale, k_offset, v_scale, v_offset), None or its static dims. ``fp8_bits``: (k, v)
   float8 dtype name when passed as raw bytes (below sm_89). Launch: ``block`` keys a
   loop step, ``warps``, ``stages``; ``num_splits`` splits of each sequence's blocks, or
-  ``balanced`` work items (``items`` programs on grid axis 0). ``final``: one split, the
+  ``balanced`` work items (``items`` programs on grid axis 0) over the ``batch`` B
+  sequences (`schedule`). ``final``: one split, the
   split kernel writes the output itself; otherwise the combine kernel merges
   ``num_splits`` partial states ``combine_width`` columns a program.
   """
@@ -222,6 +223,7 @@ class TritonPlan:
   balanced: bool
   items: int
   combine_width: int
+  batch: int
   sparse_fold: int = 1
   has_sinks: bool = False
 
@@ -243,11 +245,20 @@ class TritonPlan:
     return p.offset + p.width
 
   @property
+  def schedule(self):
+    """The balanced schedule's static part (`fdecode.kernels.triton.schedule.Schedule`), or None."""
+    if not self.balanced:
+      return None
+    from fdecode.kernels.triton.schedule import Schedule  # pylint: disable=g-import-not-at-top
+    return Schedule(items=self.items, batch=self.batch, block=self.block, num_tokens=self.num_tokens,
+                    seq_len=self.seq_len, mods=self.mods)
+
+  @property
   def combine_plan(self):
     from fdecode.kernels.triton.combine import CombinePlan  # pylint: disable=g-import-not-at-top
     return CombinePlan(num_splits=self.items if self.balanced else self.num_splits, width=self.combine_width,
                        num_tokens=self.num_tokens, group=self.group, hq=self.hq, dv=self.dv,
-                       out_dtype=self.out_dtype, interpret=self.interpret, segmented=self.balanced)
+                       out_dtype=self.out_dtype, interpret=self.interpret, schedule=self.schedule)
 
 
 def _cache_geometry(k, block_tables, kv_layout):
@@ -346,7 +357,7 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
       page_size=page_size, num_pages=num_pages, table_len=table_len, k_pieces=k_pieces, v_pieces=v_pieces,
       r_pieces=r_pieces, quant=quant, fp8_bits=fp8_bits, v_from_k=v_from_k, sparse=index_slots is not None,
       mods=mods, compute_dtype=jnp.dtype(compute_dtype).name, out_dtype=jnp.dtype(out_dtype).name, block=bk,
-      warps=launch.warps, stages=launch.stages, num_splits=int(num_splits), balanced=balanced, items=items,
+      warps=launch.warps, stages=launch.stages, num_splits=int(num_splits), balanced=balanced, items=items, batch=b,
       combine_width=combine_width(items if balanced else int(num_splits), dv), sparse_fold=sparse_fold,
       has_sinks=bool(has_sinks))
 
