@@ -290,7 +290,8 @@ def plan(q, k, v, lengths, *, platform: str | None = None, **kwargs) -> tuple:
   in the order they run: an `fdecode.kernels.xla.plan.XlaPlan`, an
   `fdecode.kernels.triton.plan.TritonPlan` (a GPU's: `fdecode.kernels.common.chips.lowering_gpu`),
   an `fdecode.kernels.mosaic_tpu.plan.CallPlan` (followed by the XlaPlan of a call it gives
-  the XLA path), or the Hopper MLA kernel's plan. ``q``, ``k``, ``v``, ``lengths`` and the
+  the XLA path), or the Hopper MLA / rows kernel's plan (`fdecode.kernels.mosaic_gpu.MlaPlan` /
+  ``RowsPlan``: sm_90, or ``impl="mosaic_gpu"``). ``q``, ``k``, ``v``, ``lengths`` and the
   array keyword arguments: arrays or `jax.ShapeDtypeStruct`s; the other keyword arguments
   as `flash_decode` takes them. Nothing runs or compiles: the call is traced. Empty for
   ``impl="reference"`` and for a call with no sequence or no new token."""

@@ -11,8 +11,9 @@ stays the default for those calls). ``fdecode.flash_decode(impl="mosaic_gpu")`` 
 page sizes 8, 16, 32 and multiples of 64; T new tokens x G query heads as the MMA's rows)
 are the public entry points (the final output, like `fdecode.flash_decode`). `mla_plan` /
 `rows_plan` decide a launch; `mla_run` / `rows_run` run a plan to the final output (the
-kernel, then the Triton combine: what the sm_90 dispatch and ``impl="mosaic_gpu"`` run); `mla_partials` / `rows_partials`
-give the per-split partial states (the states `fdecode.combine.merge_states` merges);
+kernel, then the Triton combine: what the sm_90 dispatch and ``impl="mosaic_gpu"`` run);
+`mla_partials` / `rows_partials` give the per-split partial states (the states
+`fdecode.combine.merge_states` merges);
 `unsupported` / `rows_unsupported` name what each cannot take. `InterpretGPUParams`:
 jax's Mosaic GPU interpreter parameters (``interpret=`` of every entry point: the same
 kernels and plans on CPU).
