@@ -5,7 +5,7 @@ refusals (a modifier, a token-major cache, a compile not for an sm_90 GPU), each
 ValueError with its reason, never a silent fallback.
 
 Cost: 6 interpreted calls (GQA contiguous, paged int8, MLA int8, ragged: decode part and
-prefill blocks), about 30 s of CPU (`mosaic_gpu_interpret.compiled_once`).
+prefill blocks), about 17 s on 2 CPU cores (`mosaic_gpu_interpret.compiled_once`).
 """
 
 import jax
@@ -18,6 +18,7 @@ from conftest import assert_close, tol
 from fdecode.kernels import mosaic_gpu
 from fdecode.kernels.common import chips
 from fdecode.kernels.common.quant import quantize
+from fdecode.dispatch import recording_plans
 from test_ragged import batch
 
 from mosaic_gpu_interpret import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
@@ -80,7 +81,11 @@ def test_ragged_decode_and_prefill(interpreter):
   """One decode and a 70-token prefill chunk (two prefill blocks of the one batched call)
   over a paged pool: both parts on the rows kernel."""
   p = batch(2, [1, 70], [40, 100], max_seqs=2, hq=2, hkv=1, d=64, dtype=jnp.bfloat16)
-  got = fdecode.ragged_decode(**p, impl="mosaic_gpu", interpret=INTERPRET, return_lse=True)
+  with recording_plans() as log:  # this step's first trace: the plans of both parts
+    got = fdecode.ragged_decode(**p, impl="mosaic_gpu", interpret=INTERPRET, return_lse=True)
+  # the decode part (2 sequences, T = 1) and the 4 batched prefill blocks (T = 64), one call each
+  assert [(type(pl), pl.batch, pl.num_tokens, pl.paged) for _, pl in log] == [
+      (mosaic_gpu.RowsPlan, 2, 1, True), (mosaic_gpu.RowsPlan, 4, 64, True)], log
   want = fdecode.ragged_decode(**p, impl="reference", return_lse=True)
   _check(got, want)
   live = int(p["cu_q_lens"][p["num_seqs"]])
