@@ -15,6 +15,10 @@ parts, each contender guarded (one that fails prints its error and the run goes 
    ``0 * out[..., :1]`` of the previous one), median of --iters, compile apart; the
    fraction of the chip's spec bandwidth the cache read reaches (B * Hkv * S * 2D bytes
    per element byte).
+3. ``ragged_decode(impl="mosaic_gpu")`` (opt-in: the decode part and the batched prefill
+   blocks on the rows kernel) against ``ragged_decode`` as dispatched by default (Triton
+   on GPU) on bench_ragged's mixed serving step (a prefill chunk beside decodes, one
+   paged pool): correctness against ``impl="reference"``, then device time as in 2.
 
   python benchmarks/bench_mosaic_gpu_rows.py --json PATH   # GPU (jax 0.11.2); a few minutes
   python benchmarks/bench_mosaic_gpu_rows.py --interpret   # CPU: tiny shapes, interpreter
@@ -36,6 +40,7 @@ import numpy as np
 import fdecode
 from _records import add_json_arg, machine_line, record, write  # benchmarks/ is on sys.path
 from bench_mosaic_gpu import short_error, spec_bandwidth
+from bench_ragged import make_step
 from fdecode.kernels import mosaic_gpu
 from fdecode.kernels.common.quant import quantize
 
@@ -192,6 +197,45 @@ def timing(rows, configs, *, chain, iters):
                        nbytes=nbytes, seconds=sec))
 
 
+def ragged(rows, steps, *, params, timed, chain, iters):
+  """Section 3 over ``steps`` (B, context, chunk, Hkv, Hq, D, page_size), bf16: one
+  chunk of C tokens (sequence 0) beside B - 1 decodes, every sequence at the context;
+  ``timed``: device time, else correctness against ``impl="reference"``."""
+  print("\n## ragged_decode(impl='mosaic_gpu') against the default dispatch (mixed step: chunk + decodes)",
+        flush=True)
+  if timed:
+    chip, bw = spec_bandwidth()
+    print(f"({chip}; {chain} chained calls a sample, median of {iters})")
+  for b, ctx, chunk, hkv, hq, d, ps in steps:
+    q, k, v, tables, cu, lens = make_step(b, ctx, chunk, hkv, hq, d, ps, jnp.bfloat16)
+    shape = dict(B=b, L=ctx, C=chunk, Hkv=hkv, Hq=hq, D=d, page_size=ps)
+    print(f"{shape}", flush=True)
+    step = lambda **kw: (lambda q, k, v, n, t, c: fdecode.ragged_decode(q, k, v, n, t, c, b, **kw))
+    contenders = [("ragged_decode mosaic_gpu", dict(impl="mosaic_gpu", interpret=params)),
+                  ("ragged_decode default", {})]
+    args = (q, k, v, lens, tables, cu)
+    if not timed:  # correctness only (small steps); timed steps: time only
+      want = [np.asarray(x, np.float64) for x in step(impl="reference", return_lse=True)(*args)]
+      for name, kw in contenders[:1 if params else 2]:  # on CPU the default is the XLA path: not this check's
+        check(name, jax.jit(step(return_lse=True, **kw)), args, want, rows, shape)
+      continue
+    nbytes = 2 * b * ctx * hkv * d * 2
+    for name, kw in contenders:
+      fn = step(**kw)
+      head = f"| ragged {b} x {ctx}, chunk {chunk} | Hkv={hkv} Hq={hq} D={d} pages {ps} | {name} |"
+      try:
+        sec, best, comp = device_time(fn, args, chain=chain, iters=iters)
+      except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"{head} failed: {short_error(e)}", flush=True)
+        rows.append(dict(section="timing", contender=name, shape=shape, dtype="bfloat16", error=short_error(e)))
+        continue
+      print(f"{head} {sec * 1e3:.3f} ms | min {best * 1e3:.3f} | compile {comp:.1f} s | "
+            f"{nbytes / sec / bw:.2f} of spec bw |", flush=True)
+      rows.append(dict(section="timing", contender=name, shape=shape, dtype="bfloat16", median_ms=sec * 1e3,
+                       min_ms=best * 1e3, compile_s=comp, spec_bw_fraction=nbytes / sec / bw, chip=chip,
+                       nbytes=nbytes, seconds=sec))
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   add_json_arg(parser, "bench_mosaic_gpu_rows")
@@ -205,6 +249,8 @@ def main(argv=None):
   if args.interpret:  # no timing: the interpreter is no GPU
     correctness(rows, [(2, 4, 16, 1, 70, 64, "bfloat16"), (1, 5, 16, 1, 70, 64, "int8"),
                        (2, 4, 16, 1, 96, 64, "int8", 16)], interpret=True)
+    ragged(rows, [(2, 100, 70, 1, 2, 64, 16)], params=mosaic_gpu.InterpretGPUParams(), timed=False,
+           chain=args.chain, iters=args.iters)
   else:
     correctness(rows, [(2, 4, 32, 2, 777, 128, "bfloat16"), (2, 16, 32, 8, 300, 128, "int8"),
                        (2, 8, 16, 2, 513, 256, "float8_e4m3fn"), (3, 1, 64, 1, 1000, 64, "bfloat16"),
@@ -216,6 +262,10 @@ def main(argv=None):
                for dtype in ("bfloat16", "int8")]
     configs += [(8, 16, 32, 8, 8192, 128, dtype, ps) for dtype in ("bfloat16", "int8") for ps in (16, 64)]
     timing(rows, configs, chain=args.chain, iters=args.iters)
+    # bench_ragged's step (G = 4: a decode's 4 rows padded to a 64-row tile) and one at G = 8
+    ragged(rows, [(4, 300, 130, 2, 16, 128, 16)], params=None, timed=False, chain=args.chain, iters=args.iters)
+    ragged(rows, [(64, 4096, 512, 2, 8, 128, 64), (16, 8192, 1024, 4, 32, 128, 64)], params=None, timed=True,
+           chain=args.chain, iters=args.iters)
   print(f"\ntotal {time.time() - start:.0f} s", flush=True)
   machine = machine_line()
   records = [record("bench_mosaic_gpu_rows", r["contender"], shape=r["shape"], dtype=r["dtype"],

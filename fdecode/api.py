@@ -13,13 +13,14 @@ from jax.experimental.pallas import tpu as pltpu
 from fdecode import config as config_lib
 from fdecode.kernels.common import modifiers
 from fdecode.kernels.common import sparse as sparse_lib
+from fdecode.kernels import mosaic_gpu
 from fdecode.cache.layout import CacheView
 from fdecode.dispatch import decode, forced_tpu_interpret, recording, recording_plans
 from fdecode.cache.tables import check_concrete_page_ids
 from fdecode.validation import (as_arrays, check_concrete_lengths, check_kv_offset, describe,
                                 static_scale, to_int32, validate_args, validate_quant)
 
-IMPLS = ("pallas", "xla", "reference")
+IMPLS = ("pallas", "mosaic_gpu", "xla", "reference")
 
 
 def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=None,
@@ -82,21 +83,37 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       power of two, at least 16 (default 128); compiled, an upper bound: the block shrinks
       until its tiles fit the GPU's registers and shared memory. Mosaic: rounded up to the cache dtype's
       sublane tiling, whole pages when paged (default: about 512 KiB of K+V per step).
-    impl: ``"pallas"``, ``"xla"``, ``"reference"`` or ``None``. ``None`` chooses by the
+    impl: ``"pallas"``, ``"mosaic_gpu"``, ``"xla"``, ``"reference"`` or ``None``. ``None`` chooses by the
       platform being lowered for: XLA on CPU, the Triton kernel on GPU, the Mosaic
       kernel on TPU. On GPU it falls back to XLA only where Triton's ``tl.dot`` cannot
       tile: a head dim, or an 8-bit scale tile, that is not a multiple of 16 (then
       ``impl="pallas"`` raises ValueError when traced on a GPU host). On TPU, a paged
       cache whose page size splits a 32-bit sublane takes the XLA path
       (``docs/semantics.md``, Backends). `fdecode.plan` shows what a call would run.
-    interpret: with ``impl="pallas"``: ``None`` / ``False`` compile the kernel for the
+      ``"mosaic_gpu"`` (opt-in, to measure them: no GPU has timed them against Triton
+      yet): the Hopper (sm_90) kernels of `fdecode.kernels.mosaic_gpu`, with no fallback:
+      MLA (``v=None``, ``v_head_dim=512`` of 576 latent columns, one contiguous kv head,
+      T = 1, G a multiple of 16; bf16, or int8 / float8_e4m3fn with per-token ``k_scale``)
+      on the MLA kernel, every other call on the GQA rows kernel (bf16 q; head-major k, v
+      of one shape, contiguous or a pool with page size 8, 16, 32 or a multiple of 64; D
+      in 64 / 128 / 256; bf16, or both int8 / both float8_e4m3fn with per-token scales;
+      T x G rows padded to 64-row tiles). Token-major (``kv_layout="NHD"``) caches are
+      taken only with one kv head (the same bytes as head-major). Score modifiers, sinks,
+      ``indices``, ``k_rope``, offsets, ``kv_offset`` and ``causal=False`` with T > 1
+      are refused, as is any call the kernel does not take: ValueError with the kernel's
+      reason (`fdecode.kernels.mosaic_gpu.unsupported` / ``rows_unsupported``).
+      ``num_splits="balance"`` picks splits as ``None``; ``block_k`` is not used (64-token
+      blocks).    interpret: with ``impl="pallas"``: ``None`` / ``False`` compile the kernel for the
       lowering platform (Triton on GPU, Mosaic on TPU; CPU has only the interpreter and
       runs the Triton kernel interpreted); ``True`` runs the Triton kernel in Pallas'
       interpreter anywhere; a ``jax.experimental.pallas.tpu.InterpretParams`` runs the
       Mosaic (TPU) kernel under the TPU-semantics interpreter (simulated VMEM / SMEM,
       DMAs, semaphores, optional race detection), mirroring ``pallas_call``'s own
       ``interpret=``. Under ``pltpu.force_tpu_interpret_mode(params)``, ``None`` means
-      ``params``.
+      ``params``. With ``impl="mosaic_gpu"``: ``None`` / ``False`` compile the kernels for
+      the sm_90 GPU lowered for (ValueError when the trace is for another platform or
+      GPU); a ``fdecode.kernels.mosaic_gpu.InterpretGPUParams`` runs the same kernels and
+      plans (an H100's) under jax's Mosaic GPU interpreter, on CPU.
     return_lse: also return the log-sum-exp of the scores.
     v_head_dim: static int Dv, required with ``v=None`` (``1 <= Dv <= k.shape[-1]``; DeepSeek
       MLA: 512 of a 576-wide latent key). With ``v`` given it must equal its head dim.
@@ -163,7 +180,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       boolean or does not broadcast, a window or soft cap out of its range, a scale that
       is not a finite float32, slopes or sinks not ``[Hq]``), concrete lengths / page ids
       / integers out of range (int32 included); with ``impl="pallas"`` compiled for GPU,
-      for head dims the Triton kernel cannot tile (see ``impl``).
+      for head dims the Triton kernel cannot tile; with ``impl="mosaic_gpu"``, for a call
+      its kernels do not take or a trace not for an sm_90 GPU (see ``impl``).
     TypeError: an array argument that is neither an array nor a rectangular list of
       numbers.
   """
@@ -194,12 +212,10 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
                      f"given are {given})") from None
   if impl is not None and impl not in IMPLS:
     raise ValueError(f"flash_decode: impl must be one of {IMPLS} or None, got {describe(impl)}")
-  if not (interpret is None or isinstance(interpret, (bool, np.bool_, pltpu.InterpretParams))):
-    raise ValueError("flash_decode: interpret must be None, a bool or a "
-                     f"jax.experimental.pallas.tpu.InterpretParams, got {describe(interpret)}")
-  if isinstance(interpret, pltpu.InterpretParams) and impl != "pallas":
-    raise ValueError(f"flash_decode: interpret=InterpretParams(...) runs the TPU Pallas kernel: "
-                     f"pass impl='pallas' (got impl={describe(impl)})")
+  _check_interpret(impl, interpret)
+  if impl == "mosaic_gpu" and kv_offset is not None:
+    raise ValueError("flash_decode: impl='mosaic_gpu' does not take kv_offset (the Hopper kernels read a "
+                     "whole sequence's cache)")
   if impl == "pallas" and interpret is None:
     interpret = forced_tpu_interpret()
   if isinstance(interpret, np.bool_):
@@ -247,13 +263,35 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   return (out, lse) if return_lse else out
 
 
+def _check_interpret(impl, interpret):
+  """``interpret`` against ``impl``: None, a bool, a TPU ``InterpretParams`` (Mosaic TPU
+  kernel, ``impl="pallas"``) or a Mosaic GPU ``InterpretGPUParams`` (``impl="mosaic_gpu"``,
+  which takes no True)."""
+  gpu_params = isinstance(interpret, mosaic_gpu.InterpretGPUParams)
+  if not (interpret is None or gpu_params or isinstance(interpret, (bool, np.bool_, pltpu.InterpretParams))):
+    raise ValueError("flash_decode: interpret must be None, a bool or a jax.experimental.pallas.tpu.InterpretParams "
+                     f"(impl='pallas') / fdecode.kernels.mosaic_gpu.InterpretGPUParams (impl='mosaic_gpu'), "
+                     f"got {describe(interpret)}")
+  if isinstance(interpret, pltpu.InterpretParams) and impl != "pallas":
+    raise ValueError(f"flash_decode: interpret=InterpretParams(...) runs the TPU Pallas kernel: "
+                     f"pass impl='pallas' (got impl={describe(impl)})")
+  if gpu_params and impl != "mosaic_gpu":
+    raise ValueError(f"flash_decode: interpret=InterpretGPUParams(...) runs the Hopper kernels: "
+                     f"pass impl='mosaic_gpu' (got impl={describe(impl)})")
+  if impl == "mosaic_gpu" and not (interpret is None or gpu_params or (isinstance(interpret, (bool, np.bool_))
+                                                                       and not interpret)):
+    raise ValueError("flash_decode: impl='mosaic_gpu' takes interpret None / False (compiled for an sm_90 GPU) "
+                     f"or a fdecode.kernels.mosaic_gpu.InterpretGPUParams (interpreted), got {describe(interpret)}")
+
+
 def plan(q, k, v, lengths, *, platform: str | None = None, **kwargs) -> tuple:
   """The frozen plans a `flash_decode` call with these arguments hands its kernels when
   lowered for ``platform`` (``"cpu"``, ``"gpu"`` or ``"tpu"``; None: `jax.default_backend()`),
   in the order they run: an `fdecode.kernels.xla.plan.XlaPlan`, an
   `fdecode.kernels.triton.plan.TritonPlan` (a GPU's: `fdecode.kernels.common.chips.lowering_gpu`),
   an `fdecode.kernels.mosaic_tpu.plan.CallPlan` (followed by the XlaPlan of a call it gives
-  the XLA path), or the Hopper MLA kernel's plan. ``q``, ``k``, ``v``, ``lengths`` and the
+  the XLA path), or the Hopper MLA / rows kernel's plan (`fdecode.kernels.mosaic_gpu.MlaPlan` /
+  ``RowsPlan``: sm_90, or ``impl="mosaic_gpu"``). ``q``, ``k``, ``v``, ``lengths`` and the
   array keyword arguments: arrays or `jax.ShapeDtypeStruct`s; the other keyword arguments
   as `flash_decode` takes them. Nothing runs or compiles: the call is traced. Empty for
   ``impl="reference"`` and for a call with no sequence or no new token."""

@@ -31,7 +31,7 @@ from fdecode.kernels.common.modifiers import window_tokens
 from fdecode.kernels.xla import plan as xla_plan
 from fdecode.kernels.xla.dense import xla_partials
 from fdecode.kernels.xla.sparse import sparse_partials
-from fdecode.kernels.common.quant import dequantize, is_quantized
+from fdecode.kernels.common.quant import dequantize, is_quantized, per_token_scale
 from fdecode.reference import reference_decode
 
 
@@ -136,6 +136,9 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
         alibi_slopes=None if alibi is None else alibi.reshape(-1), window=mods.window,
         logits_soft_cap=mods.soft_cap, sinks=sinks)
     return out.astype(q.dtype), lse
+  if impl == "mosaic_gpu":  # opt-in: the Hopper kernels, or a ValueError naming why not (no fallback)
+    return _mosaic_gpu(q, view, ends, softmax_scale=softmax_scale, cfg=cfg, interpret=interpret, mods=mods,
+                       v_head_dim=v_head_dim, sinks=sinks, sparse=sparse, **mod_arrays)
   cd = compute_dtype(q.dtype, *(None if x is None else x.dtype for x in (view.k, view.v, view.k_rope)))
   kw = dict(num_tokens=t, softmax_scale=softmax_scale, cfg=cfg, mods=mods, v_head_dim=v_head_dim,
             **lists, **mod_arrays)
@@ -241,14 +244,84 @@ def _hopper_mla_takes(q, view, mods, sinks, sparse, v_head_dim, mask, bias, alib
       paged=view.paged, modifiers=extras, default_dispatch=True) is None
 
 
-def _hopper_mla(q, k, ends, *, softmax_scale, num_splits):
+def _hopper_mla(q, k, ends, k_scale=None, *, softmax_scale, num_splits, interpret=None):
   """MLA decode on the Hopper kernel, its split states merged by the Triton combine kernel
-  (`fdecode.kernels.mosaic_gpu.api.mla_run`): two kernels."""
+  (`fdecode.kernels.mosaic_gpu.api.mla_run`): two kernels. ``k_scale``: an 8-bit cache's
+  per-token scales (``impl="mosaic_gpu"`` only), canonical rank 4."""
   b, t, g, _ = q.shape
+  if k_scale is not None:
+    k_scale = per_token_scale(k_scale, k.shape, "k_scale", "flash_decode")
   p = mosaic_gpu.mla_plan(batch=b, num_tokens=t, group=g, seq_len=k.shape[2], softmax_scale=softmax_scale,
-                          num_splits=num_splits)
+                          cache_dtype=k.dtype, num_splits=num_splits)
   _note(p)
-  return mosaic_gpu.mla_run(p, q, ends, k)
+  return mosaic_gpu.mla_run(p, q, ends, k, k_scale, interpret=interpret)
+
+
+def _hopper_rows(q, view, ends, *, softmax_scale, num_splits, interpret):
+  """GQA decode on the Hopper rows kernel over a head-major cache (contiguous, or a pool
+  read in place through the block table), its split states merged by the Triton combine
+  kernel (`fdecode.kernels.mosaic_gpu.rows_api.rows_run`)."""
+  b, t, hq, d = q.shape
+  k, v = view.k, view.v
+  hkv = view.kv_heads
+  scales = [None if x is None else per_token_scale(x, c.shape, n, "flash_decode", broadcast=False)
+            for n, x, c in (("k_scale", view.k_scale, k), ("v_scale", view.v_scale, v))]
+  p = mosaic_gpu.rows_plan(batch=b, kv_heads=hkv, num_tokens=t, group=hq // hkv, head_dim=d, seq_len=view.capacity,
+                           softmax_scale=softmax_scale, cache_dtype=k.dtype, num_splits=num_splits,
+                           page_size=view.page_size)
+  _note(p)
+  return mosaic_gpu.rows_run(p, q, ends, k, v, *scales, block_tables=view.block_tables, interpret=interpret)
+
+
+def _mosaic_gpu(q, view, ends, *, softmax_scale, cfg, interpret, mods, v_head_dim, sinks, sparse, mask, bias,
+                alibi):
+  """``impl="mosaic_gpu"``: the Hopper MLA kernel (``v`` None) or rows kernel (GQA) with
+  their plans, compiled for the sm_90 GPU lowered for or run under the Mosaic GPU
+  interpreter (``interpret``: an ``InterpretGPUParams``). A call the kernel does not take,
+  or a compiled trace not for an sm_90 GPU, raises ValueError saying why."""
+  if not interpret:
+    platform = chips.lowering_platform()
+    gpu = chips.lowering_gpu() if platform == "gpu" else None
+    if gpu is None or gpu.capability != (9, 0):
+      target = platform if gpu is None else f"{gpu.name} (sm_{gpu.capability[0]}{gpu.capability[1]})"
+      raise ValueError(f"flash_decode: impl='mosaic_gpu' compiles the Hopper kernels for an sm_90 GPU, but this "
+                       f"trace lowers for {target}; pass interpret=fdecode.kernels.mosaic_gpu.InterpretGPUParams() "
+                       "to run them under the Mosaic GPU interpreter (CPU)")
+  rv = view.read(view.read_layout)  # one kv head (MLA, MQA) stored token-major is read head-major: the same bytes
+  mla = rv.v is None
+  reason = _hopper_refusal(rv, q.shape[1], mods=mods, modifiers=(
+      sinks is not None or sparse is not None or mask is not None or bias is not None or alibi is not None))
+  if reason is None and mla:
+    reason = mosaic_gpu.unsupported(
+        q_shape=q.shape, q_dtype=q.dtype, k_shape=rv.k.shape, k_dtype=rv.k.dtype, v_is_none=True,
+        v_head_dim=v_head_dim, k_scale_shape=None if rv.k_scale is None else rv.k_scale.shape, paged=rv.paged)
+  elif reason is None:
+    reason = mosaic_gpu.rows_unsupported(
+        q_shape=q.shape, q_dtype=q.dtype, k_shape=rv.k.shape, k_dtype=rv.k.dtype, v_shape=rv.v.shape,
+        v_dtype=rv.v.dtype, scales=rv.k_scale is not None or rv.v_scale is not None, paged=rv.paged)
+  if reason:
+    raise ValueError(f"flash_decode: impl='mosaic_gpu': the Hopper {'MLA' if mla else 'rows'} kernel cannot take "
+                     f"this call: {reason}")
+  if mla:
+    return _hopper_mla(q, rv.k, ends, rv.k_scale, softmax_scale=softmax_scale, num_splits=cfg.num_splits,
+                       interpret=interpret)
+  return _hopper_rows(q, rv, ends, softmax_scale=softmax_scale, num_splits=cfg.num_splits, interpret=interpret)
+
+
+def _hopper_refusal(view, num_tokens, *, mods, modifiers) -> str | None:
+  """What of a call neither Hopper kernel takes, whatever its shapes, as a sentence, or None."""
+  if view.layout != "HND":
+    return ("token-major caches (kv_layout='NHD') with more than one kv head are not read; "
+            "pass head-major caches (kv_layout='HND')")
+  if modifiers or not mods.plain:
+    return "score modifiers (mask, bias, alibi, window, soft cap, sinks, indices) are not supported"
+  if num_tokens > 1 and not mods.causal:
+    return f"causal=False with T={num_tokens} new tokens is not supported (the kernels' new tokens are causal)"
+  if view.k_rope is not None:
+    return "k_rope (key-only columns stored apart) is not supported: store them as k's last columns"
+  if view.k_offset is not None or view.v_offset is not None:
+    return "k_offset / v_offset (asymmetric 8-bit) are not supported: the kernels take per-token scales only"
+  return None
 
 
 def _mosaic(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, interpret, **extra):

@@ -24,6 +24,10 @@ How the work is split (all inside one jit-compiled program):
   was sized for the static bound, so a step with 9 real blocks of 73 ran 72 programs). (Where
   `flash_decode` itself falls back to XLA on GPU or TPU, a head dim Triton cannot tile or
   a page size Mosaic cannot DMA, that XLA path reads every block of the bound.)
+  ``impl="mosaic_gpu"`` (opt-in) runs both parts on the Hopper rows kernel, the prefill
+  blocks of a paged step in one call like ``impl="pallas"`` (blocks of length 0 load
+  nothing), its decode part's T = 1 rows padded to a 64-row tile; MLA caches are refused
+  (the MLA kernel takes T = 1 only, so not the prefill blocks).
 
 The fused cache write (``new_k`` / ``new_v``) is one scatter per cache in the caller's
 layout, before the attention, in the same program: under ``jit(...,
@@ -240,7 +244,7 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
 
   if not paged or opts.get("impl") in ("xla", "reference"):
     pre_o, pre_l = looped()
-  elif opts.get("impl") == "pallas":
+  elif opts.get("impl") in ("pallas", "mosaic_gpu"):  # mosaic_gpu: "balance" splits as None
     pre_o, pre_l = batched()
   else:  # impl=None: the XLA path on CPU reads every block's whole table, so it loops
     pre_o, pre_l = lax.platform_dependent(cpu=looped, default=batched)

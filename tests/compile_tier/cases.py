@@ -326,9 +326,9 @@ def _cascade(target):
   return fn, args
 
 
-def _ragged(target, layout, write):
+def _ragged(target, layout, write, **opts):
   """ragged_decode over a paged pool: N packed rows of 16 sequences (decodes beside
-  prefill chunks), the fused write of their keys and values."""
+  prefill chunks), the fused write of their keys and values; ``opts``: ragged_decode's."""
   sd = target.spec
   m, n_rows, hkv, hq, d, ps = 16, 256, HKV, 8, 128, 16
   pages = m * (S // ps) + 3
@@ -336,10 +336,10 @@ def _ragged(target, layout, write):
   args = (sd((n_rows, hq, d), jnp.bfloat16), sd(pool, jnp.bfloat16), sd(pool, jnp.bfloat16), sd((m,), jnp.int32),
           sd((m, S // ps), jnp.int32), sd((m + 1,), jnp.int32), sd((1,), jnp.int32))
   if not write:
-    return (lambda *a: fdecode.ragged_decode(*a, kv_layout=layout)), args
+    return (lambda *a: fdecode.ragged_decode(*a, kv_layout=layout, **opts)), args
   new = sd((n_rows, hkv, d), jnp.bfloat16)
   fn = lambda q, k, v, lens, t, cu, ns, nk, nv: fdecode.ragged_decode(q, k, v, lens, t, cu, ns, kv_layout=layout,
-                                                                       new_k=nk, new_v=nv)
+                                                                       new_k=nk, new_v=nv, **opts)
   return fn, args + (new, new)
 
 
@@ -361,6 +361,8 @@ CASES["ragged-paged16-write"] = functools.partial(_ragged, layout="HND", write=T
 # A 40-token prefill chunk beside a decode at G = 4 (prefill rows 4 * 41, not a power of two).
 CASES["ragged-chunk40-g4"] = fuzz.build("fuzz:kind=ragged,m=2,n=41,g=4,hkv=2,layout=HND,ps=16,write=1")
 CASES["ragged-nhd-paged16"] = functools.partial(_ragged, layout="NHD", write=False)
+# Opt-in: both parts on the Hopper rows kernel (decode part T = 1, prefill blocks T = 64).
+CASES["ragged-paged16-mosaic-gpu"] = functools.partial(_ragged, layout="HND", write=False, impl="mosaic_gpu")
 
 
 def _sharded(target, n_dev, head, seq, pod=None):
@@ -383,7 +385,8 @@ TPU_ONLY = {"sharded-pod-v5e-4x4"}  # a 16-chip, 4-host slice (TPU topology only
 # Mosaic GPU (Hopper: TMA, wgmma, setmaxnreg) cases: sm_90 targets only.
 SM90_ONLY = {"mla-bf16-g128-mosaic-gpu", "mla-int8-g128-mosaic-gpu", "mla-fp8-g128-mosaic-gpu",
              "rows-bf16-t4-g16-mosaic-gpu", "rows-int8-t4-g16-mosaic-gpu", "rows-fp8-t4-g16-d256-mosaic-gpu",
-             "rows-bf16-t4-g16-paged16-mosaic-gpu", "rows-int8-t4-g16-paged32-mosaic-gpu"}
+             "rows-bf16-t4-g16-paged16-mosaic-gpu", "rows-int8-t4-g16-paged32-mosaic-gpu",
+             "ragged-paged16-mosaic-gpu"}
 # Cases whose documented TPU path is XLA, not a kernel: bf16 pages of one token split a
 # 32-bit sublane, which no Mosaic DMA addresses (`fdecode.kernels.mosaic_tpu.plan.dma_unit`);
 # float16 caches, which Mosaic cannot load.

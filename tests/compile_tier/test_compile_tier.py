@@ -316,3 +316,16 @@ def test_rows_lower_to_mosaic_gpu_on_sm90(reports, target, name):
   assert report["mosaic_gpu_kernels"] == ["fdecode_rows_mosaic_gpu"], report["mosaic_gpu_kernels"]
   assert [k["name"].split("__")[0] for k in report["kernels"]] == ["fdecode_combine_triton"], report["kernels"]
   assert report["launches"] <= 3, f"{name} on {target}: {report['launches']} launches"
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS and chips.GPUS[t].capability == (9, 0)])
+def test_ragged_opt_in_runs_the_rows_kernel_on_sm90(reports, target):
+  """``ragged_decode(impl="mosaic_gpu")`` over a paged pool: the decode part and the one
+  batched prefill call both run the Hopper rows kernel (a Mosaic GPU custom call), each
+  followed by its Triton combine; no Triton split kernel anywhere."""
+  report = reports[target]["ragged-paged16-mosaic-gpu"]
+  assert report["ok"], report.get("error")
+  assert report["mosaic_gpu_kernels"] == ["fdecode_rows_mosaic_gpu"], report["mosaic_gpu_kernels"]
+  names = sorted(k["name"].split("__")[0] for k in report["kernels"])
+  assert "fdecode_split_kv_triton" not in names, report["kernels"]
+  assert names == ["fdecode_combine_triton"] * 2, report["kernels"]

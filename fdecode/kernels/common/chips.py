@@ -137,6 +137,17 @@ def _gpu_from_device(kind: str, capability: tuple, sms: int) -> Gpu:
                              sms=sms or base.sms)
 
 
+def lowering_platform() -> str:
+  """The platform the current trace is for, as far as a trace can tell: the device
+  platform of the mesh set with ``jax.set_mesh`` (deviceless compiles), else
+  `jax.default_backend` (``"cpu"``, ``"gpu"``, ``"tpu"``). A kernel that compiles for one
+  platform only (``impl="mosaic_gpu"``) refuses others with it at trace time."""
+  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  device = getattr(mesh_lib.get_abstract_mesh(), "abstract_device", None)
+  platform = getattr(device, "platform", None)
+  return platform if platform else jax.default_backend()
+
+
 def lowering_gpu() -> Gpu:
   """The GPU the current trace lowers for.
 

@@ -14,7 +14,7 @@ from fdecode.cache.tables import check_concrete_page_ids
 from fdecode.kernels import triton as triton_kernels
 from fdecode.kernels.common.quant import per_token_scale
 from fdecode.kernels.mosaic_gpu.rows_kernel import rows_states
-from fdecode.kernels.mosaic_gpu.rows_plan import rows_plan, rows_unsupported
+from fdecode.kernels.mosaic_gpu.rows_plan import RowsPlan, rows_plan, rows_unsupported
 from fdecode.validation import as_array, check_concrete_lengths, static_scale, to_int32
 
 _CALLER = "rows_decode"
@@ -111,18 +111,40 @@ def rows_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=No
   plan = rows_plan(batch=b, kv_heads=hkv, num_tokens=t, group=g, head_dim=d, seq_len=s,
                    softmax_scale=static_scale(softmax_scale, d, _CALLER), cache_dtype=k.dtype,
                    num_splits=num_splits, page_size=page_size)
+  out, lse = rows_run(plan, q4, to_int32(lengths), k, v, k_scale, v_scale, block_tables=block_tables,
+                      interpret=interpret)
+  if single:
+    out, lse = out[:, 0], lse[:, 0]
+  return (out, lse) if return_lse else out
+
+
+def rows_run(plan: RowsPlan, q, ends, k, v, k_scale=None, v_scale=None, *, block_tables=None, interpret=None):
+  """Run ``plan``: q's rows laid out, the Hopper rows kernel, its split states merged by the
+  Triton combine kernel (interpreted where the rows kernel is), which writes each row at
+  its query head's place. `rows_decode` and ``flash_decode(impl="mosaic_gpu")`` both run this.
+
+  Args:
+    plan: `rows_plan` for these shapes.
+    q: bf16 ``[B, T, Hq, D]``.
+    ends: int32 ``[B]`` lengths, in ``[0, S]``.
+    k, v, block_tables: `rows_decode`'s (tables int32).
+    k_scale, v_scale: per-token scales, rank 4 (`rows_decode`'s after
+      ``per_token_scale(..., broadcast=False)``), or None for bf16.
+    interpret: as `rows_decode`'s.
+
+  Returns:
+    ``(out [B, T, Hq, D] in q.dtype, lse float32 [B, T, Hq])``.
+  """
+  b, t, hq, d = q.shape
+  hkv, g = plan.kv_heads, plan.group
   # rows r = t * G + g of kv head h: query head h * G + g of token t
-  q_rows = q4.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
-  o, lse = rows_states(q_rows, to_int32(lengths), k, v, k_scale, v_scale, block_tables=block_tables, plan=plan,
+  q_rows = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
+  o, lse = rows_states(q_rows, ends, k, v, k_scale, v_scale, block_tables=block_tables, plan=plan,
                        interpret=interpret)
-  # [B, Hkv, n_splits, R_p(, D)] -> out [B, T * Hq, D] in q's head order: the Triton
-  # combine (interpreted where the rows kernel is)
+  # [B, Hkv, n_splits, R_p(, D)] -> out [B, T * Hq, D] in q's head order
   cp = triton_kernels.CombinePlan(
       num_splits=plan.num_splits, width=triton_kernels.combine_width(plan.num_splits, d), num_tokens=t, group=g,
       hq=hq, dv=d, out_dtype=q.dtype.name, interpret=interpret is not None and interpret is not False,
       split_major=True)
   out, lse = triton_kernels.combine(cp, o, lse)
-  out, lse = out.reshape(b, t, hq, d), lse.reshape(b, t, hq)
-  if single:
-    out, lse = out[:, 0], lse[:, 0]
-  return (out, lse) if return_lse else out
+  return out.reshape(b, t, hq, d), lse.reshape(b, t, hq)
