@@ -381,12 +381,25 @@ def _sharded(target, n_dev, head, seq, pod=None):
 
 
 CASES["sharded-4dev"] = functools.partial(_sharded, n_dev=4, head=2, seq=2)
+
+
+@case("sharded-mla-mosaic-gpu")
+def _sharded_mla_mosaic_gpu(target):
+  """MLA (bf16, G = 128) over 2 devices' shares of the sequence on sm_90: the default
+  dispatch's Hopper MLA kernel inside ``shard_map(check_vma=True)``, its outputs typed
+  varying over the mesh axis (before, an untyped Mosaic GPU output was refused)."""
+  mesh = target.mesh(2, ("s",))
+  sd = lambda shape, dtype, spec=P(): target.spec(shape, dtype, mesh, spec)
+  q = sd((B, 128, 576), jnp.bfloat16)
+  k = sd((B, 1, S, 576), jnp.bfloat16, P(None, None, "s"))
+  fn = lambda q, k, n: fdecode.sharded_flash_decode(q, k, None, n, mesh=mesh, seq_axis="s", v_head_dim=512)
+  return fn, (q, k, sd((B,), jnp.int32))
 TPU_ONLY = {"sharded-pod-v5e-4x4"}  # a 16-chip, 4-host slice (TPU topology only)
 # Mosaic GPU (Hopper: TMA, wgmma, setmaxnreg) cases: sm_90 targets only.
 SM90_ONLY = {"mla-bf16-g128-mosaic-gpu", "mla-int8-g128-mosaic-gpu", "mla-fp8-g128-mosaic-gpu",
              "rows-bf16-t4-g16-mosaic-gpu", "rows-int8-t4-g16-mosaic-gpu", "rows-fp8-t4-g16-d256-mosaic-gpu",
              "rows-bf16-t4-g16-paged16-mosaic-gpu", "rows-int8-t4-g16-paged32-mosaic-gpu",
-             "ragged-paged16-mosaic-gpu"}
+             "ragged-paged16-mosaic-gpu", "sharded-mla-mosaic-gpu"}
 # Cases whose documented TPU path is XLA, not a kernel: bf16 pages of one token split a
 # 32-bit sublane, which no Mosaic DMA addresses (`fdecode.kernels.mosaic_tpu.plan.dma_unit`);
 # float16 caches, which Mosaic cannot load.

@@ -382,6 +382,16 @@ def out_struct(shape, dtype, *inputs):
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mats[0].update(varying=varying))
 
 
+def vary_like(x, *inputs):
+  """``x`` typed as varying over every mesh axis any of ``inputs`` varies over (inside
+  ``jax.shard_map(..., check_vma=True)``): for a kernel whose outputs come back typed
+  invariant whatever its operands (Mosaic GPU's ``plgpu.kernel`` in jax 0.10), so the
+  ops after it (the Triton combine's `out_struct`) see what truly varies."""
+  varying = frozenset().union(*(jax.typeof(i).manual_axis_type.varying for i in inputs))
+  missing = tuple(sorted(varying - jax.typeof(x).manual_axis_type.varying))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def cost_estimate(*, b: int, hkv: int, rows: int, keys: int, dk: int, dv: int, caches, operands,
                   outputs, sparse: bool = False):
   """What one decode ``pallas_call`` costs, for XLA's scheduler (``pl.CostEstimate``).

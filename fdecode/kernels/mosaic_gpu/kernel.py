@@ -343,6 +343,7 @@ def mla_states(q_rows, ends, k, k_scale=None, *, plan: MlaPlan, interpret=None):
       kernel_name="fdecode_mla_mosaic_gpu",
   )
   o, lse = kernel(ends.astype(jnp.int32), *args)
+  o, lse = (blk.vary_like(x, ends, *args) for x in (o, lse))  # inside shard_map: as the operands vary
   return o, lse
 
 

@@ -272,6 +272,7 @@ def rows_states(q_rows, ends, k, v, k_scale=None, v_scale=None, *, block_tables=
       kernel_name="fdecode_rows_mosaic_gpu",
   )
   o, lse = kernel(*args)
+  o, lse = (blk.vary_like(x, *args) for x in (o, lse))  # inside shard_map: as the operands vary
   return (o.reshape(b, hkv, plan.num_splits, plan.rows_padded, d),
           lse.reshape(b, hkv, plan.num_splits, plan.rows_padded))
 
