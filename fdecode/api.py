@@ -11,7 +11,7 @@ import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
 from fdecode import config as config_lib
-from fdecode.kernels.common import modifiers
+from fdecode.kernels.common import chips, modifiers
 from fdecode.kernels.common import sparse as sparse_lib
 from fdecode.kernels import mosaic_gpu
 from fdecode.cache.layout import CacheView
@@ -103,7 +103,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       are refused, as is any call the kernel does not take: ValueError with the kernel's
       reason (`fdecode.kernels.mosaic_gpu.unsupported` / ``rows_unsupported``).
       ``num_splits="balance"`` picks splits as ``None``; ``block_k`` is not used (64-token
-      blocks).    interpret: with ``impl="pallas"``: ``None`` / ``False`` compile the kernel for the
+      blocks).
+    interpret: with ``impl="pallas"``: ``None`` / ``False`` compile the kernel for the
       lowering platform (Triton on GPU, Mosaic on TPU; CPU has only the interpreter and
       runs the Triton kernel interpreted); ``True`` runs the Triton kernel in Pallas'
       interpreter anywhere; a ``jax.experimental.pallas.tpu.InterpretParams`` runs the
@@ -112,7 +113,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       ``interpret=``. Under ``pltpu.force_tpu_interpret_mode(params)``, ``None`` means
       ``params``. With ``impl="mosaic_gpu"``: ``None`` / ``False`` compile the kernels for
       the sm_90 GPU lowered for (ValueError when the trace is for another platform or
-      GPU); a ``fdecode.kernels.mosaic_gpu.InterpretGPUParams`` runs the same kernels and
+      GPU; a CUDA export from a host without a GPU names its target with ``jax.set_mesh``
+      of a GPU abstract mesh, `fdecode.kernels.common.chips.lowering_platform`); a ``fdecode.kernels.mosaic_gpu.InterpretGPUParams`` runs the same kernels and
       plans (an H100's) under jax's Mosaic GPU interpreter, on CPU.
     return_lse: also return the log-sum-exp of the scores.
     v_head_dim: static int Dv, required with ``v=None`` (``1 <= Dv <= k.shape[-1]``; DeepSeek
@@ -300,7 +302,7 @@ def plan(q, k, v, lengths, *, platform: str | None = None, **kwargs) -> tuple:
     raise ValueError(f"plan: platform must be 'cpu', 'gpu', 'tpu' or None, got {describe(platform)}")
   arrays = {n: x for n, x in kwargs.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
   static = {n: x for n, x in kwargs.items() if n not in arrays}
-  with recording_plans() as log:
+  with recording_plans() as log, chips.tracing_for(platform):
     jax.eval_shape(lambda q, k, v, lengths, arrays: flash_decode(q, k, v, lengths, **arrays, **static),
                    q, k, v, lengths, arrays)
   return tuple(p for where, p in log if where in (None, platform))

@@ -139,6 +139,21 @@ def test_refuses_compiling_off_sm90(monkeypatch):
     fdecode.flash_decode(q, k, v, lengths, impl="mosaic_gpu", interpret=False)
 
 
+def test_plan_for_a_gpu_from_any_host():
+  """`fdecode.plan(platform="gpu", impl="mosaic_gpu")` gives the plan an H100 runs on this
+  CPU host too (the refusal reads the platform asked about, not the host's), and
+  ``platform="cpu"`` is refused as a compile there would be."""
+  q, k, v, _ = _gqa(5, s=64)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  plans = fdecode.plan(q, k, v, lengths, platform="gpu", impl="mosaic_gpu")
+  assert [type(p) for p in plans] == [mosaic_gpu.RowsPlan]
+  with pytest.raises(ValueError, match=r"but this trace lowers for cpu"):
+    fdecode.plan(q, k, v, lengths, platform="cpu", impl="mosaic_gpu")
+  direct = mosaic_gpu.rows_plan(batch=2, kv_heads=1, num_tokens=4, group=16, head_dim=64, seq_len=64,
+                                softmax_scale=0.125, cache_dtype=jnp.bfloat16, num_splits=np.int64(1))
+  assert direct.num_splits == 1 and type(direct.num_splits) is int  # a numpy integer taken as an int
+
+
 def test_interpret_must_match_impl():
   q, k, v, _ = _gqa(5, s=64)
   lengths = jnp.asarray([64, 5], jnp.int32)

@@ -282,7 +282,8 @@ def test_mla_lowers_to_mosaic_gpu_on_sm90(reports, target, name):
   assert any(c.startswith("mosaic_gpu") for c in report["custom_calls"]), report["custom_calls"]
   assert report["mosaic_gpu_kernels"] == ["fdecode_mla_mosaic_gpu"], report["mosaic_gpu_kernels"]
   assert [k["name"] for k in report["kernels"]] == ["fdecode_combine_triton"], report["kernels"]
-  assert report["launches"] <= 2, f"{name} on {target}: {report['launches']} launches"
+  limit = 3 if name == "mla-bf16-g16" else 2  # below 64 heads, q is first padded to wgmma's 64 rows
+  assert report["launches"] <= limit, f"{name} on {target}: {report['launches']} launches"
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS and chips.GPUS[t].capability == (9, 0)])

@@ -13,6 +13,8 @@ with ``jax.set_mesh`` (a deviceless compile), else the local GPU, else an H100.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 import jax
@@ -137,11 +139,29 @@ def _gpu_from_device(kind: str, capability: tuple, sms: int) -> Gpu:
                              sms=sms or base.sms)
 
 
+# The platform `tracing_for` names (`fdecode.plan(platform=)`), else None.
+_TRACING_FOR = contextvars.ContextVar("fdecode_tracing_for", default=None)
+
+
+@contextlib.contextmanager
+def tracing_for(platform: str | None):
+  """Inside, `lowering_platform` is ``platform`` (None: as outside): `fdecode.plan`
+  traces for the platform it is asked about, whatever the host."""
+  token = _TRACING_FOR.set(platform)
+  try:
+    yield
+  finally:
+    _TRACING_FOR.reset(token)
+
+
 def lowering_platform() -> str:
-  """The platform the current trace is for, as far as a trace can tell: the device
-  platform of the mesh set with ``jax.set_mesh`` (deviceless compiles), else
+  """The platform the current trace is for, as far as a trace can tell: the one
+  `tracing_for` names, else the device platform of the mesh set with ``jax.set_mesh``
+  (deviceless compiles; a CUDA export from a host without a GPU sets one), else
   `jax.default_backend` (``"cpu"``, ``"gpu"``, ``"tpu"``). A kernel that compiles for one
   platform only (``impl="mosaic_gpu"``) refuses others with it at trace time."""
+  if _TRACING_FOR.get() is not None:
+    return _TRACING_FOR.get()
   from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   device = getattr(mesh_lib.get_abstract_mesh(), "abstract_device", None)
   platform = getattr(device, "platform", None)

@@ -1,8 +1,9 @@
 """`mla_decode`: the direct entry point of the Hopper MLA kernel. `fdecode.flash_decode`'s
 default dispatch takes its bf16 path on sm_90 (measured on an H200); its 8-bit path
 (int8 / float8_e4m3fn latents with per-token scales) is built, interpreted and lowered but
-not yet measured on a GPU, so it is opt-in: only through `mla_decode` (flash_decode keeps
-the Triton kernel for 8-bit MLA)."""
+not yet measured on a GPU, so it is opt-in: through `mla_decode` or
+``flash_decode(..., impl="mosaic_gpu")`` (the default dispatch keeps the Triton kernel for
+8-bit MLA)."""
 
 from __future__ import annotations
 

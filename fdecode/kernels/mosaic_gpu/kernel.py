@@ -58,8 +58,11 @@ compiler_params=, interpret=, kernel_name=)``, ``plgpu.SMEM`` with Tiling / Swiz
 transforms, ``plgpu.Barrier``, ``copy_gmem_to_smem``, ``barrier_wait`` / ``_arrive``,
 ``wgmma``, ``ACC`` / ``ACC.init`` with ``pl.run_state``, ``set_max_registers``,
 ``commit_smem``, ``layout_cast`` / ``broadcasted_iota`` / ``load`` with
-``Layout.WGMMA(.reduce(1))`` and ``CompilerParams(approx_math, reduction_scratch_bytes)``.
-What differs: 0.11.2 deprecates ``plgpu.transpose_ref`` (``ref.transpose`` is used: the
+``Layout.WGMMA(.reduce(1))`` and ``CompilerParams(approx_math, reduction_scratch_bytes,
+lowering_semantics)``. The lowering semantics is named, not left to the default, which
+differs: 0.10.2 lowers Pallas kernels with ``Lane`` semantics, 0.11.2 with ``Warpgroup``
+(the H200 runs of this kernel used it); this kernel asks for ``Warpgroup`` in both, and
+lowers with it on 0.10.2 too (compile tier). What else differs: 0.11.2 deprecates ``plgpu.transpose_ref`` (``ref.transpose`` is used: the
 same transform in both) and drops ``plgpu.transform_ref`` and ``kernel``'s
 ``out_shape`` / ``scratch_shapes`` aliases; it exports ``InterpretGPUParams`` as
 ``plgpu.InterpretGPUParams`` (0.10.2: only ``jax._src.pallas.mosaic_gpu.interpret.params``,
@@ -337,8 +340,10 @@ def mla_states(q_rows, ends, k, k_scale=None, *, plan: MlaPlan, interpret=None):
       num_threads=3,
       thread_name="wg",
       # Row reductions of wgmma tiles stay inside a warp: no cross-warp reduction scratch
-      # (its default 2 KiB would not fit next to the tiles).
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      # (its default 2 KiB would not fit next to the tiles). Warpgroup lowering semantics,
+      # named: jax 0.11.2's default, the path the H200 measured; 0.10.2 defaults to Lane.
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
       interpret=interpret if interpreted else None,
       kernel_name="fdecode_mla_mosaic_gpu",
   )

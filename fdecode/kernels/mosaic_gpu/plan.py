@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
 import jax.numpy as jnp
 
@@ -171,8 +172,8 @@ def _cache_unsupported(k_dtype, k_scale_shape, default_dispatch: bool) -> str | 
     return (f"needs one k_scale per token (last axis 1, [B, 1, S, 1]), got k_scale.shape={tuple(k_scale_shape)} "
             "(FlashMLA's 1x128 tiles, [..., 4] with k_rope, take the Triton kernel)")
   if default_dispatch:
-    return ("8-bit MLA caches take the Hopper kernel only through fdecode.kernels.mosaic_gpu.mla_decode "
-            "(opt-in: not yet measured on a GPU)")
+    return ("8-bit MLA caches take the Hopper kernel only when asked for: fdecode.kernels.mosaic_gpu.mla_decode "
+            "or flash_decode(..., impl='mosaic_gpu') (opt-in: not yet measured on a GPU)")
   return None
 
 
@@ -224,9 +225,9 @@ def mla_plan(*, batch: int, num_tokens: int, group: int, seq_len: int, softmax_s
   blocks = max(1, -(-seq_len // block_k))
   if num_splits is None:
     num_splits = split_count(gpu, batch * row_blocks, blocks)
-  if not isinstance(num_splits, int) or num_splits < 1:
+  if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1:
     raise ValueError(f"mla_plan: num_splits must be a positive int or None, got {num_splits!r}")
-  num_splits = min(num_splits, blocks)
+  num_splits = min(int(num_splits), blocks)
   plan = MlaPlan(batch=batch, num_tokens=num_tokens, group=group, rows=rows, row_blocks=row_blocks,
                  seq_len=seq_len, cache_rows=max(-(-seq_len // 8) * 8, block_k), block=block_k, stages=stages,
                  num_splits=num_splits, softmax_scale=float(softmax_scale),

@@ -2,7 +2,10 @@
 dispatch: `fdecode.flash_decode` keeps the Triton kernel on GPU until a GPU measures this
 path faster). A call is three launches: q's rows laid out and padded (one XLA fusion), the
 rows kernel, and the Triton combine kernel, which merges the splits and writes each row
-at its query head's place. Paged pools are read in place through the block table (no
+at its query head's place. More where an operand is prepared per call: a contiguous cache
+whose S is not a multiple of 8 or is under 64 is copied padded; an 8-bit pool's scales at
+page size 8 or 16 are gathered through the table, and per-head or per-tensor scales of a
+pool are broadcast to one per token. Paged pools are read in place through the block table (no
 per-call copy of the cache: `fdecode.kernels.mosaic_gpu.rows_paging`)."""
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ def rows_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=No
       concrete ids out of ``[0, P)`` for a live token raise ValueError, traced ones are
       clipped into the pool.
     k_scale, v_scale: for 8-bit caches, float32 per-token scales ``[B, Hkv, S, 1]``,
-      paged ``[Hkv, P, page_size, 1]`` (or broadcastable: ``[1, Hkv, 1, 1]`` per head, a
-      scalar per tensor); the real key is ``k * k_scale`` (`fdecode.kernels.common.quant`).
+      paged ``[Hkv, P, page_size, 1]`` (or broadcastable: per head ``[1, Hkv, 1, 1]``,
+      paged ``[Hkv, 1, 1, 1]``; a scalar per tensor); the real key is ``k * k_scale`` (`fdecode.kernels.common.quant`).
       None for bf16.
     softmax_scale: static float, default ``1 / sqrt(D)``.
     num_splits: None (fill the GPU's SMs) or a positive int.

@@ -49,7 +49,10 @@ one row sees out of the accumulator of a row that does not.
 Interpreted (`jax._src.pallas.mosaic_gpu.interpret`, CPU), the body runs with the
 substitutions of `fdecode.kernels.mosaic_gpu.ops.Ops` (as the MLA kernel); the API subset
 (jax 0.10.2 and 0.11.2) is the MLA kernel's (`fdecode.kernels.mosaic_gpu.kernel`), plus
-``plgpu.load`` with ``Layout.WGMMA.reduce(0)`` (the scales as column vectors).
+``plgpu.load`` with ``Layout.WGMMA.reduce(0)`` (the scales as column vectors). Its
+lowering semantics is ``Lane``, named (the MLA kernel's is ``Warpgroup``): under
+``Warpgroup``, jax 0.11.2's default, 0.10.2's lowering refuses a 2-bit register type in
+one of its loops; whether 0.11.2 lowers and runs it either way is for a GPU run to say.
 """
 
 from __future__ import annotations
@@ -267,7 +270,10 @@ def rows_states(q_rows, ends, k, v, k_scale=None, v_scale=None, *, block_tables=
       grid_names=("rows", "split", "bh"),
       num_threads=2,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+      # Lane lowering semantics, named: 0.10.2's default and the one this kernel lowers
+      # with (under Warpgroup, jax 0.11.2's default, 0.10.2 refuses a 2-bit register type).
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                           lowering_semantics=plgpu.LoweringSemantics.Lane),
       interpret=interpret if interpreted else None,
       kernel_name="fdecode_rows_mosaic_gpu",
   )

@@ -24,6 +24,7 @@ the 227 KiB of an sm_90 block; D = 64 and 128 take a half and a quarter of the t
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax.numpy as jnp
 
@@ -225,8 +226,9 @@ def rows_plan(*, batch: int, kv_heads: int, num_tokens: int, group: int, head_di
   blocks = max(1, -(-seq_len // block_k))
   if num_splits is None:
     num_splits = split_count(gpu, batch * kv_heads * row_blocks, blocks)
-  if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+  if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1:
     raise ValueError(f"rows_plan: num_splits must be a positive int or None, got {num_splits!r}")
+  num_splits = int(num_splits)
   plan = RowsPlan(batch=batch, kv_heads=kv_heads, num_tokens=num_tokens, group=group, head_dim=head_dim,
                   rows=rows, row_blocks=row_blocks, seq_len=seq_len,
                   cache_rows=seq_len if page_size else max(-(-seq_len // 8) * 8, block_k), block=block_k,
