@@ -198,11 +198,10 @@ def _build(mesh, plan, single_token, static_kwargs, array_specs):
                            kwargs=static_kwargs)
   # Compiled kernels type their outputs' varying axes (check_vma=True holds), but Pallas'
   # interpreters allocate unvarying buffers inside the kernel, which the check rejects:
-  # only for an interpreted Pallas kernel (Triton, Mosaic TPU, or the Hopper kernels of
-  # impl="mosaic_gpu") is it off. combine_across's collective is invariant by
-  # construction either way (all_gather_invariant).
+  # only for an interpreted Pallas kernel is it off. combine_across's collective is
+  # invariant by construction either way (all_gather_invariant).
   opts = dict(static_kwargs)
-  interpreted = opts.get("impl") in ("pallas", "mosaic_gpu") and (
+  interpreted = opts.get("impl") == "pallas" and (
       jax.default_backend() == "cpu" or opts.get("interpret") not in (None, False))
   mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=not interpreted)

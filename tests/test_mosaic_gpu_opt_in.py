@@ -64,19 +64,6 @@ def test_gqa_rows_kernel(interpreter, paged, dtype, lengths):
   assert_no_races()
 
 
-def test_sharded_over_kv_heads(interpreter):
-  """`sharded_flash_decode(impl="mosaic_gpu")` under the interpreter: each of 2 devices runs
-  the rows kernel on its kv head (the shard_map's type check is off for an interpreted
-  Hopper kernel, as for an interpreted Pallas one: the interpreter's buffers are unvarying)."""
-  q, k, v, _ = _gqa(2, hkv=2, hq=32)
-  lengths = jnp.asarray([80, 29], jnp.int32)
-  mesh = jax.make_mesh((2,), ("h",))
-  got = fdecode.sharded_flash_decode(q, k, v, lengths, mesh=mesh, head_axis="h", impl="mosaic_gpu",
-                                     interpret=INTERPRET, return_lse=True)
-  _check(got, fdecode.flash_decode(q, k, v, lengths, impl="reference", return_lse=True))
-  assert_no_races()
-
-
 def test_mla_int8(interpreter):
   rng = np.random.default_rng(1)
   q = jnp.asarray(rng.standard_normal((2, 16, 576)), jnp.bfloat16)
