@@ -187,6 +187,18 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     TypeError: an array argument that is neither an array nor a rectangular list of
       numbers.
   """
+  return flash_decode_with_source(**locals())
+
+
+def flash_decode_with_source(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=None,
+                  softmax_scale=None, num_splits=None, block_k=None, impl=None,
+                  interpret=None, return_lse=False, k_offset=None, v_offset=None, kv_offset=None,
+                  causal=True, mask=None, bias=None, alibi_slopes=None, window=None,
+                  logits_soft_cap=None, sinks=None, v_head_dim=None, k_rope=None, indices=None,
+                  kv_layout="HND", source=None):
+  """`flash_decode`, and ``source``: a `fdecode.kernels.triton.RowSource` of which ``q`` and
+  ``block_tables`` are gathers (`fdecode.ragged`), which the Triton kernels read through
+  (the gathers then run only on paths that read them)."""
   (q, k, v, lengths, block_tables, k_scale, v_scale, k_offset, v_offset, kv_offset, mask, bias,
    alibi_slopes, sinks, k_rope, indices) = as_arrays(
        q=q, k=k, v=v, lengths=lengths, block_tables=block_tables, k_scale=k_scale, v_scale=v_scale,
@@ -258,7 +270,7 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
     run = decode.__wrapped__ if recording() else decode  # `plan`: traced anew, not from jit's cache
     out, lse = run(q4, view, ends, lists, mod_arrays, sinks, impl=impl, softmax_scale=scale,
                    cfg=cfg, interpret=interpret, mods=mods, v_head_dim=None if v is not None else dv,
-                   sparse=sparse)
+                   sparse=sparse, source=None if single_token or sparse is not None else source)
     out, lse = out.reshape(b, t, *out.shape[2:]), lse.reshape(b, t, -1)  # undo a sparse fold
   if single_token:
     out, lse = out[:, 0], lse[:, 0]

@@ -94,7 +94,7 @@ def compute_dtype(q_dtype, *cache_dtypes):
 @functools.partial(jax.jit, static_argnames=("impl", "softmax_scale", "cfg", "interpret", "mods",
                                              "v_head_dim", "sparse"))
 def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg, interpret, mods,
-           v_head_dim, sparse):
+           v_head_dim, sparse, source=None):
   """q ``[B, T, Hq, Dk]`` -> (out ``[B, T, Hq, Dv]`` in q.dtype, lse f32 ``[B, T, Hq]``).
 
   ``view``: the cache (`fdecode.cache.layout.CacheView`: arrays as stored, canonical
@@ -107,6 +107,8 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   ``b' // sparse.fold``.
   ``mods`` / ``mod_arrays``: the score modifiers (`fdecode.kernels.common.modifiers.canonicalize`);
   ``sinks`` (f32 ``[Hq]`` or None) join the softmax once, after the merge.
+  ``source``: a `fdecode.kernels.triton.RowSource` of which q (and the view's block tables)
+  are gathers: the Triton kernels read through it, every other path reads q and the view.
   The one dispatch: by the platform being *lowered for* (`jax.lax.platform_dependent`),
   so exporting for TPU or CUDA from a CPU host embeds that platform's kernel.
   """
@@ -162,7 +164,7 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
 
   xla = lambda platform: finish(_xla(q_rows(), view, ends, platform=platform, **kw))
   # The Triton kernels finish the output themselves (split kernel, then combine).
-  triton = lambda interp: _triton(q, view, ends, interpret=interp, compute=cd, sinks=sinks, **kw)
+  triton = lambda interp: _triton(q, view, ends, interpret=interp, compute=cd, sinks=sinks, source=source, **kw)
   mosaic = lambda interp: finish(_mosaic(q_rows(), view, ends, interpret=interp, **kw))
   if impl == "xla":  # explicitly asked for, on whatever host traces it
     return xla(jax.default_backend())
@@ -209,9 +211,10 @@ def _xla(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
 
 
 def _triton(q, view, ends, *, num_tokens, softmax_scale, cfg, interpret, compute, sinks, mods,
-            v_head_dim, sparse=None, mask=None, bias=None, alibi=None, **lists):
+            v_head_dim, sparse=None, mask=None, bias=None, alibi=None, source=None, **lists):
   """The Triton path: its plan (`fdecode.kernels.triton.plan`: sized to the GPU lowered
-  for; interpreted, the same plan), then its kernels. Token-major caches are read in place."""
+  for; interpreted, the same plan), then its kernels. Token-major caches are read in place,
+  and q / table rows through ``source`` (not with index lists)."""
   del num_tokens  # q's shape carries it
   rv = view.read(view.read_layout)
   if not interpret and _hopper_mla_takes(q, rv, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg):
@@ -223,10 +226,12 @@ def _triton(q, view, ends, *, num_tokens, softmax_scale, cfg, interpret, compute
                   has_mask_or_bias=mask is not None or bias is not None, has_sinks=sinks is not None,
                   index_slots=None if sparse is None else indices.shape[-1],
                   sparse_fold=1 if sparse is None else sparse.fold, num_splits=cfg.num_splits,
-                  block_k=cfg.block_k, balance=cfg.balance, interpret=interpret)
+                  block_k=cfg.block_k, balance=cfg.balance, interpret=interpret,
+                  source=source if sparse is None else None)
   _note(p)
   return triton_run(p, q, ends, rv.k, rv.v, softmax_scale=softmax_scale, mask=mask, bias=bias, alibi=alibi,
-                    sinks=sinks, sparse=sparse, **rv.kernel_arrays(), **lists)
+                    sinks=sinks, sparse=sparse, source=source if p.q_source else None, **rv.kernel_arrays(),
+                    **lists)
 
 
 def _hopper_mla_takes(q, view, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg) -> bool:

@@ -111,6 +111,19 @@ def test_window_soft_cap_and_modifiers(dtype):
   assert_close(lse[:live], expected[1], atol=t["lse"], rtol=t["lse"], what="lse")
 
 
+def test_triton_reads_rows_in_place_per_sequence_grid():
+  """The interpreted Triton kernels read each part's q rows and each prefill block's table
+  row through their indices (`fdecode.kernels.triton.RowSource`), not gathers. A per-row
+  bias turns the balanced schedule off, so this runs the per-sequence grid's reads
+  (`test_matches_reference` runs the balanced one); rows before a sequence's own in a
+  block (its first, partial block) read other sequences' rows, which must not reach it."""
+  p = batch(6, [1, 9, 70, 2], [50, 9, 90, 2], max_seqs=5)
+  n = p["q"].shape[0]
+  bias = jnp.asarray(np.random.default_rng(4).standard_normal((n, p["block_tables"].shape[1] * 16)), jnp.float32)
+  out, lse = fdecode.ragged_decode(**p, bias=bias, impl="pallas", interpret=True, return_lse=True)
+  check(p, out, lse, per_sequence(p, per_row=dict(bias=bias)))
+
+
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
 def test_8bit_cache(dtype):
   p = batch(4, [3, 1, 65], [3, 30, 80], max_seqs=3)
@@ -331,13 +344,13 @@ def test_prefill_blocks_in_one_call_on_the_kernels(impl, request, monkeypatch):
   first partial; one of 2 new tokens has a 1-row block; dead slots hold NaN."""
   import fdecode.ragged.decode as ragged_module
   batches = []
-  real = ragged_module.flash_decode
+  real = ragged_module.flash_decode_with_source
 
   def spy(q, *args, **kwargs):
     batches.append(q.shape[:2])
     return real(q, *args, **kwargs)
 
-  monkeypatch.setattr(ragged_module, "flash_decode", spy)
+  monkeypatch.setattr(ragged_module, "flash_decode_with_source", spy)
   p = batch(8, [300, 1, 2, 70], [333, 17, 2, 90], max_seqs=6, pad_rows=5)
   k = np.asarray(p["k"]).copy()  # which pages no table names: NaN there (never read)
   k[:, np.setdiff1d(np.arange(k.shape[1]), p["block_tables"])] = np.nan

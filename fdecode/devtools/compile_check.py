@@ -5,8 +5,9 @@ Needs the chip plugins (``scripts/compile_tier`` installs them in ``.venv-chips`
 ``JAX_PLATFORMS=cpu`` set before JAX starts. Each case is compiled in a worker process:
 a compiler that aborts (LLVM fatal errors do) fails that case, not the run.
 
-A case is a function ``build(target) -> (fn, args)``: ``fn`` is jitted, ``args`` are
-`jax.ShapeDtypeStruct`s made with ``target.spec(shape, dtype)`` (placed on the target's
+A case is a function ``build(target) -> (fn, args)`` or ``(fn, args, donate_argnums)``:
+``fn`` is jitted (donating those arguments, as a serving step donates its caches), ``args``
+are `jax.ShapeDtypeStruct`s made with ``target.spec(shape, dtype)`` (placed on the target's
 mesh). ``target.mesh(n)`` gives an n-device mesh for sharded cases.
 
 What a compile reports (`compile_one`): for CUDA, every fdecode kernel's launch grid,
@@ -200,11 +201,11 @@ def _gpu_kernels(dump_dir: str, arch: str) -> list[dict]:
 def compile_one(target: Target, build) -> dict:
   """Lowers and compiles one case for ``target``; returns its report (raises on rejection)."""
   import jax  # pylint: disable=g-import-not-at-top
-  fn, args = build(target)
+  fn, args, *donate = build(target)
   mesh = args[0].sharding.mesh if hasattr(args[0], "sharding") and args[0].sharding is not None else target.mesh(1)
   start = time.time()
   with tempfile.TemporaryDirectory() as dump, jax.set_mesh(mesh):
-    lowered = jax.jit(fn).lower(*args)
+    lowered = jax.jit(fn, donate_argnums=donate[0] if donate else ()).lower(*args)
     options = {"xla_dump_to": dump} if target.is_gpu else {}
     compiled = lowered.compile(compiler_options=options)
     compiled_text = compiled.as_text()

@@ -29,6 +29,11 @@ How the work is split (all inside one jit-compiled program):
   nothing), its decode part's T = 1 rows padded to a 64-row tile; MLA caches are refused
   (the MLA kernel takes T = 1 only, so not the prefill blocks).
 
+Each part's query rows (and each prefill block's table row) are gathers of the packed q
+(and of the block tables); the Triton kernels read them in place through their indices
+(`fdecode.kernels.triton.RowSource`), so on GPU no gather is launched; every other path
+reads the gathers.
+
 The fused cache write (``new_k`` / ``new_v``) is one scatter per cache in the caller's
 layout, before the attention, in the same program: under ``jit(...,
 donate_argnums=...)`` it updates the donated cache in place. Padding rows write nothing.
@@ -43,10 +48,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fdecode.api import flash_decode
+from fdecode.api import flash_decode_with_source
 from fdecode.cache.layout import CacheView, check_layout
 from fdecode.cache.write import scatter_keeping_sharding
 from fdecode.dispatch import forced_tpu_interpret
+from fdecode.kernels.triton import RowSource
 from fdecode.ragged.checks import CALLER, PER_ROW, check_shapes, check_values
 from fdecode.validation import as_arrays, to_int32
 
@@ -178,7 +184,7 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
 
   # The caches in the caller's layout: flash_decode reads token-major ones in place (`fdecode.cache.layout`).
   caches = dict(k=k, v=v, **{n: arrays.get(n) for n in ("k_rope", "k_scale", "v_scale", "k_offset", "v_offset")})
-  call = functools.partial(flash_decode, return_lse=True, kv_layout=view.layout, **opts)
+  call = functools.partial(flash_decode_with_source, return_lse=True, kv_layout=view.layout, **opts)
   shared = {n: arrays[n] for n in ("alibi_slopes", "sinks") if n in arrays}
   per_row = lambda idx, shape: {n: _rows(arrays[n], idx, shape) for n in PER_ROW if n in arrays}
 
@@ -186,7 +192,7 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   has = q_len > 0
   last = jnp.clip(cu[1:] - 1, 0, n_rows - 1)
   dec_o, dec_l = call(q[last][:, None], caches["k"], caches["v"], jnp.where(has, lens, 0), block_tables=tables,
-                      **_cache_opts(caches), **shared, **per_row(last, (m, 1)))
+                      source=RowSource(q, last), **_cache_opts(caches), **shared, **per_row(last, (m, 1)))
 
   # Prefill part: the other new tokens, in blocks of tb rows of one sequence.
   tb = min(QUERY_BLOCK, n_rows)
@@ -195,15 +201,15 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
 
   def geometry(j):
     """Block(s) ``j`` (int32 scalar or ``[J]``): sequence, rows ``[..., tb]`` (clipped for
-    the gather), kv length, and each row's destination (``n_rows``: dropped, for rows
-    before the sequence's own and for blocks past the real ones)."""
+    the gather), kv length, each row's destination (``n_rows``: dropped, for rows
+    before the sequence's own and for blocks past the real ones) and first row (unclipped)."""
     s = jnp.clip(_searchsorted(ends, j), 0, m - 1).astype(jnp.int32)
     jj = j - (ends[s] - nb[s])
     live = j < ends[-1]
     hi = cu[s + 1] - 1 - jj * tb  # rows [hi - tb, hi); those before cu[s] are not this sequence's
     blk = hi[..., None] - tb + jnp.arange(tb, dtype=jnp.int32)  # made here: not an operand of the cond
     dest = jnp.where(live[..., None] & (blk >= cu[s][..., None]), blk, n_rows)
-    return s, jnp.clip(blk, 0, n_rows - 1), jnp.where(live, lens[s] - 1 - jj * tb, 0), dest
+    return s, jnp.clip(blk, 0, n_rows - 1), jnp.where(live, lens[s] - 1 - jj * tb, 0), dest, hi - tb
 
   def put(out, lse, dest, o, l):
     dest = dest.reshape(-1)
@@ -212,7 +218,7 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
 
   def looped():  # one flash_decode per real block, scattered to its rows: nothing runs for padding or decodes
     def block(j, carry):
-      s, idx, length, dest = geometry(j)
+      s, idx, length, dest, _ = geometry(j)
       seq_cache = _sequence_cache(caches, s, paged)
       o, l = call(q[idx][None], seq_cache["k"], seq_cache["v"], length[None],
                   block_tables=None if not paged else lax.dynamic_slice_in_dim(tables, s, 1, 0),
@@ -230,11 +236,11 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     num_blocks = -(-n_rows // tb) + min(m, n_rows // 2)
 
     def run():
-      s, idx, length, _ = geometry(jnp.arange(num_blocks, dtype=jnp.int32))
+      s, idx, length, _, first = geometry(jnp.arange(num_blocks, dtype=jnp.int32))
       # num_splits "balance": the Triton kernel deals the real blocks' keys over a grid
       # that fills the GPU, whichever blocks are real (`fdecode.kernels.triton`).
       return call(q[idx], caches["k"], caches["v"], length, block_tables=tables[s],
-                  num_splits=opts.get("num_splits") or "balance",
+                  source=RowSource(q, first, tables, s), num_splits=opts.get("num_splits") or "balance",
                   **_cache_opts(caches), **shared, **per_row(idx, idx.shape))
     none = lambda: (jnp.zeros((num_blocks, tb, hq, dv), q.dtype),
                     jnp.full((num_blocks, tb, hq), -jnp.inf, jnp.float32))

@@ -1,6 +1,7 @@
 """Every path fdecode ships, as compile cases for `fdecode.devtools.compile_check`.
 
-A case is ``build(target) -> (fn, args)`` with abstract args on the target's mesh. The
+A case is ``build(target) -> (fn, args)`` with abstract args on the target's mesh (or
+``(fn, args, donate_argnums)``). The
 same cases compile for every chip of the tier (TPU v5e / v6e with libtpu, H100 / A100
 with XLA:GPU + ptxas). Names are stable: test ids and the report use them.
 """
@@ -328,7 +329,8 @@ def _cascade(target):
 
 def _ragged(target, layout, write, **opts):
   """ragged_decode over a paged pool: N packed rows of 16 sequences (decodes beside
-  prefill chunks), the fused write of their keys and values; ``opts``: ragged_decode's."""
+  prefill chunks), the fused write of their keys and values into the pools, donated as
+  the Engine's step donates them (updated in place, no copy); ``opts``: ragged_decode's."""
   sd = target.spec
   m, n_rows, hkv, hq, d, ps = 16, 256, HKV, 8, 128, 16
   pages = m * (S // ps) + 3
@@ -340,7 +342,7 @@ def _ragged(target, layout, write, **opts):
   new = sd((n_rows, hkv, d), jnp.bfloat16)
   fn = lambda q, k, v, lens, t, cu, ns, nk, nv: fdecode.ragged_decode(q, k, v, lens, t, cu, ns, kv_layout=layout,
                                                                        new_k=nk, new_v=nv, **opts)
-  return fn, args + (new, new)
+  return fn, args + (new, new), (1, 2)
 
 
 @case("xla-gather-select")

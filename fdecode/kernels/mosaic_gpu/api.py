@@ -103,9 +103,6 @@ def mla_run(plan: MlaPlan, q, ends, k, k_scale=None, *, interpret=None):
   """
   b, t, g, _ = q.shape
   o, lse = mla_states(q.reshape(b, 1, t * g, DK), ends, k, k_scale, plan=plan, interpret=interpret)
-  cp = triton_kernels.CombinePlan(
-      num_splits=plan.num_splits, width=triton_kernels.combine_width(plan.num_splits, DV), num_tokens=t, group=g,
-      hq=g, dv=DV, out_dtype=q.dtype.name, interpret=interpret is not None and interpret is not False,
-      split_major=True)
-  out, out_lse = triton_kernels.combine(cp, o, lse)
+  out, out_lse = triton_kernels.combine_split_major(o, lse, num_tokens=t, group=g, hq=g, out_dtype=q.dtype,
+                                                    interpret=interpret is not None and interpret is not False)
   return out.reshape(b, t, g, DV), out_lse.reshape(b, t, g)

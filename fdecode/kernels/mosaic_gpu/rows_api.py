@@ -145,9 +145,6 @@ def rows_run(plan: RowsPlan, q, ends, k, v, k_scale=None, v_scale=None, *, block
   o, lse = rows_states(q_rows, ends, k, v, k_scale, v_scale, block_tables=block_tables, plan=plan,
                        interpret=interpret)
   # [B, Hkv, n_splits, R_p(, D)] -> out [B, T * Hq, D] in q's head order
-  cp = triton_kernels.CombinePlan(
-      num_splits=plan.num_splits, width=triton_kernels.combine_width(plan.num_splits, d), num_tokens=t, group=g,
-      hq=hq, dv=d, out_dtype=q.dtype.name, interpret=interpret is not None and interpret is not False,
-      split_major=True)
-  out, lse = triton_kernels.combine(cp, o, lse)
+  out, lse = triton_kernels.combine_split_major(o, lse, num_tokens=t, group=g, hq=hq, out_dtype=q.dtype,
+                                                interpret=interpret is not None and interpret is not False)
   return out.reshape(b, t, hq, d), lse.reshape(b, t, hq)

@@ -8,7 +8,8 @@ warps, splits or the balanced schedule, and whether one kernel finishes the outp
 free reshapes (a contiguous cache shorter than one block is padded). The balanced schedule
 adds no launch: each of its work items (a split-kernel program) derives its sequence and
 split from the whole ``ends [B]``, and each combine program its sequence's run of items
-(`fdecode.kernels.triton.schedule`); the items read q and the block table in place.
+(`fdecode.kernels.triton.schedule`); the items read q and the block table in place
+(a caller's gathers of them too: `fdecode.kernels.triton.plan.RowSource`).
 ``interpret=True`` runs the same plan in Pallas' interpreter.
 """
 
@@ -24,16 +25,16 @@ from jax.experimental.pallas import triton as plgpu
 from fdecode.cache.layout import token_axis
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.block import decode_fp8_bits
-from fdecode.kernels.triton.combine import CombinePlan, combine
+from fdecode.kernels.triton.combine import CombinePlan, combine, combine_split_major
 from fdecode.kernels.triton.kernel import split_kernel
-from fdecode.kernels.triton.plan import (Launch, TritonPlan, block_size, combine_width, launch_plan, make_plan,
-                                         row_tiling, triton_unsupported)
+from fdecode.kernels.triton.plan import (Launch, RowSource, TritonPlan, block_size, combine_width, launch_plan,
+                                         make_plan, row_tiling, triton_unsupported)
 from fdecode.kernels.triton.schedule import Schedule, balanced_schedule, item_work, sequence_items
 from fdecode.kernels.common.sparse import Sparse, pad_slots
 
-__all__ = ["CombinePlan", "Launch", "Schedule", "TritonPlan", "combine", "combine_width", "balanced_schedule",
-           "block_size", "decode_fp8_bits", "item_work", "launch_plan", "make_plan", "row_tiling", "run",
-           "sequence_items", "triton_unsupported"]
+__all__ = ["CombinePlan", "Launch", "RowSource", "Schedule", "TritonPlan", "balanced_schedule", "block_size",
+           "combine", "combine_split_major", "combine_width", "decode_fp8_bits", "item_work", "launch_plan",
+           "make_plan", "row_tiling", "run", "sequence_items", "triton_unsupported"]
 
 
 def _cache_operands(p: TritonPlan, k, v, k_rope, quant_arrays):
@@ -73,26 +74,33 @@ def _quant_spec(p: TritonPlan, x):
 
 
 def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_arrays, mask, bias, alibi, sinks,
-              indices, index_bounds):
+              indices, index_bounds, source):
   """Every operand of the split kernel and its BlockSpec over grid ``(i, h, j)`` (h the kv
   head; the row block is folded in by `run`), in `fdecode.kernels.triton.kernel._take`'s order."""
   operands, specs = [], []
   add = lambda x, spec: (operands.append(x), specs.append(spec))
   whole = lambda x: add(x, pl.BlockSpec(x.shape, lambda i, h, j: (0,) * x.ndim))
-  if p.balanced:  # every item derives its work from all ends; reads q and its sequence's table in place
+  if p.balanced:  # every item derives its work from all ends
     whole(ends.astype(jnp.int32))
-    whole(block_tables.astype(jnp.int32).reshape(-1))
   else:
     add(ends.astype(jnp.int32), pl.BlockSpec((1,), lambda i, h, j: (i,)))
-    if p.paged:
-      add(block_tables.astype(jnp.int32), pl.BlockSpec((None, p.table_len), lambda i, h, j: (i, 0)))
+  if p.table_source:  # a RowSource's tables, read at its table rows
+    whole(source.tables.astype(jnp.int32).reshape(-1))
+    whole(source.table_rows.astype(jnp.int32))
+  elif p.balanced:  # an item reads its sequence's table row in place
+    whole(block_tables.astype(jnp.int32).reshape(-1))
+  elif p.paged:
+    add(block_tables.astype(jnp.int32), pl.BlockSpec((None, p.table_len), lambda i, h, j: (i, 0)))
   if p.sparse:
     idx = pad_slots(indices, p.block, p.seq_len)
     per_head = lambda h: h if idx.shape[1] > 1 else 0
     add(idx, pl.BlockSpec((None, None, idx.shape[2]), lambda i, h, j: (i, per_head(h), 0)))
     add(index_bounds.astype(jnp.int32), pl.BlockSpec((None, None, 2), lambda i, h, j: (i, per_head(h), 0)))
   tq = p.num_tokens * p.hq
-  if p.balanced:
+  if p.q_source:  # the packed rows, read from the RowSource's first rows
+    whole(source.q.reshape(-1, source.q.shape[-1]))
+    whole(source.q_start.astype(jnp.int32))
+  elif p.balanced:
     whole(q.reshape(q.shape[0] * tq, q.shape[-1]))
   else:
     add(q.reshape(q.shape[0], tq, q.shape[-1]), pl.BlockSpec((None, tq, q.shape[-1]), lambda i, h, j: (i, 0, 0)))
@@ -116,17 +124,18 @@ def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_array
 
 def run(p: TritonPlan, q, ends, k, v, *, softmax_scale: float, block_tables=None, k_scale=None, v_scale=None,
         k_offset=None, v_offset=None, mask=None, bias=None, alibi=None, sinks=None, k_rope=None, indices=None,
-        index_bounds=None, sparse: Sparse | None = None):
+        index_bounds=None, sparse: Sparse | None = None, source: RowSource | None = None):
   """Runs plan ``p``: q ``[B, T, Hq, Dq]`` (any float dtype: cast in the kernel), ``ends``
   int32 ``[B]`` (each sequence's end relative to the cache's first token), the caches and
   their canonical scales / modifier arrays (`fdecode.dispatch`) -> ``(out [B, T, Hq, Dv] in
   p.out_dtype, lse f32 [B, T, Hq])``. ``sparse``: a sparse call's fold (q row b' reads
-  cache row ``b' // fold``)."""
+  cache row ``b' // fold``). ``source``: the `RowSource` of a plan made with it (q and
+  block_tables are then its gathers, read only for their shapes)."""
   b, t, hq, _ = q.shape
   operands, specs, caches = _operands(
       p, q, ends, k, v, block_tables=block_tables, k_rope=k_rope,
       quant_arrays=(k_scale, k_offset, v_scale, v_offset), mask=mask, bias=bias, alibi=alibi, sinks=sinks,
-      indices=indices, index_bounds=index_bounds)
+      indices=indices, index_bounds=index_bounds, source=source)
   n = p.items
   hkv = hq // p.group
   rb = p.row_blocks

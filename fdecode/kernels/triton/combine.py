@@ -20,7 +20,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from fdecode.combine import add_sink, merge_by
 from fdecode.kernels.common import block as blk
-from fdecode.kernels.triton.plan import pow2_at_least
+from fdecode.kernels.triton.plan import combine_width, pow2_at_least
 from fdecode.kernels.triton.schedule import Schedule, load_ends, sequence_items
 
 
@@ -127,3 +127,14 @@ def combine(plan: CombinePlan, o, lse, sinks=None, *, ends=None):
       interpret=plan.interpret,
       name="fdecode_combine_triton",
   )(*operands)
+
+
+def combine_split_major(o, lse, *, num_tokens: int, group: int, hq: int, out_dtype, interpret: bool):
+  """Another kernel's split-major partial states (the Hopper kernels': ``o [B, Hkv, n, R_p,
+  Dv]``, or ``[B, n, R_p, Dv]`` for one kv head, float32; lse likewise without Dv) -> the
+  finished ``(out [B, T * Hq, Dv] in out_dtype, lse f32 [B, T * Hq])``, in q's head order,
+  by one combine launch."""
+  n, dv = o.shape[-3], o.shape[-1]
+  plan = CombinePlan(num_splits=n, width=combine_width(n, dv), num_tokens=num_tokens, group=group, hq=hq, dv=dv,
+                     out_dtype=jnp.dtype(out_dtype).name, interpret=bool(interpret), split_major=True)
+  return combine(plan, o, lse)

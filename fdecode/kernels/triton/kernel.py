@@ -12,7 +12,9 @@ Queries are read in place from ``q [B, T * Hq, Dq]`` (row r = t * G + g of kv he
 q row ``t * Hq + h * G + g``), cast to the compute dtype in the kernel; rows past R load a
 real row and see nothing. A balanced work item (axis 0) derives its sequence, split and
 split count from the whole ``ends [B]`` (`fdecode.kernels.triton.schedule.item_work`) and
-reads its sequence's rows of the whole ``q [B * T * Hq, Dq]`` and block table ``[B * n]``. Outputs: with
+reads its sequence's rows of the whole ``q [B * T * Hq, Dq]`` and block table ``[B * n]``
+(read through a `fdecode.kernels.triton.plan.RowSource`, the packed ``q [N * Hq, Dq]`` and
+tables ``[M * n]`` at the rows its indices name). Outputs: with
 one split (``plan.final``) the kernel writes the finished output ``[B, T * Hq, Dv]`` in the
 output dtype and the lse ``[B, T * Hq]`` (sinks applied), its stores masked to the real
 rows; otherwise partial states
@@ -55,9 +57,10 @@ def _take(refs, plan: TritonPlan):
   refs, mods = list(refs), plan.mods
   pop = lambda cond=True: refs.pop(0) if cond else None
   r = types.SimpleNamespace()
-  r.end, r.table = pop(), pop(plan.paged)
+  r.end, r.table, r.table_rows = pop(), pop(plan.paged), pop(plan.table_source)
   r.idx, r.bounds = pop(plan.sparse), pop(plan.sparse)
-  r.q, r.k, r.v, r.rope = pop(), pop(), pop(not plan.v_from_k), pop(bool(plan.r_pieces))
+  r.q, r.q_start = pop(), pop(plan.q_source)
+  r.k, r.v, r.rope = pop(), pop(not plan.v_from_k), pop(bool(plan.r_pieces))
   r.quant = [pop(dims is not None) for dims in plan.quant]
   r.mask, r.bias, r.alibi = pop(bool(mods.mask)), pop(bool(mods.bias)), pop(bool(mods.alibi))
   r.sinks = pop(plan.final and plan.has_sinks)
@@ -67,10 +70,27 @@ def _take(refs, plan: TritonPlan):
                                                      plan.schedule)
   else:
     r.seq, r.split, r.count, r.end_value = None, pl.program_id(2), plan.num_splits, r.end[0]
-  # Balanced: q and the block table are the whole arrays, flattened; the item reads its sequence's rows.
+  # Balanced, or read through a RowSource: q and the block table are whole arrays,
+  # flattened; the program reads its sequence's rows (`q_source_rows`).
+  b = pl.program_id(0) if r.seq is None else r.seq
+  r.batch_index = b
   r.q_base = 0 if r.seq is None else r.seq * (plan.num_tokens * plan.hq)
-  r.table_base = 0 if r.seq is None else r.seq * plan.table_len
+  if plan.table_source:
+    r.table_base = jnp.clip(r.table_rows[b], 0, r.table.shape[0] // plan.table_len - 1) * plan.table_len
+  else:
+    r.table_base = 0 if r.seq is None else r.seq * plan.table_len
   return r
+
+
+def q_source_rows(plan: TritonPlan, r, q_row):
+  """Rows of the q operand holding the call's q rows ``q_row`` (``t * Hq + head``, int32):
+  with a RowSource, row ``(b, t)`` is packed row ``q_start[b] + t`` (clipped into the
+  packed rows) of ``q [N * Hq, Dq]``; else row ``q_base + q_row``."""
+  if not plan.q_source:
+    return r.q_base + q_row
+  t, head = q_row // plan.hq, q_row % plan.hq
+  packed = jnp.clip(r.q_start[r.batch_index] + t, 0, r.q.shape[0] // plan.hq - 1)
+  return packed * plan.hq + head
 
 
 def row_ids(plan: TritonPlan, h, first_row, shape):
@@ -167,7 +187,7 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float):
   first_visible = window_start(end, plan.num_tokens, plan.seq_len, mods)
   valid, head, q_row = row_ids(plan, h, first_row, (rows_p, 1))
   dk_own = plan.k_pieces[-1].offset + plan.k_pieces[-1].width
-  q_src = r.q_base + q_row
+  q_src = q_source_rows(plan, r, q_row)
   q_pieces = ([r.q[q_src, _cols(p.offset, p.width)].astype(dtype) for p in plan.k_pieces]
               + [r.q[q_src, _cols(dk_own + p.offset, p.width)].astype(dtype) for p in plan.r_pieces])
   slopes = None if r.alibi is None else r.alibi[head].astype(jnp.float32)

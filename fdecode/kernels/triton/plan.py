@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
@@ -176,6 +177,24 @@ def triton_unsupported(dk: int, dv: int, k_tiles: int = 1, v_tiles: int = 1, *, 
   return None
 
 
+class RowSource(NamedTuple):
+  """Where a call's query rows and block-table rows are read from, for a caller whose
+  q / block_tables are gathers of larger arrays (`fdecode.ragged`: a serving step's
+  blocks of packed rows, each over its sequence's table row). The Triton kernels read
+  them in place through the indices (no gather launch); every other path reads the
+  gathered arrays the call was given, so the gathers run only there (XLA drops them
+  where no lowered path reads them).
+
+  ``q``: ``[N, Hq, Dq]`` packed rows; ``q_start``: int32 ``[B]``, the call's q row
+  ``(b, t)`` is ``q[clip(q_start[b] + t, 0, N - 1)]``; ``tables``: int32 ``[M, n]`` and
+  ``table_rows``: int32 ``[B]``, the call's table row b is ``tables[table_rows[b]]`` (both
+  None: the call's own block tables, or none; table rows are clipped into ``[0, M)``)."""
+  q: object
+  q_start: object
+  tables: object = None
+  table_rows: object = None
+
+
 @dataclasses.dataclass(frozen=True)
 class TritonPlan:
   """One call of the Triton kernels, decided (`make_plan`). Hashable: a static argument.
@@ -190,7 +209,8 @@ class TritonPlan:
   ``balanced`` work items (``items`` programs on grid axis 0) over the ``batch`` B
   sequences (`schedule`). ``final``: one split, the
   split kernel writes the output itself; otherwise the combine kernel merges
-  ``num_splits`` partial states ``combine_width`` columns a program.
+  ``num_splits`` partial states ``combine_width`` columns a program. ``q_source`` /
+  ``table_source``: q rows / table rows are read through a `RowSource`'s indices.
   """
   gpu: str
   interpret: bool
@@ -226,6 +246,8 @@ class TritonPlan:
   batch: int
   sparse_fold: int = 1
   has_sinks: bool = False
+  q_source: bool = False
+  table_source: bool = False
 
   @property
   def num_rows(self) -> int:
@@ -286,7 +308,8 @@ def _convert_bytes(raw_bytes, compute_bytes, quantized, fp8_bits, gathered):
 def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block_tables=None, k_rope=None,
          k_scale=None, v_scale=None, k_offset=None, v_offset=None, v_head_dim=None, mods=Modifiers(),
          has_mask_or_bias=False, has_sinks=False, index_slots=None, sparse_fold=1, num_splits=None, block_k=None,
-         balance=False, interpret=False, gpu: chips.Gpu | None = None) -> TritonPlan:
+         balance=False, interpret=False, gpu: chips.Gpu | None = None,
+         source: RowSource | None = None) -> TritonPlan:
   """The plan of one call (arguments canonical, `fdecode.dispatch`; arrays or
   `jax.ShapeDtypeStruct` s: only shapes and dtypes are read).
 
@@ -297,7 +320,8 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   interpreted, `fdecode.config.default_num_splits` (see the module doc). ``balance`` with
   ``num_splits`` None on a paged cache with no mask, bias or index list: the balanced schedule.
   ``block_k`` None: `fdecode.config.DEFAULT_BLOCK_K`.
-  ``gpu``: the target (None: `fdecode.kernels.common.chips.lowering_gpu`).
+  ``gpu``: the target (None: `fdecode.kernels.common.chips.lowering_gpu`). ``source``: a
+  `RowSource` the kernels read q (and table rows, if it has them) through; not with index lists.
 
   Raises ValueError, compiled, for shapes `triton_unsupported` names. The interpreter
   runs them with pieces narrower than a dot tile (no compiled plan exists to mirror)."""
@@ -359,7 +383,8 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
       mods=mods, compute_dtype=jnp.dtype(compute_dtype).name, out_dtype=jnp.dtype(out_dtype).name, block=bk,
       warps=launch.warps, stages=launch.stages, num_splits=int(num_splits), balanced=balanced, items=items, batch=b,
       combine_width=combine_width(items if balanced else int(num_splits), dv), sparse_fold=sparse_fold,
-      has_sinks=bool(has_sinks))
+      has_sinks=bool(has_sinks), q_source=source is not None,
+      table_source=source is not None and source.table_rows is not None)
 
 
 def combine_width(num_splits: int, dv: int) -> int:
