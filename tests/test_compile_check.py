@@ -1,7 +1,7 @@
 """`fdecode.devtools.compile_check`'s launch count, on a thunk sequence as XLA:GPU dumps it
 (runs on the CPU tier: no compiler needed)."""
 
-from fdecode.devtools.compile_check import thunk_launches
+from fdecode.devtools.compile_check import gpu_host_waits, thunk_launches
 
 # A ragged step's shape (H100, trimmed): 3 kernels, a conditional whose branches launch 3
 # and 1, then one more kernel.
@@ -39,3 +39,15 @@ def test_nested_conditionals_and_while_loops():
            "002: kCustomKernel [source | sink] after"]
   # the while, its condition (1) and body (the conditional, its longest branch: 2), then one more
   assert thunk_launches(lines) == 1 + 1 + (1 + 2) + 1
+
+
+def test_host_waits_count_conditionals_and_loops(tmp_path):
+  """Each conditional or while loop, nested ones included, is a host wait; kernels and
+  copies are not."""
+  (tmp_path / "module_0001.thunk_sequence.txt").write_text(SEQUENCE)
+  assert gpu_host_waits(str(tmp_path)) == 1
+  (tmp_path / "module_0002.thunk_sequence.txt").write_text(
+      "001: kWhile [source | sink]\n  body:\n    003: kConditional [source | sink]\n"
+      "002: kCustomKernel [source | sink] after\n")
+  assert gpu_host_waits(str(tmp_path)) == 1 + 2
+

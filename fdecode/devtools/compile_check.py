@@ -14,7 +14,8 @@ What a compile reports (`compile_one`): for CUDA, every fdecode kernel's launch 
 threads and shared memory (from XLA's thunk sequence) and its registers and spills
 (``ptxas -v`` on the PTX XLA produced, for the target's architecture), the Mosaic GPU
 kernels it embeds as custom calls (lowered, not yet assembled: that happens on a GPU) and
-the launches of the whole program (every kernel of the thunk sequence); for TPU, success
+the launches of the whole program (every kernel of the thunk sequence) and its host waits
+(conditionals and while loops, which XLA:GPU decides on the host); for TPU, success
 (Mosaic rejects kernels that do not fit VMEM or its tiling) and the launches of the
 optimized HLO's entry computation.
 """
@@ -152,6 +153,14 @@ def thunk_launches(lines: list[str]) -> int:
   return block(0, 0)[0]
 
 
+def gpu_host_waits(dump_dir: str) -> int:
+  """Conditionals and while loops in a GPU dump's thunk sequences: XLA:GPU runs each on
+  the host, copying its predicate from the GPU and waiting for the stream (per
+  evaluation), unless command buffers capture them (not by default)."""
+  return sum(len(re.findall(r"^ *\d+: (?:kConditional|kWhile)\b", open(path).read(), re.M))
+             for path in glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt")))
+
+
 _NOT_LAUNCHES = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
                  "partition-id", "replica-id", "opt-barrier"}
 
@@ -213,6 +222,7 @@ def compile_one(target: Target, build) -> dict:
     if target.is_gpu:
       report["kernels"] = _gpu_kernels(dump, target.gpu.arch)
       report["launches"] = gpu_launches(dump)
+      report["host_waits"] = gpu_host_waits(dump)
     else:
       report["launches"] = entry_launches(compiled_text)
       text = lowered.as_text()

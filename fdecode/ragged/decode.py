@@ -17,8 +17,10 @@ How the work is split (all inside one jit-compiled program):
   and no work scales with ``max_seqs * max(q_len)``. With the Pallas kernels (GPU, TPU,
   ``impl="pallas"``) a paged step's blocks go to *one* `flash_decode` call, a static
   ``ceil(N / QUERY_BLOCK) + min(max_seqs, N // 2)`` of them (one kernel launch): blocks
-  past the real ones have kv length 0, and the kernels read nothing for them; a step
-  with no prefill block skips that call (``lax.cond``). On GPU that call runs the
+  past the real ones have kv length 0, and the kernels read nothing for them; off GPU a
+  step with no prefill block skips that call (``lax.cond``; on GPU XLA would copy the
+  predicate to the host and wait for the stream, so the call runs and finds no block).
+  On GPU that call runs the
   balanced schedule (``num_splits="balance"``): a grid of work items sized to fill the
   GPU deals out the real blocks' keys, however few they are (before, its split count
   was sized for the static bound, so a step with 9 real blocks of 73 ran 72 programs). (Where
@@ -231,8 +233,12 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     # At most ceil(N / tb) + min(M, N // 2) blocks: a block per tb rows, plus one partial
     # block per sequence with 2 or more new tokens. Blocks past the real ones have kv
     # length 0, which the Pallas kernels skip (no KV block is read).
-    # A step of decodes only has no block: the call (its q gather, partials and merge,
-    # for every padding block) is skipped.
+    # A step of decodes only has no block. On GPU the call runs anyway: its work items
+    # and combine programs find no block and load no key, and unused items store no
+    # partial state. A conditional there would cost more: XLA:GPU's runs on the host,
+    # copying its predicate from the GPU and waiting for the stream (ConditionalThunk),
+    # once per call. Elsewhere (TPU: control flow on the chip; CPU, interpreted) a step
+    # with no block skips the call (lax.cond).
     num_blocks = -(-n_rows // tb) + min(m, n_rows // 2)
 
     def run():
@@ -244,7 +250,7 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
                   **_cache_opts(caches), **shared, **per_row(idx, idx.shape))
     none = lambda: (jnp.zeros((num_blocks, tb, hq, dv), q.dtype),
                     jnp.full((num_blocks, tb, hq), -jnp.inf, jnp.float32))
-    o, l = lax.cond(ends[-1] > 0, run, none)
+    o, l = lax.platform_dependent(cuda=run, rocm=run, default=lambda: lax.cond(ends[-1] > 0, run, none))
     j, t = _block_rows(cu, seq, ends - nb, tb, num_blocks)
     return o[j, t], l[j, t]
 

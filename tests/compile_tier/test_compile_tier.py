@@ -179,25 +179,37 @@ def test_gpu_ragged_step_is_two_split_launches(reports, target, name):
   assert waves(chips.GPUS[target], prefill) >= 1, prefill
 
 
-# Launches of one ragged step that has prefill blocks (the conditional's longer branch
-# counted, `compile_check.gpu_launches`), on H100 / A100. ragged-paged16-write (13; its
-# pools donated, as the Engine's step donates them): row positions and the conditional's
-# predicate (3 fusions: cu's running maximum; the sequences' lengths, block counts and the
-# predicate; each row's sequence and position), the fused write (a scatter per cache, in
-# place), the conditional (itself; its prefill branch: the blocks' kv lengths, first rows
-# and sequences in 1 fusion, then the split and segmented combine kernels, which derive the
-# balanced schedule themselves), the decode part (split and combine kernels) and the output
-# (1 fusion). The kernels read each part's q rows and each block's table row through their
-# indices (`fdecode.kernels.triton.RowSource`): no q or table gather is launched.
-# ragged-chunk40-g4 (14) does not donate: a copy before each scatter.
+# Launches of one ragged step (no conditional on GPU: both parts always run), on H100 /
+# A100. ragged-paged16-write (12; its pools donated, as the Engine's step donates them):
+# row positions (cu's running maximum; each row's sequence and position: 2 fusions), the
+# fused write (a scatter per cache, in place: 2), the prefill blocks' geometry (kv
+# lengths, first rows, sequences: 2 fusions) and their split and segmented combine
+# kernels (which derive the balanced schedule themselves), the decode part's lengths (1
+# fusion), split and combine kernels, and the output (1 fusion). The kernels read each
+# part's q rows and each block's table row through their indices
+# (`fdecode.kernels.triton.RowSource`): no q or table gather is launched.
+# ragged-chunk40-g4 does not donate: a copy before each scatter.
 # Before (same compiler, same target config): 34 / 30 / 29, where XLA merged the balanced
 # items, scattered the rows into zeroed outputs and gathered q per item; then 25 / 20-21 /
 # 19-20 with the schedule computed in XLA (6 fusions) and cu's running maximum a
 # reduce-window (row positions 4 fusions, the output 2); then 18 / 14 / 17 with the
-# schedule in the kernels (ragged-paged16-write not donated, 16 donated), and q and table
-# rows gathered (3 fusions).
-RAGGED_LAUNCHES = {"h100": {"ragged-paged16-write": 13, "ragged-nhd-paged16": 11, "ragged-chunk40-g4": 14},
-                   "a100": {"ragged-paged16-write": 13, "ragged-nhd-paged16": 11, "ragged-chunk40-g4": 14}}
+# schedule in the kernels (ragged-paged16-write not donated, 16 donated) and q and table
+# rows gathered (3 fusions); then 13 / 11 / 14 with a conditional around the prefill call
+# (its predicate and itself: 2, and a host wait, `test_gpu_ragged_step_has_no_host_wait`).
+RAGGED_LAUNCHES = {"h100": {"ragged-paged16-write": 12, "ragged-nhd-paged16": 10, "ragged-chunk40-g4": 12},
+                   "a100": {"ragged-paged16-write": 12, "ragged-nhd-paged16": 10, "ragged-chunk40-g4": 12}}
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])
+@pytest.mark.parametrize("name", list(RAGGED_LAUNCHES["h100"]) + ["balance-b37-paged16"])
+def test_gpu_ragged_step_has_no_host_wait(reports, target, name):
+  """No conditional or while loop in the compiled step: XLA:GPU evaluates each on the
+  host (it copies the predicate from the GPU and waits for the stream), which would stall
+  every layer's attention in a serving step. (Before: the prefill call sat in a
+  `lax.cond`, one host wait per call.)"""
+  report = reports[target][name]
+  assert report["ok"], report.get("error")
+  assert report["host_waits"] == 0, f"{name} on {target}: {report['host_waits']} conditionals / loops"
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])

@@ -227,10 +227,17 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float):
   o_pieces, lse = blk.finalize(state)
   if plan.final:
     _store_final(plan, r, o_pieces, lse, valid, head, q_row)
-  else:
+    return
+
+  def store_partial():
     for p, o in zip(plan.v_pieces, o_pieces):
       r.o[:, pl.ds(p.offset, p.width)] = o
     r.lse[...] = lse[:, 0]
+
+  if plan.balanced:  # an unused item (end 0) stores nothing: no sequence's combine reads it
+    pl.when(end > 0)(store_partial)
+  else:
+    store_partial()
 
 
 def _store_final(plan: TritonPlan, r, o_pieces, lse, valid, head, q_row):
