@@ -311,6 +311,19 @@ def test_balanced_schedule_matches_reference(request, impl, dtype, page_size, t,
   assert_close(lse, ref_lse, atol=tl["lse"], rtol=tl["lse"], what="lse")
 
 
+def test_balanced_schedule_with_no_live_block():
+  """Every length 0 (`ragged_decode`'s prefill call in a step of decodes only, which runs
+  on GPU with no conditional around it): no work item is used, none stores a partial
+  state, and every row comes out 0 with lse -inf, whatever the pool and q hold."""
+  q, kp, vp, tables = paged_problem(3, b=5, t=4, hq=8, hkv=2, pages_per_seq=4, page_size=16, dk=32,
+                                    dtype=jnp.float32)
+  kp, vp, q = kp.at[:].set(jnp.nan), vp.at[:].set(jnp.inf), q.at[0].set(jnp.nan)
+  out, lse = fdecode.flash_decode(q, kp, vp, jnp.zeros(5, jnp.int32), block_tables=tables, impl="pallas",
+                                  interpret=True, num_splits="balance", return_lse=True)
+  np.testing.assert_array_equal(np.asarray(out), 0)
+  assert np.isneginf(np.asarray(lse)).all()
+
+
 def test_balanced_schedule_covers_every_block_once():
   """`fdecode.kernels.triton.balanced_schedule`: every live block of every sequence belongs to exactly
   one used item, no item exceeds ceil(blocks / (items - live)) blocks, and the items
