@@ -196,9 +196,9 @@ def flash_decode_with_source(q, k, v, lengths, *, block_tables=None, k_scale=Non
                   causal=True, mask=None, bias=None, alibi_slopes=None, window=None,
                   logits_soft_cap=None, sinks=None, v_head_dim=None, k_rope=None, indices=None,
                   kv_layout="HND", source=None):
-  """`flash_decode`, and ``source``: a `fdecode.kernels.triton.RowSource` of which ``q`` and
-  ``block_tables`` are gathers (`fdecode.ragged`), which the Triton kernels read through
-  (the gathers then run only on paths that read them)."""
+  """`flash_decode`, and ``source``: a `fdecode.kernels.triton.RowSource` of which ``q`` (and
+  ``block_tables``, where the source has table rows) are gathers (`fdecode.ragged`), which the
+  Triton kernels read through (the gathers then run only on paths that read them)."""
   (q, k, v, lengths, block_tables, k_scale, v_scale, k_offset, v_offset, kv_offset, mask, bias,
    alibi_slopes, sinks, k_rope, indices) = as_arrays(
        q=q, k=k, v=v, lengths=lengths, block_tables=block_tables, k_scale=k_scale, v_scale=v_scale,

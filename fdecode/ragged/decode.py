@@ -54,7 +54,7 @@ from fdecode.api import flash_decode_with_source
 from fdecode.cache.layout import CacheView, check_layout
 from fdecode.cache.write import scatter_keeping_sharding
 from fdecode.dispatch import forced_tpu_interpret
-from fdecode.kernels.triton import RowSource
+from fdecode.kernels.triton import RowSource, triton_unsupported
 from fdecode.ragged.checks import CALLER, PER_ROW, check_shapes, check_values
 from fdecode.validation import as_arrays, to_int32
 
@@ -233,9 +233,10 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     # At most ceil(N / tb) + min(M, N // 2) blocks: a block per tb rows, plus one partial
     # block per sequence with 2 or more new tokens. Blocks past the real ones have kv
     # length 0, which the Pallas kernels skip (no KV block is read).
-    # A step of decodes only has no block. On GPU the call runs anyway: its work items
-    # and combine programs find no block and load no key, and unused items store no
-    # partial state. A conditional there would cost more: XLA:GPU's runs on the host,
+    # A step of decodes only has no block. On GPU the call runs anyway where the kernels
+    # skip empty blocks (Triton's tiled shapes, the Hopper rows kernel): the work items and
+    # combine programs find no block and load no key, and unused items store no partial
+    # state. A conditional there would cost more: XLA:GPU's runs on the host,
     # copying its predicate from the GPU and waiting for the stream (ConditionalThunk),
     # once per call. Elsewhere (TPU: control flow on the chip; CPU, interpreted) a step
     # with no block skips the call (lax.cond).
@@ -250,7 +251,10 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
                   **_cache_opts(caches), **shared, **per_row(idx, idx.shape))
     none = lambda: (jnp.zeros((num_blocks, tb, hq, dv), q.dtype),
                     jnp.full((num_blocks, tb, hq), -jnp.inf, jnp.float32))
-    o, l = lax.platform_dependent(cuda=run, rocm=run, default=lambda: lax.cond(ends[-1] > 0, run, none))
+    skip_empty = lambda: lax.cond(ends[-1] > 0, run, none)
+    # The GPU's XLA fallback (head dims the Triton kernel cannot tile) reads every block: it keeps the cond.
+    gpu = run if opts.get("impl") == "mosaic_gpu" or _triton_tiles(k, v, dv, arrays) else skip_empty
+    o, l = lax.platform_dependent(cuda=gpu, rocm=gpu, default=skip_empty)
     j, t = _block_rows(cu, seq, ends - nb, tb, num_blocks)
     return o[j, t], l[j, t]
 
@@ -262,6 +266,15 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     pre_o, pre_l = lax.platform_dependent(cpu=looped, default=batched)
   out, lse = _gather_rows(cu, seq, pos, (dec_o[:, 0], dec_l[:, 0]), (pre_o, pre_l))
   return out, lse, k, v
+
+
+def _triton_tiles(k, v, dv, arrays) -> bool:
+  """Whether the Triton kernel takes these head dims and scale tiles (else the GPU runs the
+  XLA path, which reads every block)."""
+  tiles = lambda name: 1 if name not in arrays else arrays[name].shape[-1]  # a scale's last dim: its tiles
+  rope = arrays.get("k_rope")
+  return triton_unsupported(k.shape[-1], dv, tiles("k_scale"), tiles("v_scale"), v_from_k=v is None,
+                            rope_dim=0 if rope is None else rope.shape[-1]) is None
 
 
 def _block_rows(cu, seq, first_block, tb: int, num_blocks: int):

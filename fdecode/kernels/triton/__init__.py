@@ -129,8 +129,8 @@ def run(p: TritonPlan, q, ends, k, v, *, softmax_scale: float, block_tables=None
   int32 ``[B]`` (each sequence's end relative to the cache's first token), the caches and
   their canonical scales / modifier arrays (`fdecode.dispatch`) -> ``(out [B, T, Hq, Dv] in
   p.out_dtype, lse f32 [B, T, Hq])``. ``sparse``: a sparse call's fold (q row b' reads
-  cache row ``b' // fold``). ``source``: the `RowSource` of a plan made with it (q and
-  block_tables are then its gathers, read only for their shapes)."""
+  cache row ``b' // fold``). ``source``: the `RowSource` of a plan made with it (q is then
+  its gather, read only for its shape; so is block_tables where the source has table rows)."""
   b, t, hq, _ = q.shape
   operands, specs, caches = _operands(
       p, q, ends, k, v, block_tables=block_tables, k_rope=k_rope,

@@ -70,8 +70,9 @@ def _take(refs, plan: TritonPlan):
                                                      plan.schedule)
   else:
     r.seq, r.split, r.count, r.end_value = None, pl.program_id(2), plan.num_splits, r.end[0]
-  # Balanced, or read through a RowSource: q and the block table are whole arrays,
-  # flattened; the program reads its sequence's rows (`q_source_rows`).
+  # Balanced: q and the block table are whole arrays, flattened; through a RowSource q
+  # (and the tables, with table rows) too. The program reads its sequence's rows
+  # (`q_source_rows`, ``table_base``); otherwise its BlockSpecs select them.
   b = pl.program_id(0) if r.seq is None else r.seq
   r.batch_index = b
   r.q_base = 0 if r.seq is None else r.seq * (plan.num_tokens * plan.hq)
