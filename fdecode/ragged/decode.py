@@ -53,8 +53,8 @@ from jax import lax
 from fdecode.api import flash_decode_with_source
 from fdecode.cache.layout import CacheView, check_layout
 from fdecode.cache.write import scatter_keeping_sharding
-from fdecode.dispatch import forced_tpu_interpret
-from fdecode.kernels.triton import RowSource, triton_unsupported
+from fdecode.dispatch import forced_tpu_interpret, triton_supports
+from fdecode.kernels.triton import RowSource
 from fdecode.ragged.checks import CALLER, PER_ROW, check_shapes, check_values
 from fdecode.validation import as_arrays, to_int32
 
@@ -253,7 +253,8 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
                     jnp.full((num_blocks, tb, hq), -jnp.inf, jnp.float32))
     skip_empty = lambda: lax.cond(ends[-1] > 0, run, none)
     # The GPU's XLA fallback (head dims the Triton kernel cannot tile) reads every block: it keeps the cond.
-    gpu = run if opts.get("impl") == "mosaic_gpu" or _triton_tiles(k, v, dv, arrays) else skip_empty
+    takes = triton_supports(view.with_arrays(**{n: arrays.get(n) for n in ("k_scale", "v_scale", "k_rope")}), dv)
+    gpu = run if opts.get("impl") == "mosaic_gpu" or takes else skip_empty
     o, l = lax.platform_dependent(cuda=gpu, rocm=gpu, default=skip_empty)
     j, t = _block_rows(cu, seq, ends - nb, tb, num_blocks)
     return o[j, t], l[j, t]
@@ -266,15 +267,6 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     pre_o, pre_l = lax.platform_dependent(cpu=looped, default=batched)
   out, lse = _gather_rows(cu, seq, pos, (dec_o[:, 0], dec_l[:, 0]), (pre_o, pre_l))
   return out, lse, k, v
-
-
-def _triton_tiles(k, v, dv, arrays) -> bool:
-  """Whether the Triton kernel takes these head dims and scale tiles (else the GPU runs the
-  XLA path, which reads every block)."""
-  tiles = lambda name: 1 if name not in arrays else arrays[name].shape[-1]  # a scale's last dim: its tiles
-  rope = arrays.get("k_rope")
-  return triton_unsupported(k.shape[-1], dv, tiles("k_scale"), tiles("v_scale"), v_from_k=v is None,
-                            rope_dim=0 if rope is None else rope.shape[-1]) is None
 
 
 def _block_rows(cu, seq, first_block, tb: int, num_blocks: int):
