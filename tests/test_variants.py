@@ -112,6 +112,28 @@ def test_alibi_gqa(impl, g):
   _check(out, lse, q, k, v, lengths, jnp.float32, **mods)
 
 
+# Per-query-head masks and biases over head geometries where the row of a query head is not
+# its kv head's: MHA (G = 1, one row per kv head), MQA (one kv head), T x G = 80 rows in two
+# row blocks of the Triton kernel (D = 256), and forms broadcast over B or T. The Triton kernel
+# reads the caller's [B|1, T|1, Hq, S] in place and gathers each row's (t, query head).
+@pytest.mark.parametrize("t,hq,hkv,d,form", [(3, 4, 4, 32, "B,T"), (2, 6, 1, 32, "B,1"), (5, 16, 1, 256, "1,T"),
+                                             (3, 14, 2, 32, "B,T")])
+def test_per_head_mask_and_bias_every_head_geometry(impl, t, hq, hkv, d, form):
+  s = 37
+  q, k, v = make_problem(11, b=3, t=t, hq=hq, hkv=hkv, s=s, dk=d)
+  lengths = jnp.array([s, 16, 1])
+  r = np.random.default_rng(11)
+  lead = {"B,T": (3, t), "B,1": (3, 1), "1,T": (1, t)}[form]
+  mods = dict(mask=jnp.asarray(r.random(lead + (hq, s)) > 0.3),
+              bias=jnp.asarray(r.normal(size=lead + (hq, s)), jnp.float32))
+  out, lse = fdecode.flash_decode(q, k, v, lengths, impl=impl, block_k=16, num_splits=2, return_lse=True, **mods)
+  _check(out, lse, q, k, v, lengths, jnp.float32, **mods)
+  # A query head reading another head's (or token's) row would mostly see other keys.
+  swapped = dict(mods, mask=jnp.roll(mods["mask"], 1, axis=-2))
+  assert not np.allclose(reference_decode(q, k, v, lengths, **swapped)[0], reference_decode(q, k, v, lengths, **mods)[0],
+                         atol=1e-2)
+
+
 def test_mask_paged_int8(impl):
   """A per-token mask over a paged int8 cache with stale table entries (page size 8)."""
   ps, pages = 8, 6

@@ -251,13 +251,14 @@ def test_tpu_cost_estimate_counts_the_kv_bytes(reports, target, name):
 # kernel, and nothing else on GPU (no q pad, no merge fusions: 4-7 launches before). On TPU
 # the merge of a single split is the kernel's own state; what remains around the Mosaic
 # kernel is the query's padding to its sublane tile and the output's slice and cast.
-# (Not listed: a mask per token and query head, [B, T, Hq, S], is transposed once into
-# the canonical [B, Hkv, T, G, S] before the kernels: 3 launches on GPU.)
+# A mask per token and query head ([B, T, Hq, S]) is read in place by the Triton kernel
+# (before: transposed into the canonical [B, Hkv, T, G, S] first, 3 launches).
 GPU_TWO_LAUNCHES = list(BENCH) + [
     "contiguous-bfloat16-d128", "contiguous-float32-d128", "paged16-bf16-d128", "paged1-f32-d128",
     "nhd-bf16-d128", "int8-token-offsets", "float8_e4m3fn-token", "t8-bf16-d128-g8", "mla-bf16-g16",
     "mla-bf16-g128", "mla-fp8-g16-paged16", "rows-t5-g7-hkv2", "rows-t1-g48-hkv1", "balance-b37-paged16",
-    *[f"modifier-{m}" for m in ("bias", "alibi", "window", "soft_cap", "sinks", "non_causal")]]
+    *[f"modifier-{m}" for m in ("mask", "bias", "alibi", "window", "soft_cap", "sinks", "non_causal")],
+    "modifier-mask-paged16", "nhd-modifier-mask-paged16", "modifier-mask-s100"]
 # bf16 MLA at G >= 16 (T = 1, contiguous) runs on the Hopper kernel on sm_90 (dispatch).
 HOPPER_MLA = {"mla-bf16-g16", "mla-bf16-g128"}
 TPU_LAUNCHES = {n: 4 for n in list(BENCH) + ["paged16-bf16-d128", "nhd-bf16-d128", "int8-token-offsets",

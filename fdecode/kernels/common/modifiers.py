@@ -27,7 +27,9 @@ unless the caller gave that form):
 * mask / bias: ``[Bm, Hm, Tm, Gm, S]`` with ``Bm in {1, B}``, ``Tm in {1, T}`` and
   ``(Hm, Gm)`` either ``(1, 1)`` (one row shared by the heads) or ``(Hkv, G)`` (per query
   head). A ``[B, S]`` or ``[B, T, S]`` mask is a free reshape; a per-head one is
-  transposed once (its own size).
+  transposed once (its own size) for the XLA and Mosaic paths, while the Triton kernel
+  undoes that transpose (`user_form`, which XLA folds away) and reads the caller's array
+  in place.
 * alibi slopes: float32 ``[Hkv, G]``.
 """
 

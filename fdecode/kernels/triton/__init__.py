@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 from fdecode.cache.layout import token_axis
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.block import decode_fp8_bits
+from fdecode.kernels.common.modifiers import user_form
 from fdecode.kernels.triton.combine import CombinePlan, combine, combine_split_major
 from fdecode.kernels.triton.kernel import split_kernel
 from fdecode.kernels.triton.plan import (Launch, RowSource, TritonPlan, block_size, combine_width, launch_plan,
@@ -111,11 +112,15 @@ def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_array
   for a in quant_arrays:
     if a is not None:
       add(*_quant_spec(p, a))
-  for x in (mask, bias):  # [Bm, Hm, Tm * Gm, S] in place (a bool mask is read as it is)
+  for x in (mask, bias):  # read in place (a bool mask as it is)
     if x is not None:
       bm, hm, tm, gm, s = x.shape
-      add(x.reshape(bm, hm, tm * gm, s), pl.BlockSpec((None, None, tm * gm, s), lambda i, h, j, bm=bm, hm=hm: (
-          i if bm > 1 else 0, h if hm > 1 else 0, 0, 0)))
+      if hm * gm > 1:  # per query head: the caller's [Bm, Tm, Hq, S] (the canonical form's transpose undone,
+        # which XLA folds away), its rows gathered by the program (`kernel.mod_rows`)
+        add(user_form(x).reshape(bm, tm * p.hq, s), pl.BlockSpec((None, tm * p.hq, s), lambda i, h, j, bm=bm: (
+            i if bm > 1 else 0, 0, 0)))
+      else:  # one row per token, shared by the heads: [Bm, Tm, S]
+        add(x.reshape(bm, tm, s), pl.BlockSpec((None, tm, s), lambda i, h, j, bm=bm: (i if bm > 1 else 0, 0, 0)))
   for x in (alibi, sinks if p.final else None):  # per query head, f32 [Hq]
     if x is not None:
       add(x.reshape(p.hq), pl.BlockSpec((p.hq,), lambda i, h, j: (0,)))

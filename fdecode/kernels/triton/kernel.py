@@ -105,6 +105,17 @@ def row_ids(plan: TritonPlan, h, first_row, shape):
   return valid, jnp.where(valid, head, h * plan.group), q_row
 
 
+def mod_rows(plan: TritonPlan, tm: int, per_head: bool, h, first_row):
+  """int32 ``[R_p, 1]``: the row of a mask / bias operand (`fdecode.kernels.triton._operands`:
+  ``[Tm, S]`` shared by the heads, or ``per_head`` the caller's ``[Tm * Hq, S]``) that each of
+  the program's rows r = t * G + g of kv head ``h`` reads: ``t`` (0 when Tm = 1), times Hq
+  plus its query head ``h * G + g`` when per head. A padding row (r >= R) reads a real row
+  and is never stored."""
+  r = first_row + lax.broadcasted_iota(jnp.int32, (plan.block_r, 1), 0)
+  t = jnp.minimum(r // plan.group, plan.num_tokens - 1) if tm > 1 else jnp.zeros_like(r)
+  return t * plan.hq + h * plan.group + r % plan.group if per_head else t
+
+
 def _cols(offset: int, width: int):
   return offset + lax.broadcasted_iota(jnp.int32, (1, width), 1)
 
@@ -198,12 +209,13 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float):
     first, last = blk.split_range(end, r.split, r.count, plan.num_tokens, plan.seq_len, bk, mods)
 
   def by_rows(ref, form, load_start):
-    """A mask / bias block for the rows: ``[R_p | 1, bk]``, gathered by row; columns past
-    the array (a tail block's positions past S, never visible) read its last column."""
+    """A mask / bias block for the rows: ``[R_p | 1, bk]``, gathered by row (`mod_rows`);
+    columns past the array (a tail block's positions past S, never visible) read its last
+    column."""
     cols = jnp.minimum(load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1), ref.shape[-1] - 1)
     if form == (1, 1):
       return ref[jnp.zeros((1, 1), jnp.int32), cols]
-    return ref[blk.row_source(rows_p, plan.group, plan.num_tokens, form, (rows_p, 1), first_row), cols]
+    return ref[mod_rows(plan, form[0], ref.shape[0] == form[0] * plan.hq, h, first_row), cols]
 
   guard = blk.rows_may_differ(plan.num_tokens, mods)
 
