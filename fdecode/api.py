@@ -190,6 +190,16 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
   return flash_decode_with_source(**locals())
 
 
+def _canonical_caches(view: CacheView) -> CacheView:
+  """A view's scales and offsets in their canonical rank-4 form (`validate_quant`), k_rope
+  an array: as `flash_decode_with_source` makes its own view's."""
+  k, v, _ = view.head_major_shapes()
+  k_scale, k_offset = validate_quant("k", k, view.k_scale, view.k_offset)
+  v_scale, v_offset = (None, None) if v is None else validate_quant("v", v, view.v_scale, view.v_offset)
+  return view.with_arrays(k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset,
+                          k_rope=None if view.k_rope is None else jnp.asarray(view.k_rope))
+
+
 def flash_decode_with_source(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=None,
                   softmax_scale=None, num_splits=None, block_k=None, impl=None,
                   interpret=None, return_lse=False, k_offset=None, v_offset=None, kv_offset=None,
@@ -197,7 +207,8 @@ def flash_decode_with_source(q, k, v, lengths, *, block_tables=None, k_scale=Non
                   logits_soft_cap=None, sinks=None, v_head_dim=None, k_rope=None, indices=None,
                   kv_layout="HND", source=None):
   """`flash_decode`, and ``source``: a `fdecode.kernels.triton.RowSource` of which ``q`` (and
-  ``block_tables``, where the source has table rows) are gathers (`fdecode.ragged`), which the
+  ``block_tables``, where the source has table rows, or the contiguous caches and their
+  per-sequence scales, where it has cache rows) are gathers (`fdecode.ragged`), which the
   Triton kernels read through (the gathers then run only on paths that read them)."""
   (q, k, v, lengths, block_tables, k_scale, v_scale, k_offset, v_offset, kv_offset, mask, bias,
    alibi_slopes, sinks, k_rope, indices) = as_arrays(
@@ -254,6 +265,8 @@ def flash_decode_with_source(q, k, v, lengths, *, block_tables=None, k_scale=Non
   view = view.with_arrays(block_tables=None if block_tables is None else to_int32(block_tables),
                           k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset,
                           k_rope=None if view.k_rope is None else jnp.asarray(view.k_rope))
+  if source is not None and source.caches is not None:  # the whole contiguous caches, canonical alike
+    source = source._replace(caches=_canonical_caches(source.caches))
   # The kernels take each sequence's end relative to the cache's first token.
   ends = to_int32(lengths)
   if kv_offset is not None:

@@ -107,8 +107,9 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   ``b' // sparse.fold``.
   ``mods`` / ``mod_arrays``: the score modifiers (`fdecode.kernels.common.modifiers.canonicalize`);
   ``sinks`` (f32 ``[Hq]`` or None) join the softmax once, after the merge.
-  ``source``: a `fdecode.kernels.triton.RowSource` of which q (and the view's block tables)
-  are gathers: the Triton kernels read through it, every other path reads q and the view.
+  ``source``: a `fdecode.kernels.triton.RowSource` of which q (and the view's block tables,
+  or a contiguous view's caches) are gathers: the Triton kernels read through it, every
+  other path reads q and the view.
   The one dispatch: by the platform being *lowered for* (`jax.lax.platform_dependent`),
   so exporting for TPU or CUDA from a CPU host embeds that platform's kernel.
   """
@@ -229,6 +230,8 @@ def _triton(q, view, ends, *, num_tokens, softmax_scale, cfg, interpret, compute
                   block_k=cfg.block_k, balance=cfg.balance, interpret=interpret,
                   source=source if sparse is None else None)
   _note(p)
+  if p.cache_source:  # the whole contiguous caches the call's are gathers of, read at the source's rows
+    rv = source.caches.read(rv.layout)
   return triton_run(p, q, ends, rv.k, rv.v, softmax_scale=softmax_scale, mask=mask, bias=bias, alibi=alibi,
                     sinks=sinks, sparse=sparse, source=source if p.q_source else None, **rv.kernel_arrays(),
                     **lists)

@@ -11,7 +11,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 
 import fdecode
 from fdecode.cache import write_paged
-from fdecode.kernels.common.quant import quantize
+from fdecode.kernels.common.quant import dequantize, quantize
 from conftest import assert_close, assert_reordered, impl_param, interpreted_once, max_abs, tol
 
 
@@ -122,6 +122,45 @@ def test_triton_reads_rows_in_place_per_sequence_grid():
   bias = jnp.asarray(np.random.default_rng(4).standard_normal((n, p["block_tables"].shape[1] * 16)), jnp.float32)
   out, lse = fdecode.ragged_decode(**p, bias=bias, impl="pallas", interpret=True, return_lse=True)
   check(p, out, lse, per_sequence(p, per_row=dict(bias=bias)))
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("case", ["balanced", "per-sequence-grid", "int8-per-token"])
+def test_triton_reads_contiguous_cache_rows_in_place(layout, case, monkeypatch):
+  """A contiguous cache's prefill blocks go to one call of the interpreted Triton kernels,
+  each block reading its sequence's cache row (and per-token scales) through the
+  RowSource's cache rows, not a loop over the blocks: on the balanced schedule, and on the
+  per-sequence grid (a per-row bias turns the schedule off). Other sequences' rows hold
+  NaN past their lengths and in the rows no sequence owns, which no block may reach."""
+  import fdecode.ragged.decode as ragged_module
+  calls = []
+  real = ragged_module.flash_decode_with_source
+
+  def spy(q, *args, source=None, **kwargs):
+    calls.append((q.shape[:2], source is not None and source.cache_rows is not None))
+    return real(q, *args, source=source, **kwargs)
+
+  monkeypatch.setattr(ragged_module, "flash_decode_with_source", spy)
+  p = batch(9, [1, 9, 70, 2, 65], [50, 9, 90, 2, 70], max_seqs=7, paged=False, layout=layout)
+  ax = 2 if layout == "HND" else 1
+  k = np.asarray(p["k"]).copy()
+  for i, n in enumerate(p["kv_lens"]):  # dead slots of every row, and rows 5, 6 (no sequence): NaN
+    k[(i,) + (slice(None),) * (ax - 1) + (slice(int(n), None),)] = np.nan
+  p = dict(p, k=jnp.asarray(k))
+  opts = {}
+  if case == "per-sequence-grid":
+    n_rows, s = p["q"].shape[0], k.shape[ax]
+    opts["bias"] = jnp.asarray(np.random.default_rng(5).standard_normal((n_rows, s)), jnp.float32)
+  if case == "int8-per-token":
+    kq, ks = quantize(p["k"], jnp.int8)
+    vq, vs = quantize(p["v"], jnp.int8)
+    p = dict(p, k=kq, v=vq)
+    opts.update(k_scale=ks, v_scale=vs)
+  out, lse = fdecode.ragged_decode(**p, kv_layout=layout, impl="pallas", interpret=True, return_lse=True, **opts)
+  real = dict(p, k=dequantize(p["k"], opts["k_scale"]), v=dequantize(p["v"], opts["v_scale"])) if "k_scale" in opts else p
+  check(p, out, lse, per_sequence(real, layout, per_row={n: opts[n] for n in ("bias",) if n in opts}))
+  prefill = [c for c in calls if c[0][1] == 64]  # (traced twice: on GPU, and under the CPU's skip-empty cond)
+  assert prefill and all(source and shape[0] > 1 for shape, source in prefill), calls
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])

@@ -11,11 +11,13 @@ How the work is split (all inside one jit-compiled program):
 * **Prefill part.** The other new tokens, in query blocks of up to ``QUERY_BLOCK`` rows
   of one sequence (aligned to the sequence's last token), each a ``T = QUERY_BLOCK``
   `flash_decode` call over that sequence's cache (its block-table row when paged, its
-  cache row when contiguous). On the XLA path (and for contiguous caches) a
-  ``lax.while_loop`` runs only the real blocks, ``sum_i ceil((q_len_i - 1) / QUERY_BLOCK)``:
-  padding rows and dead sequences cost nothing, a step with no prefill runs no block,
-  and no work scales with ``max_seqs * max(q_len)``. With the Pallas kernels (GPU, TPU,
-  ``impl="pallas"``) a paged step's blocks go to *one* `flash_decode` call, a static
+  cache row when contiguous). On the XLA path (and for contiguous caches off the Triton
+  kernels) a ``lax.while_loop`` runs only the real blocks, ``sum_i ceil((q_len_i - 1) /
+  QUERY_BLOCK)``: padding rows and dead sequences cost nothing, a step with no prefill runs
+  no block, and no work scales with ``max_seqs * max(q_len)``. With the Pallas kernels
+  (GPU, TPU, ``impl="pallas"``) a paged step's blocks go to *one* `flash_decode` call, and
+  so do a contiguous step's on the Triton kernels (GPU, or interpreted), each block
+  reading its sequence's cache row in place (a `RowSource`'s cache rows), a static
   ``ceil(N / QUERY_BLOCK) + min(max_seqs, N // 2)`` of them (one kernel launch): blocks
   past the real ones have kv length 0, and the kernels read nothing for them; off GPU a
   step with no prefill block skips that call (``lax.cond``; on GPU XLA would copy the
@@ -31,8 +33,9 @@ How the work is split (all inside one jit-compiled program):
   nothing), its decode part's T = 1 rows padded to a 64-row tile; MLA caches are refused
   (the MLA kernel takes T = 1 only, so not the prefill blocks).
 
-Each part's query rows (and each prefill block's table row) are gathers of the packed q
-(and of the block tables); the Triton kernels read them in place through their indices
+Each part's query rows (and each prefill block's table row, or contiguous cache row) are
+gathers of the packed q (and of the block tables, or the caches); the Triton kernels read
+them in place through their indices
 (`fdecode.kernels.triton.RowSource`), so on GPU no gather is launched; every other path
 reads the gathers.
 
@@ -49,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.pallas import tpu as pltpu
 
 from fdecode.api import flash_decode_with_source
 from fdecode.cache.layout import CacheView, check_layout
@@ -229,10 +233,16 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     empty = (jnp.zeros((n_rows, hq, dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32))
     return lax.fori_loop(0, ends[-1], block, empty)
 
-  def batched():  # every block in one flash_decode call (one kernel launch), paged caches
+  # Whether the GPU's Triton kernels take these head dims (else its flash_decode runs XLA).
+  triton_tiles = triton_supports(view.with_arrays(**{n: arrays.get(n) for n in ("k_scale", "v_scale", "k_rope")}), dv)
+
+  def batched():  # every block in one flash_decode call (one kernel launch)
     # At most ceil(N / tb) + min(M, N // 2) blocks: a block per tb rows, plus one partial
     # block per sequence with 2 or more new tokens. Blocks past the real ones have kv
-    # length 0, which the Pallas kernels skip (no KV block is read).
+    # length 0, which the Pallas kernels skip (no KV block is read). A contiguous cache
+    # runs here only where the Triton kernels read it (`contiguous_batched`): each block's
+    # cache row through the RowSource; the per-block gathers of the call's own arguments
+    # are then dropped by XLA.
     # A step of decodes only has no block. On GPU the call runs anyway where the kernels
     # skip empty blocks (Triton's tiled shapes, the Hopper rows kernel): the work items and
     # combine programs find no block and load no key, and unused items store no partial
@@ -246,22 +256,41 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
       s, idx, length, _, first = geometry(jnp.arange(num_blocks, dtype=jnp.int32))
       # num_splits "balance": the Triton kernel deals the real blocks' keys over a grid
       # that fills the GPU, whichever blocks are real (`fdecode.kernels.triton`).
-      return call(q[idx], caches["k"], caches["v"], length, block_tables=tables[s],
-                  source=RowSource(q, first, tables, s), num_splits=opts.get("num_splits") or "balance",
-                  **_cache_opts(caches), **shared, **per_row(idx, idx.shape))
+      if paged:
+        block_caches, source = caches, RowSource(q, first, tables, s)
+      else:
+        block_caches = {n: x if x is None or np.ndim(x) < 4 or x.shape[0] == 1 else x[s] for n, x in caches.items()}
+        source = RowSource(q, first, caches=CacheView.of(
+            caches["k"], caches["v"], kv_layout=view.layout, caller=CALLER, **_cache_opts(caches)), cache_rows=s)
+      return call(q[idx], block_caches["k"], block_caches["v"], length,
+                  block_tables=tables[s] if paged else None, source=source,
+                  num_splits=opts.get("num_splits") or "balance", **_cache_opts(block_caches), **shared,
+                  **per_row(idx, idx.shape))
     none = lambda: (jnp.zeros((num_blocks, tb, hq, dv), q.dtype),
                     jnp.full((num_blocks, tb, hq), -jnp.inf, jnp.float32))
     skip_empty = lambda: lax.cond(ends[-1] > 0, run, none)
     # The GPU's XLA fallback (head dims the Triton kernel cannot tile) reads every block: it keeps the cond.
-    takes = triton_supports(view.with_arrays(**{n: arrays.get(n) for n in ("k_scale", "v_scale", "k_rope")}), dv)
-    gpu = run if opts.get("impl") == "mosaic_gpu" or takes else skip_empty
+    gpu = run if opts.get("impl") == "mosaic_gpu" or triton_tiles else skip_empty
     o, l = lax.platform_dependent(cuda=gpu, rocm=gpu, default=skip_empty)
     j, t = _block_rows(cu, seq, ends - nb, tb, num_blocks)
     return o[j, t], l[j, t]
 
-  if not paged or opts.get("impl") in ("xla", "reference"):
+  impl = opts.get("impl")
+  if n_rows < 2:  # no sequence has a row before its last: no prefill block
+    pre_o, pre_l = jnp.zeros((n_rows, hq, dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32)
+  elif not paged:  # batched only where the Triton kernels read each block's cache row in place
+    interp = opts.get("interpret")
+    triton_interpreted = impl == "pallas" and bool(interp) and not isinstance(interp, pltpu.InterpretParams)
+    in_place = "indices" not in arrays  # a sparse call reads the call's own (gathered) caches: it loops
+    if in_place and triton_interpreted:
+      pre_o, pre_l = batched()
+    elif in_place and impl in (None, "pallas") and triton_tiles:
+      pre_o, pre_l = lax.platform_dependent(cuda=batched, rocm=batched, default=looped)
+    else:
+      pre_o, pre_l = looped()
+  elif impl in ("xla", "reference"):
     pre_o, pre_l = looped()
-  elif opts.get("impl") in ("pallas", "mosaic_gpu"):  # mosaic_gpu: "balance" splits as None
+  elif impl in ("pallas", "mosaic_gpu"):  # mosaic_gpu: "balance" splits as None
     pre_o, pre_l = batched()
   else:  # impl=None: the XLA path on CPU reads every block's whole table, so it loops
     pre_o, pre_l = lax.platform_dependent(cpu=looped, default=batched)

@@ -327,16 +327,19 @@ def _cascade(target):
   return fn, args
 
 
-def _ragged(target, layout, write, **opts):
-  """ragged_decode over a paged pool: N packed rows of 16 sequences (decodes beside
-  prefill chunks), the fused write of their keys and values into the pools, donated as
-  the Engine's step donates them (updated in place, no copy); ``opts``: ragged_decode's."""
+def _ragged(target, layout, write, paged=True, **opts):
+  """ragged_decode over a paged pool (or ``paged=False`` a contiguous cache of 16 rows): N
+  packed rows of 16 sequences (decodes beside prefill chunks), the fused write of their
+  keys and values into the caches, donated as the Engine's step donates them (updated in
+  place, no copy); ``opts``: ragged_decode's."""
   sd = target.spec
   m, n_rows, hkv, hq, d, ps = 16, 256, HKV, 8, 128, 16
   pages = m * (S // ps) + 3
   pool = (hkv, pages, ps, d) if layout == "HND" else (pages, ps, hkv, d)
+  if not paged:
+    pool = (m, hkv, S, d) if layout == "HND" else (m, S, hkv, d)
   args = (sd((n_rows, hq, d), jnp.bfloat16), sd(pool, jnp.bfloat16), sd(pool, jnp.bfloat16), sd((m,), jnp.int32),
-          sd((m, S // ps), jnp.int32), sd((m + 1,), jnp.int32), sd((1,), jnp.int32))
+          sd((m, S // ps), jnp.int32) if paged else None, sd((m + 1,), jnp.int32), sd((1,), jnp.int32))
   if not write:
     return (lambda *a: fdecode.ragged_decode(*a, kv_layout=layout, **opts)), args
   new = sd((n_rows, hkv, d), jnp.bfloat16)
@@ -363,6 +366,9 @@ CASES["ragged-paged16-write"] = functools.partial(_ragged, layout="HND", write=T
 # A 40-token prefill chunk beside a decode at G = 4 (prefill rows 4 * 41, not a power of two).
 CASES["ragged-chunk40-g4"] = fuzz.build("fuzz:kind=ragged,m=2,n=41,g=4,hkv=2,layout=HND,ps=16,write=1")
 CASES["ragged-nhd-paged16"] = functools.partial(_ragged, layout="NHD", write=False)
+# Contiguous caches: every prefill block reads its sequence's cache row in place (one call).
+CASES["ragged-contiguous-write"] = functools.partial(_ragged, layout="HND", write=True, paged=False)
+CASES["ragged-nhd-contiguous"] = functools.partial(_ragged, layout="NHD", write=False, paged=False)
 # Opt-in: both parts on the Hopper rows kernel (decode part T = 1, prefill blocks T = 64).
 CASES["ragged-paged16-mosaic-gpu"] = functools.partial(_ragged, layout="HND", write=False, impl="mosaic_gpu")
 

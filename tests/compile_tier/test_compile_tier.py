@@ -163,9 +163,11 @@ def test_tpu_reads_token_major_caches_in_place(reports, target, name):
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])
-@pytest.mark.parametrize("name", ["ragged-paged16-write", "ragged-nhd-paged16"])
+@pytest.mark.parametrize("name", ["ragged-paged16-write", "ragged-nhd-paged16", "ragged-contiguous-write",
+                                  "ragged-nhd-contiguous"])
 def test_gpu_ragged_step_is_two_split_launches(reports, target, name):
-  """ragged_decode on a paged pool with the Triton kernel: the decode part (grid axis 0:
+  """ragged_decode on a paged pool (or a contiguous cache, each block reading its
+  sequence's cache row in place) with the Triton kernel: the decode part (grid axis 0:
   the 16 sequences; its combine kernel beside it) and every prefill block in one launch,
   not a loop of one-block launches. The prefill launch runs the balanced schedule: work items for its
   ceil(256 / 64) + 16 = 20 blocks plus a wave's worth more (axis 0), one split each
@@ -188,7 +190,10 @@ def test_gpu_ragged_step_is_two_split_launches(reports, target, name):
 # fusion), split and combine kernels, and the output (1 fusion). The kernels read each
 # part's q rows and each block's table row through their indices
 # (`fdecode.kernels.triton.RowSource`): no q or table gather is launched.
-# ragged-chunk40-g4 does not donate: a copy before each scatter.
+# ragged-chunk40-g4 does not donate: a copy before each scatter. The contiguous cases
+# launch the same: their blocks read each sequence's cache row through the RowSource
+# (before: a loop over the real blocks, 13 / 11 launches a block and a host wait each,
+# and a 512 KiB copy).
 # Before (same compiler, same target config): 34 / 30 / 29, where XLA merged the balanced
 # items, scattered the rows into zeroed outputs and gathered q per item; then 25 / 20-21 /
 # 19-20 with the schedule computed in XLA (6 fusions) and cu's running maximum a
@@ -196,8 +201,8 @@ def test_gpu_ragged_step_is_two_split_launches(reports, target, name):
 # schedule in the kernels (ragged-paged16-write not donated, 16 donated) and q and table
 # rows gathered (3 fusions); then 13 / 11 / 14 with a conditional around the prefill call
 # (its predicate and itself: 2, and a host wait, `test_gpu_ragged_step_has_no_host_wait`).
-RAGGED_LAUNCHES = {"h100": {"ragged-paged16-write": 12, "ragged-nhd-paged16": 10, "ragged-chunk40-g4": 12},
-                   "a100": {"ragged-paged16-write": 12, "ragged-nhd-paged16": 10, "ragged-chunk40-g4": 12}}
+RAGGED_LAUNCHES = {gpu: {"ragged-paged16-write": 12, "ragged-nhd-paged16": 10, "ragged-chunk40-g4": 12,
+                         "ragged-contiguous-write": 12, "ragged-nhd-contiguous": 10} for gpu in ("h100", "a100")}
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])

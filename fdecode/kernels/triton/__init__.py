@@ -46,6 +46,10 @@ def _cache_operands(p: TritonPlan, k, v, k_rope, quant_arrays):
   ax = token_axis(p.kv_layout)
   k, v = (x if bits is None or x is None else lax.bitcast_convert_type(x, jnp.uint8)
           for x, bits in zip((k, v), p.fp8_bits))
+  if p.cache_source:  # the whole contiguous caches, flat rows (`kernel.cache_source_rows`), and scales
+    k, v, k_rope = (None if x is None else x.reshape(-1, x.shape[-1]) for x in (k, v, k_rope))
+    quant_arrays = tuple(None if a is None else a.reshape(-1, a.shape[-1]) for a in quant_arrays)
+    return (k, v, k_rope), quant_arrays, lambda d: pl.BlockSpec((k.shape[0], d), lambda i, h, j: (0, 0))
   if p.paged:
     lead = (p.cache_rows, k.shape[ax + 1]) if p.kv_layout == "NHD" else (k.shape[0], p.cache_rows)
     k, v, k_rope = (None if x is None else x.reshape(lead + (x.shape[-1],)) for x in (k, v, k_rope))
@@ -67,6 +71,8 @@ def _cache_operands(p: TritonPlan, k, v, k_rope, quant_arrays):
 
 def _quant_spec(p: TritonPlan, x):
   """A canonical rank-4 scale / offset -> (operand, its BlockSpec)."""
+  if p.cache_source:  # flat [d0 * d1 * d2, nt] (`_cache_operands`)
+    return x, pl.BlockSpec(x.shape, lambda i, h, j: (0, 0))
   d0, d1, d2, nt = x.shape
   if p.paged:  # [Hkv|1, P|1, ps|1, nt] -> [Hkv|1, P|1 * ps|1, nt]
     return x.reshape(d0, d1 * d2, nt), pl.BlockSpec((None, d1 * d2, nt), lambda i, h, j: (h if d0 > 1 else 0, 0, 0))
@@ -88,10 +94,12 @@ def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_array
   if p.table_source:  # a RowSource's tables, read at its table rows
     whole(source.tables.astype(jnp.int32).reshape(-1))
     whole(source.table_rows.astype(jnp.int32))
-  elif p.balanced:  # an item reads its sequence's table row in place
+  elif p.paged and p.balanced:  # an item reads its sequence's table row in place
     whole(block_tables.astype(jnp.int32).reshape(-1))
   elif p.paged:
     add(block_tables.astype(jnp.int32), pl.BlockSpec((None, p.table_len), lambda i, h, j: (i, 0)))
+  if p.cache_source:  # a RowSource's cache rows
+    whole(source.cache_rows.astype(jnp.int32))
   if p.sparse:
     idx = pad_slots(indices, p.block, p.seq_len)
     per_head = lambda h: h if idx.shape[1] > 1 else 0

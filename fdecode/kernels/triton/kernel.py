@@ -27,6 +27,10 @@ How blocks are read (always in place: no per-call copy or transpose of the cache
 * paged ``[Hkv, P, page_size, D]``: the pool is viewed as ``[Hkv, P*page_size, D]`` (a free
   reshape) and a block *gathers* its ``bk`` token rows through the block table (ids
   clipped into the pool). A block spans several pages of any size, page size 1 included.
+* a contiguous cache read through a `RowSource`'s cache rows (`fdecode.ragged`'s prefill
+  blocks, each over its sequence's row of the whole caches): the caches are viewed flat
+  (a free reshape) and a block gathers its ``bk`` rows at its sequence row and kv head
+  (`cache_source_rows`), as from one page of S tokens.
 * token-major caches (``NHD``): a program's block spec takes its kv head's rows at the
   cache's own strides; the body is the same.
 * head dims in power-of-two column pieces (`fdecode.kernels.common.block.head_pieces`).
@@ -58,6 +62,7 @@ def _take(refs, plan: TritonPlan):
   pop = lambda cond=True: refs.pop(0) if cond else None
   r = types.SimpleNamespace()
   r.end, r.table, r.table_rows = pop(), pop(plan.paged), pop(plan.table_source)
+  r.cache_rows = pop(plan.cache_source)
   r.idx, r.bounds = pop(plan.sparse), pop(plan.sparse)
   r.q, r.q_start = pop(), pop(plan.q_source)
   r.k, r.v, r.rope = pop(), pop(not plan.v_from_k), pop(bool(plan.r_pieces))
@@ -80,7 +85,28 @@ def _take(refs, plan: TritonPlan):
     r.table_base = jnp.clip(r.table_rows[b], 0, r.table.shape[0] // plan.table_len - 1) * plan.table_len
   else:
     r.table_base = 0 if r.seq is None else r.seq * plan.table_len
+  if plan.cache_source:  # this sequence's row of the whole contiguous caches, this program's kv head
+    r.cache_row = jnp.clip(r.cache_rows[b], 0, plan.cache_batch - 1)
+    r.kv_head = pl.program_id(1) // plan.row_blocks
   return r
+
+
+def cache_source_rows(plan: TritonPlan, r, pos):
+  """Rows of the flat whole contiguous caches (`fdecode.kernels.triton._cache_operands`:
+  HND ``[M * Hkv * S, D]``, NHD ``[M * S * Hkv, D]``) holding this program's sequence's
+  (``r.cache_row``) kv head (``r.kv_head``) at positions ``pos`` (int32, in ``[0, S)``)."""
+  h, hkv, s = r.kv_head, plan.hq // plan.group, plan.seq_len
+  if plan.kv_layout == "NHD":
+    return (r.cache_row * s + pos) * hkv + h
+  return (r.cache_row * hkv + h) * s + pos
+
+
+def _cache_source_quant_index(plan: TritonPlan, dims, r, pos):
+  """Row of a flat whole scale / offset ``[d0 * d1 * d2, nt]`` (canonical dims ``(d0, d1,
+  d2)``: ``M|1, Hkv|1, S|1``) for positions ``pos`` of this program's sequence and kv head."""
+  d0, d1, d2 = dims
+  base = ((r.cache_row if d0 > 1 else 0) * d1 + (r.kv_head if d1 > 1 else 0)) * d2
+  return base + pos if d2 > 1 else pl.ds(base, 1)
 
 
 def q_source_rows(plan: TritonPlan, r, q_row):
@@ -135,10 +161,13 @@ def _load_piece(ref, index, piece, quant_refs, quant_index, dtype, fp8_bits=None
   return blk.dequantize_piece(x, scale, offset, dtype)
 
 
-def _quant_index(plan: TritonPlan, dims, start, page, slot):
-  """Row index into a scale / offset ref for this block."""
+def _quant_index(plan: TritonPlan, dims, start, page, slot, r=None):
+  """Row index into a scale / offset ref for this block (a cache source's: ``slot`` holds
+  the block's positions)."""
   if dims is None:
     return None
+  if plan.cache_source:
+    return _cache_source_quant_index(plan, dims, r, slot)
   if plan.sparse and not plan.paged:  # per-token scales: the gathered rows
     return pl.ds(0, 1) if dims[0] == 1 else start
   if plan.paged:
@@ -162,6 +191,9 @@ def _block_index(plan: TritonPlan, r, start, live_end):
       return pos, None, page * plan.page_size + slot, page, slot
     index = jnp.clip(pos, 0, plan.cache_rows - 1)
     return pos, index, index, None, None
+  if plan.cache_source:  # its sequence's cache row, gathered like a pool's single page
+    slot = jnp.minimum(start + lax.iota(jnp.int32, bk), plan.seq_len - 1)
+    return None, start, cache_source_rows(plan, r, slot), None, slot
   if plan.paged:
     pos = start + lax.iota(jnp.int32, bk)
     page = jnp.clip(r.table[r.table_base + jnp.minimum(pos // plan.page_size, plan.table_len - 1)], 0,
@@ -222,7 +254,7 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float):
   def body(j, state):
     start = j * bk
     pos, load_start, index, page, slot = _block_index(plan, r, start, live_end)
-    qi = [_quant_index(plan, d, load_start, page, slot) for d in plan.quant]
+    qi = [_quant_index(plan, d, load_start, page, slot, r) for d in plan.quant]
     k_pieces, v_pieces = _load_block(plan, r, index, qi, dtype)
     s = blk.block_scores(q_pieces, k_pieces, softmax_scale)
     if plan.sparse:

@@ -188,11 +188,18 @@ class RowSource(NamedTuple):
   ``q``: ``[N, Hq, Dq]`` packed rows; ``q_start``: int32 ``[B]``, the call's q row
   ``(b, t)`` is ``q[clip(q_start[b] + t, 0, N - 1)]``; ``tables``: int32 ``[M, n]`` and
   ``table_rows``: int32 ``[B]``, the call's table row b is ``tables[table_rows[b]]`` (both
-  None: the call's own block tables, or none; table rows are clipped into ``[0, M)``)."""
+  None: the call's own block tables, or none; table rows are clipped into ``[0, M)``).
+  ``caches`` and ``cache_rows`` (a contiguous cache's call, of which k, v, k_rope and
+  per-sequence scales are gathers): the whole contiguous caches, a
+  `fdecode.cache.layout.CacheView` of ``M`` sequence rows (canonical scales, as the call's
+  own view), and int32 ``[B]``: the call's sequence b is cache row ``cache_rows[b]``
+  (clipped into ``[0, M)``)."""
   q: object
   q_start: object
   tables: object = None
   table_rows: object = None
+  caches: object = None
+  cache_rows: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +217,10 @@ class TritonPlan:
   sequences (`schedule`). ``final``: one split, the
   split kernel writes the output itself; otherwise the combine kernel merges
   ``num_splits`` partial states ``combine_width`` columns a program. ``q_source`` /
-  ``table_source``: q rows / table rows are read through a `RowSource`'s indices.
+  ``table_source``: q rows / table rows are read through a `RowSource`'s indices;
+  ``cache_batch`` > 0: a contiguous cache's rows too (``M`` rows: ``cache_source``), its
+  blocks gathered like a pool's (one page of S tokens per sequence row and kv head), its
+  scales' (and offsets') dims in ``quant`` as ``(d0, d1, d2)`` of canonical rank 4.
   """
   gpu: str
   interpret: bool
@@ -248,6 +258,11 @@ class TritonPlan:
   has_sinks: bool = False
   q_source: bool = False
   table_source: bool = False
+  cache_batch: int = 0
+
+  @property
+  def cache_source(self) -> bool:
+    return self.cache_batch > 0
 
   @property
   def num_rows(self) -> int:
@@ -321,7 +336,8 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   ``num_splits`` None on a paged cache with no mask, bias or index list: the balanced schedule.
   ``block_k`` None: `fdecode.config.DEFAULT_BLOCK_K`.
   ``gpu``: the target (None: `fdecode.kernels.common.chips.lowering_gpu`). ``source``: a
-  `RowSource` the kernels read q (and table rows, if it has them) through; not with index lists.
+  `RowSource` the kernels read q (and table rows or cache rows, if it has them) through; not
+  with index lists. With cache rows, the balanced schedule also runs on a contiguous cache.
 
   Raises ValueError, compiled, for shapes `triton_unsupported` names. The interpreter
   runs them with pieces narrower than a dot tile (no compiled plan exists to mirror)."""
@@ -358,7 +374,9 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   bk = launch.block
   if not paged:
     cache_rows = max(cache_rows, bk)  # a cache shorter than one block is padded to it
-  balanced = balance and num_splits is None and paged and index_slots is None and not has_mask_or_bias
+  cache_batch = 0 if source is None or source.cache_rows is None else source.caches.k.shape[0]
+  balanced = (balance and num_splits is None and (paged or cache_batch > 0) and index_slots is None
+              and not has_mask_or_bias)
   items = b
   if balanced:
     extra = INTERPRET_EXTRA_ITEMS if interpret else -(-gpu.sms * launch.residency(gpu)[1] // (hkv * row_blocks))
@@ -375,6 +393,9 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
           cache_bytes=b * hkv * slots * cols_bytes, split_bytes=2 * 4 * b * hkv * block_r * row_blocks * (dv + 1))
   quant = tuple(None if a is None else ((a.shape[1], a.shape[2]) if paged else (a.shape[2],))
                 for a in (k_scale, k_offset, v_scale, v_offset))
+  if cache_batch:  # the whole caches' scales, read flat at (cache row, kv head, position)
+    quant = tuple(None if a is None else tuple(a.shape[:3]) for a in (source.caches.k_scale, source.caches.k_offset,
+                                                                      source.caches.v_scale, source.caches.v_offset))
   return TritonPlan(
       gpu=gpu.name, interpret=bool(interpret), num_tokens=t, group=hq // hkv, hq=hq, block_r=block_r,
       row_blocks=row_blocks, paged=paged, kv_layout=kv_layout, seq_len=seq_len, cache_rows=cache_rows,
@@ -384,7 +405,7 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
       warps=launch.warps, stages=launch.stages, num_splits=int(num_splits), balanced=balanced, items=items, batch=b,
       combine_width=combine_width(items if balanced else int(num_splits), dv), sparse_fold=sparse_fold,
       has_sinks=bool(has_sinks), q_source=source is not None,
-      table_source=source is not None and source.table_rows is not None)
+      table_source=source is not None and source.table_rows is not None, cache_batch=cache_batch)
 
 
 def combine_width(num_splits: int, dv: int) -> int:
