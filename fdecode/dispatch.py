@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
@@ -362,8 +363,9 @@ _QUANT = ("k_scale", "k_offset", "v_scale", "v_offset")
 
 
 def triton_supports(view, v_head_dim=None) -> bool:
-  """Whether the compiled Triton kernel takes these shapes (see `triton_unsupported`)."""
-  tiles = lambda sc: 1 if sc is None else sc.shape[-1]
+  """Whether the compiled Triton kernel takes these shapes (see `triton_unsupported`). Scales
+  canonical or as given (a scalar: one tile)."""
+  tiles = lambda sc: 1 if sc is None or np.ndim(sc) == 0 else np.shape(sc)[-1]
   rope, v = view.k_rope, view.v
   return triton_unsupported(view.k.shape[-1], v_head_dim if v is None else v.shape[-1], tiles(view.k_scale),
                             tiles(view.v_scale), v_from_k=v is None,

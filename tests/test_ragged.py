@@ -173,6 +173,17 @@ def test_8bit_cache(dtype):
   check(p8, out, lse, per_sequence(p8, k_scale=ks, v_scale=vs))
 
 
+@pytest.mark.parametrize("paged", [True, False], ids=["paged16", "contiguous"])
+def test_scalar_scales(paged):
+  """One scale per tensor, as scalars (a form flash_decode documents): the step's choice of
+  path reads their tile count without an axis (it once indexed a scalar's shape)."""
+  p = batch(10, [3, 1, 65], [3, 30, 80], max_seqs=3, paged=paged)
+  kq, vq = (jnp.clip(jnp.round(p[n] / 0.05), -127, 127).astype(jnp.int8) for n in ("k", "v"))
+  p8 = dict(p, k=kq, v=vq)
+  out, lse = fdecode.ragged_decode(**p8, k_scale=0.05, v_scale=np.float32(0.05), return_lse=True)
+  check(p8, out, lse, per_sequence(dict(p8, k=kq.astype(jnp.float32) * 0.05, v=vq.astype(jnp.float32) * 0.05)))
+
+
 def test_mla_values_from_keys():
   p = batch(5, [2, 1, 66], [10, 20, 70], max_seqs=3, hq=8, hkv=1, d=48)
   out, lse = fdecode.ragged_decode(p["q"], p["k"], None, p["kv_lens"], p["block_tables"], p["cu_q_lens"],

@@ -113,11 +113,12 @@ def test_alibi_gqa(impl, g):
 
 
 # Per-query-head masks and biases over head geometries where the row of a query head is not
-# its kv head's: MHA (G = 1, one row per kv head), MQA (one kv head), T x G = 80 rows in two
-# row blocks of the Triton kernel (D = 256), and forms broadcast over B or T. The Triton kernel
-# reads the caller's [B|1, T|1, Hq, S] in place and gathers each row's (t, query head).
-@pytest.mark.parametrize("t,hq,hkv,d,form", [(3, 4, 4, 32, "B,T"), (2, 6, 1, 32, "B,1"), (5, 16, 1, 256, "1,T"),
-                                             (3, 14, 2, 32, "B,T")])
+# its kv head's: MHA (G = 1, one row per kv head; per token, and one for every token), MQA
+# (one kv head), T x G = 80 rows in two row blocks of the Triton kernel (D = 256), and forms
+# broadcast over B or T. The Triton kernel reads the caller's [B|1, T|1, Hq, S] in place and
+# gathers each row's (t, query head).
+@pytest.mark.parametrize("t,hq,hkv,d,form", [(3, 4, 4, 32, "B,T"), (2, 4, 4, 32, "B,1"), (2, 6, 1, 32, "B,1"),
+                                             (5, 16, 1, 256, "1,T"), (3, 14, 2, 32, "B,T")])
 def test_per_head_mask_and_bias_every_head_geometry(impl, t, hq, hkv, d, form):
   s = 37
   q, k, v = make_problem(11, b=3, t=t, hq=hq, hkv=hkv, s=s, dk=d)

@@ -35,9 +35,11 @@ How the work is split (all inside one jit-compiled program):
 
 Each part's query rows (and each prefill block's table row, or contiguous cache row) are
 gathers of the packed q (and of the block tables, or the caches); the Triton kernels read
-them in place through their indices
-(`fdecode.kernels.triton.RowSource`), so on GPU no gather is launched; every other path
-reads the gathers.
+them in place through their indices (`fdecode.kernels.triton.RowSource`), so on GPU no
+gather is launched; every other path reads the gathers. (A program exported for several
+platforms at once, ``jax.export(..., platforms=[...])``, picks its branch at run time, so
+it computes the gathers on GPU too, on a contiguous cache a copy of each block's cache
+row: export one program per platform.)
 
 The fused cache write (``new_k`` / ``new_v``) is one scatter per cache in the caller's
 layout, before the attention, in the same program: under ``jit(...,

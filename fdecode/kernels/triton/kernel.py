@@ -245,7 +245,7 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float):
     columns past the array (a tail block's positions past S, never visible) read its last
     column."""
     cols = jnp.minimum(load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1), ref.shape[-1] - 1)
-    if form == (1, 1):
+    if ref.shape[0] == 1:  # one row for every program row (a per-head one of MHA is form (1, 1) too)
       return ref[jnp.zeros((1, 1), jnp.int32), cols]
     return ref[mod_rows(plan, form[0], ref.shape[0] == form[0] * plan.hq, h, first_row), cols]
 
