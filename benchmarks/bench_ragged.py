@@ -5,7 +5,8 @@ in one run.
 Mixed step (the issue's shape): one prefill chunk of C tokens beside B - 1 decodes, every
 sequence at context L. Contenders:
   * floor: one streaming read of the live K+V bytes;
-  * ragged_decode: the one call (and the same over a token-major "NHD" pool);
+  * ragged_decode: the one call (and the same over a token-major "NHD" pool, and over the
+    same sequences as a contiguous cache);
   * two flash_decode calls: the B - 1 decodes (T = 1), then the chunk (B = 1, T = C);
   * flash_decode padded to T = C for every sequence (what one T forces).
 Pure-decode step: B decodes at context L, ragged_decode against flash_decode (T = 1), the
@@ -58,6 +59,12 @@ def mixed_rows(b, ctx, chunk, hkv, hq, d, page_size, dtype, iters, slow_iters, i
   ragged_nhd = lambda q, k, v, lens, tables, cu: fdecode.ragged_decode(q, k, v, lens, tables, cu, b, kv_layout="NHD")
   add("ragged_decode, NHD pool (one call)", ragged_nhd, (q, kn, vn, lens, tables, cu))
   del kn, vn
+  # The same sequences as a contiguous cache [B, Hkv, pages * page_size, D] (each
+  # sequence's pages in a row, made outside the timed region).
+  kc, vc = jax.block_until_ready(tuple(x[:, tables].reshape(x.shape[0], b, -1, d).swapaxes(0, 1) for x in (k, v)))
+  ragged_contiguous = lambda q, k, v, lens, cu: fdecode.ragged_decode(q, k, v, lens, None, cu, b)
+  add("ragged_decode, contiguous cache (one call)", ragged_contiguous, (q, kc, vc, lens, cu))
+  del kc, vc
 
   def two_calls(q, k, v, lens, tables):
     dec = fdecode.flash_decode(q[chunk:], k, v, lens[1:], block_tables=tables[1:])
