@@ -4,7 +4,9 @@ FlashMLA's shape of work. One program owns 64 query rows (``row r = t*G + g``, o
 M tile) of one sequence and one contiguous range of ``bk``-token blocks (a split), and
 runs three warpgroups:
 
-* warpgroup 2 (memory, 40 registers): TMA copies of Q (64 x 576) once and of each K block
+* warpgroup 2 (memory, 40 registers): TMA copies of Q (64 x 576; below 64 query rows, the
+  R rows into the tile's first R: the other rows' scores, never merged, are whatever the
+  tile held, and stay in their own rows of every matmul) once and of each K block
   (bk x 576, the latent row: keys *and* values) into a ring of ``stages`` swizzled shared
   memory tiles, refilling a slot when both compute warpgroups released it;
 * warpgroup 0 (scores): S = Q K^T by wgmma (K = 576), the mask, the online softmax in the
@@ -192,7 +194,7 @@ def _finish(half, acc, m, l, rows_smem, flags, done, o_tile, lse_rows, ops):
 
 
 def _kernel(ends_ref, q_ref, k_ref, *refs, plan: MlaPlan, ops: Ops):
-  # ends_ref i32[B]; q_ref bf16[B, R_p, 576]; k_ref [B, S_c, 576] (bf16 or 8-bit);
+  # ends_ref i32[B]; q_ref bf16[B, plan.q_rows, 576]; k_ref [B, S_c, 576] (bf16 or 8-bit);
   # 8-bit: ks_ref f32[B, S_c]; o_ref f32[B, n_splits, R_p, 512]; lse_ref f32[B, n_splits, R_p];
   # q_smem [64, 576]; k_smem [stages, bk, 576]; 8-bit: kb_smem bf16[bk, 576] (the wgmma
   # operand), sc_smem f32[stages, bk]; p_smem bf16[64, bk]; rows_smem f32[3, 64]: P's row
@@ -220,8 +222,10 @@ def _kernel(ends_ref, q_ref, k_ref, *refs, plan: MlaPlan, ops: Ops):
   @pl.when(wg == 2)
   def _memory():
     plgpu.set_max_registers(plan.memory_registers, action="decrease")
-    q_rows = q_ref.at[b, pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)]
-    tma_ring(steps, stages, lambda: plgpu.copy_gmem_to_smem(q_rows, q_smem, q_bar.at[0]), copy_block, k_free)
+    n = min(plan.q_rows, BLOCK_ROWS)  # fewer rows than a tile: the first n (`MlaPlan.q_rows`)
+    q_rows = q_ref.at[b, pl.ds(row_block * BLOCK_ROWS, n)]
+    q_tile = q_smem if n == BLOCK_ROWS else q_smem.at[pl.ds(0, n)]
+    tma_ring(steps, stages, lambda: plgpu.copy_gmem_to_smem(q_rows, q_tile, q_bar.at[0]), copy_block, k_free)
 
   def release(step, slot):
     # Only where the slot is written again: a barrier phase nobody waits for would be
@@ -324,7 +328,7 @@ def mla_states(q_rows, ends, k, k_scale=None, *, plan: MlaPlan, interpret=None):
     raise ValueError(f"mla_partials: a {plan.cache_dtype} plan needs k_scale "
                      f"{f'[B, 1, S, 1] = {(*k.shape[:3], 1)}' if plan.quantized else 'None'}, got "
                      f"{None if k_scale is None else k_scale.shape}")
-  q = jnp.pad(q_rows[:, 0], [(0, 0), (0, plan.rows_padded - r), (0, 0)])
+  q = jnp.pad(q_rows[:, 0], [(0, 0), (0, plan.q_rows - r), (0, 0)])  # a copy only past one tile
   pad_s = [(0, 0), (0, plan.cache_rows - plan.seq_len)]  # S < bk or S % 8 != 0: a padded copy (see MlaPlan)
   args = [q, jnp.pad(k[:, 0], pad_s + [(0, 0)])]
   if plan.quantized:

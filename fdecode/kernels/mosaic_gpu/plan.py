@@ -102,6 +102,13 @@ class MlaPlan:
     return self.row_blocks * BLOCK_ROWS
 
   @property
+  def q_rows(self) -> int:
+    """Rows of the q operand: R where one program's tile takes them all (the TMA copies
+    them into its first R rows; the rest of the tile is never written, and its rows' states
+    are stored but never merged), else padded to ``rows_padded``."""
+    return self.rows if self.row_blocks == 1 else self.rows_padded
+
+  @property
   def num_blocks(self) -> int:
     """Blocks addressable in one sequence: ceil(S / bk) (at least 1)."""
     return max(1, -(-self.seq_len // self.block))
