@@ -282,14 +282,15 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     pre_o, pre_l = jnp.zeros((n_rows, hq, dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32)
   elif not paged:  # batched only where the Triton kernels read each block's cache row in place
     interp = opts.get("interpret")
-    triton_interpreted = impl == "pallas" and bool(interp) and not isinstance(interp, pltpu.InterpretParams)
-    in_place = "indices" not in arrays  # a sparse call reads the call's own (gathered) caches: it loops
-    if in_place and triton_interpreted:
-      pre_o, pre_l = batched()
-    elif in_place and impl in (None, "pallas") and triton_tiles:
-      pre_o, pre_l = lax.platform_dependent(cuda=batched, rocm=batched, default=looped)
-    else:
+    # Sparse calls read the call's own (gathered) caches; so do Mosaic (TPU) and XLA: they loop.
+    if "indices" in arrays or isinstance(interp, pltpu.InterpretParams) or impl not in (None, "pallas"):
       pre_o, pre_l = looped()
+    elif impl == "pallas" and interp:  # the Triton interpreter, on any host
+      pre_o, pre_l = batched()
+    else:  # impl="pallas" on CPU is the Triton interpreter; on GPU, Triton where it tiles these head dims
+      gpu = batched if triton_tiles else looped
+      cpu = batched if impl == "pallas" else looped
+      pre_o, pre_l = lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, default=looped)
   elif impl in ("xla", "reference"):
     pre_o, pre_l = looped()
   elif impl in ("pallas", "mosaic_gpu"):  # mosaic_gpu: "balance" splits as None
