@@ -118,6 +118,19 @@ def test_split_partials_merge_to_the_reference():
   check(out2, lse2, *want)
 
 
+def test_partials_at_rows_off_the_smem_tiles():
+  """`mla_partials` takes any G (mla_decode: multiples of 16). G = 12 rows are not whole
+  8-row tiles of the q tile's smem layout, so q is padded to the 64-row tile (a TMA slice
+  of 12 rows would not lower); G = 16 is copied into the tile's first rows."""
+  for g in (12, 16):
+    q, k = problem(5, 1, g, 70)
+    lengths = jnp.array([70], jnp.int32)
+    plan = mla_plan(batch=1, num_tokens=1, group=g, seq_len=70, softmax_scale=1 / math.sqrt(DK), num_splits=1)
+    assert plan.q_rows == (64 if g == 12 else g)
+    o, lse = mosaic_gpu.mla_partials(q[:, None], lengths, k, plan=plan, interpret=INTERPRET)
+    check(o[:, 0, 0], lse[:, 0, 0], *reference(q, k, lengths))
+
+
 def test_corruption_a_row_sees_makes_its_whole_row_nan():
   """Sequence 0 (length 10) sees a NaN key at position 5: every row NaN. Sequences 2 and
   3 (length 10) see a +inf at position 3 in a *value* column (the latent row's column 300,

@@ -173,6 +173,16 @@ def test_8bit_cache(dtype):
   check(p8, out, lse, per_sequence(p8, k_scale=ks, v_scale=vs))
 
 
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_one_sequence_slot_contiguous(impl, layout):
+  """max_seqs = 1 on a contiguous cache: the prefill blocks' call has a batch of blocks, so
+  each block reads (and, for the other paths, gathers) the one cache row; the one-call
+  path once kept the cache at batch 1 and failed shape validation."""
+  p = batch(11, [70], [90], max_seqs=1, paged=False, layout=layout)
+  out, lse = fdecode.ragged_decode(**p, kv_layout=layout, impl=impl, return_lse=True)
+  check(p, out, lse, per_sequence(p, layout))
+
+
 @pytest.mark.parametrize("paged", [True, False], ids=["paged16", "contiguous"])
 def test_scalar_scales(paged):
   """One scale per tensor, as scalars (a form flash_decode documents): the step's choice of

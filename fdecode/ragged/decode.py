@@ -38,8 +38,8 @@ gathers of the packed q (and of the block tables, or the caches); the Triton ker
 them in place through their indices (`fdecode.kernels.triton.RowSource`), so on GPU no
 gather is launched; every other path reads the gathers. (A program exported for several
 platforms at once, ``jax.export(..., platforms=[...])``, picks its branch at run time, so
-it computes the gathers on GPU too, on a contiguous cache a copy of each block's cache
-row: export one program per platform.)
+it computes the gathers wherever it runs, on a contiguous cache a copy of each block's
+cache row: export one program per platform.)
 
 The fused cache write (``new_k`` / ``new_v``) is one scatter per cache in the caller's
 layout, before the attention, in the same program: under ``jit(...,
@@ -261,7 +261,10 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
       if paged:
         block_caches, source = caches, RowSource(q, first, tables, s)
       else:
-        block_caches = {n: x if x is None or np.ndim(x) < 4 or x.shape[0] == 1 else x[s] for n, x in caches.items()}
+        # Each block's row of the caches (also at M = 1: the call's batch is the blocks'), and of
+        # the scales that have a sequence axis (the others broadcast).
+        per_seq = lambda n, x: n in ("k", "v", "k_rope") or (np.ndim(x) == 4 and x.shape[0] > 1)
+        block_caches = {n: x[s] if x is not None and per_seq(n, x) else x for n, x in caches.items()}
         source = RowSource(q, first, caches=CacheView.of(
             caches["k"], caches["v"], kv_layout=view.layout, caller=CALLER, **_cache_opts(caches)), cache_rows=s)
       return call(q[idx], block_caches["k"], block_caches["v"], length,

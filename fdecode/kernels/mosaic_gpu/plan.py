@@ -103,10 +103,11 @@ class MlaPlan:
 
   @property
   def q_rows(self) -> int:
-    """Rows of the q operand: R where one program's tile takes them all (the TMA copies
-    them into its first R rows; the rest of the tile is never written, and its rows' states
-    are stored but never merged), else padded to ``rows_padded``."""
-    return self.rows if self.row_blocks == 1 else self.rows_padded
+    """Rows of the q operand: R where one program's tile takes them all in whole 8-row
+    tiles of its smem layout (the TMA copies them into its first R rows; the rest of the
+    tile is never written, and its rows' states are stored but never merged), else padded
+    to ``rows_padded``."""
+    return self.rows if self.row_blocks == 1 and self.rows % 8 == 0 else self.rows_padded
 
   @property
   def num_blocks(self) -> int:
