@@ -242,7 +242,7 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     # At most ceil(N / tb) + min(M, N // 2) blocks: a block per tb rows, plus one partial
     # block per sequence with 2 or more new tokens. Blocks past the real ones have kv
     # length 0, which the Pallas kernels skip (no KV block is read). A contiguous cache
-    # runs here only where the Triton kernels read it (`contiguous_batched`): each block's
+    # runs here only where the Triton kernels read it (the path choice below): each block's
     # cache row through the RowSource; the per-block gathers of the call's own arguments
     # are then dropped by XLA.
     # A step of decodes only has no block. On GPU the call runs anyway where the kernels
@@ -260,11 +260,8 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
       # that fills the GPU, whichever blocks are real (`fdecode.kernels.triton`).
       if paged:
         block_caches, source = caches, RowSource(q, first, tables, s)
-      else:
-        # Each block's row of the caches (also at M = 1: the call's batch is the blocks'), and of
-        # the scales that have a sequence axis (the others broadcast).
-        per_seq = lambda n, x: n in ("k", "v", "k_rope") or (np.ndim(x) == 4 and x.shape[0] > 1)
-        block_caches = {n: x[s] if x is not None and per_seq(n, x) else x for n, x in caches.items()}
+      else:  # each block's rows of the caches (also at M = 1: the call's batch is the blocks')
+        block_caches = _sequence_cache(caches, s, paged)
         source = RowSource(q, first, caches=CacheView.of(
             caches["k"], caches["v"], kv_layout=view.layout, caller=CALLER, **_cache_opts(caches)), cache_rows=s)
       return call(q[idx], block_caches["k"], block_caches["v"], length,
@@ -374,12 +371,15 @@ def _cache_opts(caches):
 
 
 def _sequence_cache(caches, s, paged):
-  """Sequence ``s``'s cache arrays: a paged pool is shared (its table row selects), a
-  contiguous cache's row ``s`` is sliced (as are per-sequence scales / k_rope)."""
+  """The cache arrays of sequence ``s`` (int32 scalar: sliced, batch 1) or of sequences
+  ``s`` (``[J]``: gathered, batch J): a paged pool is shared (its table row selects); of a
+  contiguous cache, k, v and k_rope are per sequence, and so are the scales / offsets that
+  are not broadcast over sequences (leading axis 1 or no sequence axis)."""
   if paged:
     return caches
-  one = lambda x: x if x is None or np.ndim(x) < 4 or x.shape[0] == 1 else lax.dynamic_slice_in_dim(x, s, 1, 0)
-  return {n: one(x) for n, x in caches.items()}
+  per_seq = lambda n, x: n in ("k", "v", "k_rope") or (np.ndim(x) == 4 and x.shape[0] > 1)
+  rows = (lambda x: lax.dynamic_slice_in_dim(x, s, 1, 0)) if np.ndim(s) == 0 else (lambda x: x[s])
+  return {n: rows(x) if x is not None and per_seq(n, x) else x for n, x in caches.items()}
 
 
 def _rows(x, idx, shape):
