@@ -314,8 +314,9 @@ def test_ragged_decode(mix, cache, layout, dtype):
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_ragged_fused_write(layout):
-  """The fused write on the GPU: equals writing the rows first (the same ragged call on
-  caches that already hold them), and the returned caches hold exactly those rows."""
+  """The fused write on the GPU (the Triton write kernel, `fdecode.ragged.write`): equals
+  writing the rows first (the same ragged call on caches that already hold them), the
+  returned caches hold exactly those rows, bit for bit what XLA's scatter writes."""
   from test_ragged import batch  # pylint: disable=g-import-not-at-top
   p = batch(2, [1, 9, 70, 1], [5, 9, 90, 40], max_seqs=6, d=128, layout=layout, dtype=jnp.bfloat16)
   n, hkv = p["q"].shape[0], 2
@@ -325,5 +326,9 @@ def test_ragged_fused_write(layout):
   out, k2, v2 = step(p, new_k, new_v)
   again = fdecode.ragged_decode(**dict(p, k=k2, v=v2), kv_layout=layout, impl="pallas")
   assert_close(out, again, atol=1e-3, rtol=1e-3)
+  _, kx, vx = jax.jit(lambda p, nk, nv: fdecode.ragged_decode(**p, kv_layout=layout, impl="xla", new_k=nk,
+                                                               new_v=nv))(p, new_k, new_v)
+  np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(kx, np.float32))
+  np.testing.assert_array_equal(np.asarray(v2, np.float32), np.asarray(vx, np.float32))
   for new, old in ((k2, p["k"]), (v2, p["v"])):  # one row per live new token and kv head, no other
     assert int(np.asarray((new != old).any(axis=-1)).sum()) == int(p["cu_q_lens"][p["num_seqs"]]) * hkv

@@ -41,9 +41,11 @@ platforms at once, ``jax.export(..., platforms=[...])``, picks its branch at run
 it computes the gathers wherever it runs, on a contiguous cache a copy of each block's
 cache row: export one program per platform.)
 
-The fused cache write (``new_k`` / ``new_v``) is one scatter per cache in the caller's
-layout, before the attention, in the same program: under ``jit(...,
-donate_argnums=...)`` it updates the donated cache in place. Padding rows write nothing.
+The fused cache write (``new_k`` / ``new_v``) puts the new tokens in the caches in the
+caller's layout, before the attention, in the same program (`fdecode.ragged.write`: one
+Triton kernel for keys and values on GPU, a scatter per cache elsewhere): under
+``jit(..., donate_argnums=...)`` it updates the donated caches in place. Padding rows
+write nothing.
 """
 
 from __future__ import annotations
@@ -58,10 +60,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from fdecode.api import flash_decode_with_source
 from fdecode.cache.layout import CacheView, check_layout
-from fdecode.cache.write import scatter_keeping_sharding
 from fdecode.dispatch import forced_tpu_interpret, triton_supports
 from fdecode.kernels.triton import RowSource
 from fdecode.ragged.checks import CALLER, PER_ROW, check_shapes, check_values
+from fdecode.ragged.write import write_new_tokens
 from fdecode.validation import as_arrays, to_int32
 
 QUERY_BLOCK = 64  # rows of a prefill query block
@@ -188,7 +190,7 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   cu, lens, q_len, seq, pos = row_positions(kv_lens, cu, num_seqs, n_rows, view.capacity)
 
   if new_k is not None:
-    k, v = _write(view, new_k, new_v, seq, pos)
+    k, v = write_new_tokens(view, new_k, new_v, seq, pos, impl=opts.get("impl"), interpret=opts.get("interpret"))
 
   # The caches in the caller's layout: flash_decode reads token-major ones in place (`fdecode.cache.layout`).
   caches = dict(k=k, v=v, **{n: arrays.get(n) for n in ("k_rope", "k_scale", "v_scale", "k_offset", "v_offset")})
@@ -387,32 +389,3 @@ def _rows(x, idx, shape):
   if x.shape[0] == 1:
     return jnp.broadcast_to(x.reshape((1,) * len(shape) + x.shape[1:]), shape + x.shape[1:])
   return x[idx.reshape(-1)].reshape(shape + x.shape[1:])
-
-
-def _write(view, new_k, new_v, seq, pos):
-  """Scatters the new rows into the caches at (sequence, position) in their own layout;
-  padding rows (pos -1) and positions without a page go out of range and are dropped."""
-  k, v, tables, kv_layout = view.k, view.v, view.block_tables, view.layout
-  if view.paged:
-    ps, num_pages = view.page_size, view.num_pages
-    j = jnp.clip(pos // ps, 0, tables.shape[1] - 1)
-    page = tables[seq, j]
-    page = jnp.where((pos >= 0) & (page >= 0) & (page < num_pages), page, num_pages)
-    slot = jnp.maximum(pos, 0) % ps
-    if kv_layout == "NHD":  # pool[page, slot]: [N, Hkv, D]
-      index = (page, slot)
-      put = lambda cache, new: scatter_keeping_sharding(cache, index, new)
-    else:  # pool[:, page, slot]: [Hkv, N, D]
-      index = (slice(None), page, slot)
-      put = lambda cache, new: scatter_keeping_sharding(cache, index, new.swapaxes(0, 1))
-  else:
-    p = jnp.where(pos >= 0, pos, view.capacity)
-    if kv_layout == "NHD":  # cache[seq, pos]: [N, Hkv, D]
-      index = (seq, p)
-    else:  # cache[seq, :, pos]: advanced indices split by a slice -> [N, Hkv, D]
-      index = (seq, slice(None), p)
-    put = lambda cache, new: scatter_keeping_sharding(cache, index, new)
-  k = put(k, new_k)
-  if new_v is not None:
-    v = put(v, new_v)
-  return k, v

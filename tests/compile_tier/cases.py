@@ -348,6 +348,19 @@ def _ragged(target, layout, write, paged=True, **opts):
   return fn, args + (new, new), (1, 2)
 
 
+def _ragged_mla_write(target):
+  """ragged_decode over float8 MLA latents in a paged pool (one latent head, D = 576,
+  v = None), with the fused write of the new latents (already quantized), donated."""
+  sd = target.spec
+  m, n_rows, g, ps = 8, 64, 16, 16
+  pool = sd((1, m * (S // ps) + 3, ps, 576), jnp.float8_e4m3fn)
+  args = (sd((n_rows, g, 576), jnp.bfloat16), pool, sd((m,), jnp.int32), sd((m, S // ps), jnp.int32),
+          sd((m + 1,), jnp.int32), sd((1,), jnp.int32), sd((n_rows, 1, 576), jnp.float8_e4m3fn))
+  fn = lambda q, k, lens, t, cu, ns, nk: fdecode.ragged_decode(q, k, None, lens, t, cu, ns, new_k=nk, v_head_dim=512,
+                                                              k_scale=0.5)
+  return fn, args, (1,)
+
+
 @case("xla-gather-select")
 def _xla_gather_select(target):
   """Plain XLA: a select over a gather by clipped indices (the ragged step's output
@@ -369,6 +382,8 @@ CASES["ragged-nhd-paged16"] = functools.partial(_ragged, layout="NHD", write=Fal
 # Contiguous caches: every prefill block reads its sequence's cache row in place (one call).
 CASES["ragged-contiguous-write"] = functools.partial(_ragged, layout="HND", write=True, paged=False)
 CASES["ragged-nhd-contiguous"] = functools.partial(_ragged, layout="NHD", write=False, paged=False)
+# The fused write of 8-bit MLA latents (D = 576, not a power of two; float8 moved as bytes).
+CASES["ragged-mla-fp8-write"] = functools.partial(_ragged_mla_write)
 # Opt-in: both parts on the Hopper rows kernel (decode part T = 1, prefill blocks T = 64).
 CASES["ragged-paged16-mosaic-gpu"] = functools.partial(_ragged, layout="HND", write=False, impl="mosaic_gpu")
 

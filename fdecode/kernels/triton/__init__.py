@@ -10,7 +10,9 @@ adds no launch: each of its work items (a split-kernel program) derives its sequ
 split from the whole ``ends [B]``, and each combine program its sequence's run of items
 (`fdecode.kernels.triton.schedule`); the items read q and the block table in place
 (a caller's gathers of them too: `fdecode.kernels.triton.plan.RowSource`).
-``interpret=True`` runs the same plan in Pallas' interpreter.
+``interpret=True`` runs the same plan in Pallas' interpreter. `write_rows`
+(`fdecode.kernels.triton.write`): a ragged step's fused cache write, keys and values in one
+launch.
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ from fdecode.kernels.triton.kernel import split_kernel
 from fdecode.kernels.triton.plan import (Launch, RowSource, TritonPlan, block_size, combine_width, launch_plan,
                                          make_plan, row_tiling, triton_unsupported)
 from fdecode.kernels.triton.schedule import Schedule, balanced_schedule, item_work, sequence_items
+from fdecode.kernels.triton.write import WritePlan, write_plan, write_rows
 from fdecode.kernels.common.sparse import Sparse, pad_slots
 
 __all__ = ["CombinePlan", "Launch", "RowSource", "Schedule", "TritonPlan", "balanced_schedule", "block_size",
            "combine", "combine_split_major", "combine_width", "decode_fp8_bits", "item_work", "launch_plan",
-           "make_plan", "row_tiling", "run", "sequence_items", "triton_unsupported"]
+           "make_plan", "row_tiling", "run", "sequence_items", "triton_unsupported", "WritePlan", "write_plan",
+           "write_rows"]
 
 
 def _cache_operands(p: TritonPlan, k, v, k_rope, quant_arrays):

@@ -1,0 +1,131 @@
+"""The Triton cache write: a ragged step's new tokens into their caches, in place, keys and
+values in one launch (XLA launches a scatter per cache and a fusion for the rows' slots).
+
+Grid ``(N, Hkv)``: one program writes packed row r's key and value of one kv head at the
+row's (sequence, position), in the caches' own layout, viewed flat as ``[rows, D]`` (a
+free reshape), one row a store (a power-of-two width, masked to D):
+
+* contiguous ``HND [M, Hkv, S, D]``: row ``(seq * Hkv + h) * S + pos``;
+  ``NHD [M, S, Hkv, D]``: ``(seq * S + pos) * Hkv + h``;
+* paged ``HND [Hkv, P, page_size, D]``: ``(h * P + page) * page_size + slot``;
+  ``NHD [P, page_size, Hkv, D]``: ``(page * page_size + slot) * Hkv + h``, with ``page``
+  the sequence's table entry ``pos // page_size`` and ``slot = pos % page_size``.
+
+A row with ``pos < 0`` (no live sequence owns it, or a position before the cache under
+``jit``), contiguous ``pos >= S``, or, paged, whose table entry is not a page of the pool
+writes nothing: the same rows `fdecode.ragged.write`'s XLA scatter drops. The caches are the outputs' buffers
+(``input_output_aliases``): under ``jax.jit(..., donate_argnums=...)`` nothing is copied.
+Float values are cast to the cache's dtype in the kernel; 8-bit values (already in the
+cache's dtype) move as bytes. ``interpret=True`` runs the same kernel interpreted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fdecode.kernels.common import block as blk
+from fdecode.kernels.triton.plan import pow2_at_least
+
+
+@dataclasses.dataclass(frozen=True)
+class WritePlan:
+  """The write's static geometry: ``layout`` "HND" / "NHD"; ``paged`` (then ``num_pages``,
+  ``page_size`` and ``table_len``, the block table's n) or contiguous (``capacity`` S);
+  ``hkv`` kv heads."""
+  layout: str
+  paged: bool
+  hkv: int
+  capacity: int
+  page_size: int = 1
+  num_pages: int = 0
+  table_len: int = 1
+  interpret: bool = False
+
+
+def _kernel(seq_ref, pos_ref, *refs, plan: WritePlan, n_caches: int):
+  # seq / pos int32 [N]; [tables int32 [M * n]]; new rows [N * Hkv, D] per cache; the
+  # aliased caches' inputs (unused) and outputs, flat [rows, D].
+  refs = list(refs)
+  table_ref = refs.pop(0) if plan.paged else None
+  news, outs = refs[:n_caches], refs[2 * n_caches:]
+  r = pl.program_id(0)
+  h = pl.program_id(1)
+  seq, pos = seq_ref[r], pos_ref[r]
+  ok = pos >= 0
+  p = jnp.maximum(pos, 0)
+  if plan.paged:
+    ps, n = plan.page_size, plan.table_len
+    page = table_ref[jnp.clip(seq, 0, table_ref.shape[0] // n - 1) * n + jnp.minimum(p // ps, n - 1)]
+    ok = ok & (page >= 0) & (page < plan.num_pages)
+    page, slot = jnp.clip(page, 0, plan.num_pages - 1), p % ps
+    row = ((page * ps + slot) * plan.hkv + h if plan.layout == "NHD"
+           else (h * plan.num_pages + page) * ps + slot)
+  else:
+    ok = ok & (pos < plan.capacity)
+    s = jnp.minimum(p, plan.capacity - 1)
+    m = outs[0].shape[0] // (plan.hkv * plan.capacity)
+    seq = jnp.clip(seq, 0, m - 1)
+    row = (seq * plan.capacity + s) * plan.hkv + h if plan.layout == "NHD" else (seq * plan.hkv + h) * plan.capacity + s
+  row = jnp.where(ok, row, 0)
+  for new_ref, out_ref in zip(news, outs):
+    d = out_ref.shape[1]
+    dp = pow2_at_least(d)
+    live = ok & (lax.iota(jnp.int32, dp) < d)
+    x = plgpu.load(new_ref.at[r * plan.hkv + h, pl.ds(0, dp)], mask=live, other=0)
+    plgpu.store(out_ref.at[row, pl.ds(0, dp)], x.astype(out_ref.dtype), mask=live)
+
+
+def write_rows(plan: WritePlan, caches, news, seq, pos, tables=None):
+  """Writes ``news`` (``[N, Hkv, D]`` each, one per cache) into ``caches`` (k, and v unless
+  None: in ``plan.layout``, contiguous or paged) at each row's ``(seq, pos)`` (int32
+  ``[N]``; ``tables`` int32 ``[M, n]`` when paged) -> the updated caches, same shapes
+  and dtypes, in place."""
+  pairs = [(c, x) for c, x in zip(caches, news) if c is not None]
+  n_rows = seq.shape[0]
+  as_bytes = lambda x: lax.bitcast_convert_type(x, jnp.uint8) if jnp.dtype(x.dtype).itemsize == 1 else x
+  flat = [as_bytes(c).reshape(-1, c.shape[-1]) for c, _ in pairs]
+  rows = [as_bytes(x) if jnp.dtype(c.dtype).itemsize == 1 else x for c, x in pairs]
+  rows = [x.reshape(n_rows * plan.hkv, x.shape[-1]) for x in rows]
+  operands = [seq.astype(jnp.int32), pos.astype(jnp.int32)]
+  if plan.paged:
+    operands.append(tables.astype(jnp.int32).reshape(-1))
+  operands += rows + flat
+  first = len(operands) - len(flat)
+  whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
+  moved = sum(x.size * x.dtype.itemsize for x in rows)  # read once, written once
+  out = pl.pallas_call(
+      lambda *refs: _kernel(*refs, plan=plan, n_caches=len(flat)),
+      grid=(n_rows, plan.hkv),
+      in_specs=[whole(x) for x in operands],
+      out_specs=[whole(c) for c in flat],
+      out_shape=[blk.out_struct(c.shape, c.dtype, *operands) for c in flat],
+      input_output_aliases={first + i: i for i in range(len(flat))},
+      cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=2 * moved + 8 * n_rows),
+      compiler_params=None if plan.interpret else plgpu.CompilerParams(num_warps=1, num_stages=1),
+      interpret=plan.interpret,
+      name="fdecode_write_triton",
+  )(*operands)
+  written, result = iter(out), []
+  for c in caches:
+    x = None if c is None else next(written)
+    if x is not None and jnp.dtype(c.dtype).itemsize == 1:
+      x = lax.bitcast_convert_type(x, c.dtype)
+    result.append(None if x is None else x.reshape(c.shape))
+  return tuple(result)
+
+
+def write_plan(layout: str, paged: bool, cache_shape, *, page_size: int = 1, table_len: int = 1,
+               interpret: bool = False) -> WritePlan:
+  """The plan of writing into caches shaped like ``cache_shape`` (k's, in ``layout``)."""
+  hkv = cache_shape[2] if layout == "NHD" else (cache_shape[0] if paged else cache_shape[1])
+  if paged:
+    num_pages = cache_shape[0] if layout == "NHD" else cache_shape[1]
+    return WritePlan(layout, True, hkv, table_len * page_size, page_size, num_pages, table_len,
+                     interpret=bool(interpret))
+  capacity = cache_shape[1] if layout == "NHD" else cache_shape[2]
+  return WritePlan(layout, False, hkv, capacity, interpret=bool(interpret))

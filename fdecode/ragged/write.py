@@ -1,0 +1,79 @@
+"""The ragged step's fused cache write: each packed row's new key and value written at its
+(sequence, position), in the caches' own layout, before the step attends (`fdecode.ragged`).
+
+Two ways, one result (the same slots written, the same rows dropped):
+
+* **XLA**: a scatter per cache (``mode="drop"``), the rows' slots computed by a fusion
+  beside them. Used on CPU and TPU, with ``impl="xla"`` / ``"reference"``, and for caches
+  typed on Explicit mesh axes (the scatter states their sharding).
+* **Triton** (`fdecode.kernels.triton.write_rows`): keys and values in one kernel that
+  derives each row's slot itself: one launch where XLA launches three. Used on GPU, and
+  interpreted where the step's attention runs the Triton interpreter (``impl="pallas"``
+  on CPU), so the CPU tier runs the kernel the GPU runs.
+
+Under ``jax.jit(..., donate_argnums=...)`` both update the donated caches in place.
+A row with ``pos < 0`` (padding, or a position before the cache under ``jit``) writes
+nothing; paged, neither does one whose table entry is not a page of the pool.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+
+from fdecode.cache.meshes import explicit_sharding
+from fdecode.cache.write import scatter_keeping_sharding
+from fdecode.kernels.triton import write_plan, write_rows
+
+
+def write_new_tokens(view, new_k, new_v, seq, pos, *, impl=None, interpret=None):
+  """``view``'s caches (`fdecode.cache.layout.CacheView`, int32 tables) with row r's
+  ``new_k[r]`` / ``new_v[r]`` (``[N, Hkv, Dk]`` / ``[N, Hkv, Dv]``, ``new_v`` None for MLA)
+  at sequence ``seq[r]``, position ``pos[r]`` (int32 ``[N]``, `fdecode.ragged.row_positions`)
+  -> ``(k, v)``. ``impl`` / ``interpret``: the step's, which choose the way (module doc)."""
+  xla = lambda: _scatter(view, new_k, new_v, seq, pos)
+  if (impl in ("xla", "reference") or isinstance(interpret, pltpu.InterpretParams)
+      or explicit_sharding(view.k) is not None):
+    return xla()
+  triton = lambda interp: (lambda: _triton(view, new_k, new_v, seq, pos, interp))
+  if impl == "pallas" and interpret:  # the Triton interpreter, on any host
+    return triton(True)()
+  cpu = triton(True) if impl == "pallas" else xla
+  return lax.platform_dependent(cpu=cpu, cuda=triton(False), rocm=triton(False), default=xla)
+
+
+def _triton(view, new_k, new_v, seq, pos, interpret):
+  tables = view.block_tables
+  plan = write_plan(view.layout, view.paged, view.k.shape, page_size=view.page_size if view.paged else 1,
+                    table_len=tables.shape[1] if view.paged else 1, interpret=interpret)
+  return write_rows(plan, (view.k, view.v), (new_k, new_v), seq, pos, tables)
+
+
+def _scatter(view, new_k, new_v, seq, pos):
+  """Scatters the new rows into the caches at (sequence, position) in their own layout;
+  padding rows (pos -1) and positions without a page go out of range and are dropped."""
+  k, v, tables, kv_layout = view.k, view.v, view.block_tables, view.layout
+  if view.paged:
+    ps, num_pages = view.page_size, view.num_pages
+    j = jnp.clip(pos // ps, 0, tables.shape[1] - 1)
+    page = tables[seq, j]
+    page = jnp.where((pos >= 0) & (page >= 0) & (page < num_pages), page, num_pages)
+    slot = jnp.maximum(pos, 0) % ps
+    if kv_layout == "NHD":  # pool[page, slot]: [N, Hkv, D]
+      index = (page, slot)
+      put = lambda cache, new: scatter_keeping_sharding(cache, index, new)
+    else:  # pool[:, page, slot]: [Hkv, N, D]
+      index = (slice(None), page, slot)
+      put = lambda cache, new: scatter_keeping_sharding(cache, index, new.swapaxes(0, 1))
+  else:
+    p = jnp.where(pos >= 0, pos, view.capacity)
+    if kv_layout == "NHD":  # cache[seq, pos]: [N, Hkv, D]
+      index = (seq, p)
+    else:  # cache[seq, :, pos]: advanced indices split by a slice -> [N, Hkv, D]
+      index = (seq, slice(None), p)
+    put = lambda cache, new: scatter_keeping_sharding(cache, index, new)
+  k = put(k, new_k)
+  if new_v is not None:
+    v = put(v, new_v)
+  return k, v
