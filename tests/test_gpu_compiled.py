@@ -312,6 +312,23 @@ def test_ragged_decode(mix, cache, layout, dtype):
   assert np.isneginf(np.asarray(lse[live:])).all()
 
 
+@pytest.mark.parametrize("name", ["hnd-paged16-bf16", "nhd-paged1-int8", "hnd-contiguous-fp8-mla24",
+                                  "nhd-contiguous-f32"])
+def test_write_kernel_equals_the_scatter(name):
+  """The compiled Triton cache write (`fdecode.ragged.write`, impl=None on GPU) writes bit
+  for bit what XLA's scatter writes, in each geometry of tests/test_ragged_write.py
+  (float values cast into bfloat16, 8-bit bytes, MLA latents of D = 24, page size 1, and
+  the rows that write nothing)."""
+  from fdecode.ragged.write import write_new_tokens  # pylint: disable=g-import-not-at-top
+  from test_ragged_write import bits, write_step  # pylint: disable=g-import-not-at-top
+  view, nk, nv, seq, pos = write_step(name)
+  want = jax.jit(lambda: write_new_tokens(view, nk, nv, seq, pos, impl="xla"))()
+  got = jax.jit(lambda: write_new_tokens(view, nk, nv, seq, pos))()
+  for w, g in zip(want, got):
+    if w is not None:
+      np.testing.assert_array_equal(bits(g), bits(w))
+
+
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_ragged_fused_write(layout):
   """The fused write on the GPU (the Triton write kernel, `fdecode.ragged.write`): equals

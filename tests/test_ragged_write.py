@@ -26,7 +26,7 @@ CASES = {  # layout, paged, page size, cache dtype, new rows' dtype, head dim, M
 }
 
 
-def _step(name, seed=0):
+def write_step(name, seed=0):
   layout, paged, ps, dtype, new_dtype, d, mla = CASES[name]
   rng = np.random.default_rng(seed)
   s = 12
@@ -54,13 +54,13 @@ def _step(name, seed=0):
   return view, nk, nv, jnp.asarray(seq), jnp.asarray(pos)
 
 
-def _bits(x):
+def bits(x):
   return np.asarray(x).view(np.uint8 if x.dtype.itemsize == 1 else np.uint16 if x.dtype.itemsize == 2 else np.uint32)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_writes_what_the_scatter_writes(name):
-  view, nk, nv, seq, pos = _step(name)
+  view, nk, nv, seq, pos = write_step(name)
   want = jax.jit(lambda: write_new_tokens(view, nk, nv, seq, pos, impl="xla"))()
   got = jax.jit(lambda: write_new_tokens(view, nk, nv, seq, pos, impl="pallas", interpret=True))()
   for before, w, g in zip((view.k, view.v), want, got):
@@ -68,9 +68,9 @@ def test_kernel_writes_what_the_scatter_writes(name):
       assert w is None and g is None
       continue
     assert g.shape == before.shape and g.dtype == before.dtype
-    np.testing.assert_array_equal(_bits(g), _bits(w))
+    np.testing.assert_array_equal(bits(g), bits(w))
     # The scatter wrote something (the comparison is not of two untouched caches).
-    assert (_bits(w) != _bits(before)).any()
+    assert (bits(w) != bits(before)).any()
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
