@@ -5,8 +5,9 @@ in one run.
 Mixed step (the issue's shape): one prefill chunk of C tokens beside B - 1 decodes, every
 sequence at context L. Contenders:
   * floor: one streaming read of the live K+V bytes;
-  * ragged_decode: the one call (and the same over a token-major "NHD" pool, and over the
-    same sequences as a contiguous cache);
+  * ragged_decode: the one call (and the same writing the step's keys and values first
+    into donated pools, the fused write; over a token-major "NHD" pool; over the same
+    sequences as a contiguous cache);
   * two flash_decode calls: the B - 1 decodes (T = 1), then the chunk (B = 1, T = C);
   * flash_decode padded to T = C for every sequence (what one T forces).
 Pure-decode step: B decodes at context L, ragged_decode against flash_decode (T = 1), the
@@ -53,6 +54,19 @@ def mixed_rows(b, ctx, chunk, hkv, hq, d, page_size, dtype, iters, slow_iters, i
   add("floor: read live K+V once", floor_fn, (as_float32_words(k[:, :b * pages]), as_float32_words(v[:, :b * pages])))
   ragged = lambda q, k, v, lens, tables, cu: fdecode.ragged_decode(q, k, v, lens, tables, cu, b)
   add("ragged_decode (one call)", ragged, (q, k, v, lens, tables, cu))
+  # The same step writing its rows' keys and values first (the fused write), into pools it
+  # donates, as a serving step does: each call takes the pools the one before returned.
+  new_kv = jax.block_until_ready(jnp.ones((q.shape[0], hkv, d), dtype))
+  step = jax.jit(lambda q, k, v, lens, tables, cu, new: fdecode.ragged_decode(
+      q, k, v, lens, tables, cu, b, new_k=new, new_v=new), donate_argnums=(1, 2))
+  pools = [jnp.copy(k), jnp.copy(v)]
+
+  def written(q, lens, tables, cu, new):
+    out, pools[0], pools[1] = step(q, pools[0], pools[1], lens, tables, cu, new)
+    return out
+  rows.append(("ragged_decode + fused write (donated pools)",
+               *timeit(written, q, lens, tables, cu, new_kv, iters=iters, inner=inner), live_bytes))
+  del pools[:]
   # The same pool token-major [P, page_size, Hkv, D] (made outside the timed region), read
   # in place by every path (fdecode.cache.layout).
   kn, vn = jax.block_until_ready((k.transpose(1, 2, 0, 3), v.transpose(1, 2, 0, 3)))

@@ -123,14 +123,15 @@ def test_bench_ragged_quick_reports_every_contender(tmp_path):
   out = subprocess.run([sys.executable, "benchmarks/bench_ragged.py", "--quick", "--iters", "1",
                         "--json", str(tmp_path / "r.json")],
                        cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
-  for row in ("floor: read live K+V once", "ragged_decode (one call)", "ragged_decode, NHD pool (one call)",
+  for row in ("floor: read live K+V once", "ragged_decode (one call)", "ragged_decode + fused write (donated pools)",
+              "ragged_decode, NHD pool (one call)",
               "ragged_decode, contiguous cache (one call)", "flash_decode: decodes + chunk, two calls", "flash_decode padded to T=64",
               "ragged_decode (B decodes)", "flash_decode (T=1)"):
     assert re.search(rf"\| {re.escape(row)} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", out), (row, out)
   diff = re.search(r"max \|ragged - two calls\| = ([\d.e-]+)", out)
   assert diff and float(diff.group(1)) < 2e-2, out  # the same attention, bf16 rounding apart
   recs = records(tmp_path / "r.json", "bench_ragged")
-  assert {r["section"] for r in recs} == {"mixed", "decode"} and len(recs) == 9, recs
+  assert {r["section"] for r in recs} == {"mixed", "decode"} and len(recs) == 10, recs
 
 
 def test_bench_serving_quick_reports_every_contender(tmp_path):
