@@ -120,12 +120,15 @@ def test_merge_segments_is_merge_states_per_segment():
     merge_segments(o, lse, segments[:3], 5)
 
 
-def test_segmented_combine_kernel_is_merge_segments():
+@pytest.mark.parametrize("rows,chunk", [(1, 4), (4, 2), (8, 1)])
+def test_segmented_combine_kernel_is_merge_segments(rows, chunk):
   """The Triton combine kernel, segmented (the balanced schedule's merge, interpreted): each
   sequence merges the items the schedule gives it (derived in the kernel from the ends),
   as `merge_segments` does (empty parts, NaN lse or o, +inf; a sequence with no item
   gives 0, -inf; an empty item, NaN here, is no one's), then joins the sinks and lays the
-  rows out as ``[B, T * Hq, Dv]``."""
+  rows out as ``[B, T * Hq, Dv]``. A program merges a tile of ``rows`` query rows (8:
+  past R = 4, masked), ``chunk`` items a loop step (sequence 2's three items in one step,
+  two, or three)."""
   from fdecode.combine import apply_sinks, merge_segments
   from fdecode.kernels.common.modifiers import Modifiers
   from fdecode.kernels.triton import CombinePlan, Schedule, balanced_schedule, combine
@@ -143,7 +146,7 @@ def test_segmented_combine_kernel_is_merge_segments():
   np.testing.assert_array_equal(segments, [0, 2, 2, 2, 4, 4, b, b, b])
   sinks = jnp.linspace(-1.0, 1.0, hkv * g)
   plan = CombinePlan(num_splits=n, width=4, num_tokens=t, group=g, hq=hkv * g, dv=dv, out_dtype="float32",
-                     interpret=True, schedule=sched)
+                     interpret=True, schedule=sched, rows=rows, chunk=chunk)
   out, out_lse = combine(plan, o, lse, sinks, ends=ends)
   want, want_lse = merge_segments(o[:, :, :, 0], lse[:, :, :, 0], segments, b)  # [B, Hkv, R, Dv]
   want = want.reshape(b, hkv, t, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, t, hkv * g, dv)

@@ -3,7 +3,12 @@
 Grid ``(B, Hkv * R, Dv / width)``: one program merges one query row's ``n_splits``
 states over ``width`` of its columns (`fdecode.combine.merge_by`, the same math as
 `fdecode.combine.merge_states`), joins the sink, casts, and stores the row at its place
-in ``out [B, T * Hq, Dv]`` (and its lse in ``[B, T * Hq]``). With a split kernel, a call
+in ``out [B, T * Hq, Dv]`` (and its lse in ``[B, T * Hq]``). The balanced schedule's
+states are merged by sequence runs (`_segment_kernel`): grid ``(B, Hkv * ceil(R / rows),
+Dv / width)``, a program a tile of ``rows`` query rows, looping over its sequence's run of
+work items ``COMBINE_CHUNK`` at a time (each chunk merged by `merge_by`, then merged into
+the running state by `merge_by` again: merging is associative), so the program count
+does not scale with R and the tile not with the items. With a split kernel, a call
 launches two kernels and XLA adds nothing around them. It merges the Triton split
 kernel's states and the Hopper kernels' (`fdecode.kernels.mosaic_gpu`: MLA and GQA rows),
 laid out as `CombinePlan` says.
@@ -20,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from fdecode.combine import add_sink, merge_by
 from fdecode.kernels.common import block as blk
-from fdecode.kernels.triton.plan import combine_width, pow2_at_least
+from fdecode.kernels.triton.plan import COMBINE_CHUNK, combine_width, pow2_at_least
 from fdecode.kernels.triton.schedule import Schedule, load_ends, sequence_items
 
 
@@ -33,7 +38,9 @@ class CombinePlan:
   R_p, n_splits, Dv]`` (the Triton split kernel's); lse likewise without Dv.
   ``schedule``: the balanced schedule's states, ``[n_splits, Hkv, R_p, 1, Dv]``
   (``n_splits`` work items), each sequence merging its own run of items, which its
-  program derives from the sequences' ends (`fdecode.kernels.triton.schedule`)."""
+  program derives from the sequences' ends (`fdecode.kernels.triton.schedule`), in tiles
+  of ``rows`` query rows, ``chunk`` items a loop step
+  (`fdecode.kernels.triton.plan.segment_combine_tiling`)."""
   num_splits: int
   width: int
   num_tokens: int
@@ -44,34 +51,34 @@ class CombinePlan:
   interpret: bool = False
   split_major: bool = False
   schedule: Schedule | None = None
+  rows: int = 1
+  chunk: int = COMBINE_CHUNK
 
   @property
   def num_rows(self) -> int:
     return self.num_tokens * self.group
 
 
+def _reductions(back):
+  """`merge_by`'s reductions over axis 0 of a tile of parts, and ``back`` (merged -> parts)
+  (Triton has no boolean reduction: any is a max over 0 / 1)."""
+  return (lambda x: jnp.max(x, axis=0), lambda o, w: (jnp.sum(o, axis=0), jnp.sum(w, axis=0)),
+          lambda x: jnp.max(jnp.where(x, 1.0, 0.0), axis=0) > 0, back)
+
+
 def _kernel(lse_ref, o_ref, *refs, plan: CombinePlan):
   # lse_ref f32[n_splits], o_ref f32[n_splits, Dv] (this row's partial states),
-  # [ends int32[B]], [sinks f32[Hq]], out [T * Hq, Dv], out_lse f32[T * Hq]
-  refs = list(refs)
-  ends_ref = refs.pop(0) if plan.schedule is not None else None
+  # [sinks f32[Hq]], out [T * Hq, Dv], out_lse f32[T * Hq]
   sinks_ref, out_ref, out_lse_ref = refs if len(refs) == 3 else (None, *refs)
   n, w = plan.num_splits, plan.width
   sp = pow2_at_least(n)
   row = pl.program_id(1) % plan.num_rows
   h = pl.program_id(1) // plan.num_rows
   c = pl.program_id(2) * w
-  item = lax.iota(jnp.int32, sp)
-  live = item < n
-  if ends_ref is not None:  # this sequence's run of items only
-    first, last = sequence_items(load_ends(ends_ref, plan.schedule), pl.program_id(0), plan.schedule)
-    live = live & (item >= first) & (item < last)
+  live = lax.iota(jnp.int32, sp) < n
   lse = plgpu.load(lse_ref.at[pl.ds(0, sp)], mask=live, other=-jnp.inf)
   o = plgpu.load(o_ref.at[pl.ds(0, sp), pl.ds(c, w)], mask=live[:, None], other=0.0)
-  axis0 = lambda fn: (lambda x: fn(x, axis=0))
-  out, out_lse = merge_by(
-      o, lse, axis0(jnp.max), lambda o, w: (jnp.sum(o, axis=0), jnp.sum(w, axis=0)),
-      lambda x: jnp.max(jnp.where(x, 1.0, 0.0), axis=0) > 0, lambda x: x)
+  out, out_lse = merge_by(o, lse, *_reductions(lambda x: x))
   out, out_lse = out.reshape(1, w), out_lse.reshape(1, 1)
   head = h * plan.group + row % plan.group
   if sinks_ref is not None:
@@ -84,13 +91,82 @@ def _kernel(lse_ref, o_ref, *refs, plan: CombinePlan):
     out_lse_ref[pl.ds(dst, 1)] = out_lse.reshape(1)
 
 
+def _segment_kernel(lse_ref, o_ref, ends_ref, *refs, plan: CombinePlan):
+  # lse_ref f32[n, R_p], o_ref f32[n, R_p, Dv] (this kv head's states of every work item),
+  # ends int32[B], [sinks f32[Hq]], out [T * Hq, Dv], out_lse f32[T * Hq]
+  sinks_ref, out_ref, out_lse_ref = refs if len(refs) == 3 else (None, *refs)
+  rb, w, c = plan.rows, plan.width, plan.chunk
+  tiles = -(-plan.num_rows // rb)
+  h = pl.program_id(1) // tiles
+  row = (pl.program_id(1) % tiles) * rb + lax.iota(jnp.int32, rb)  # [rb]
+  col = pl.program_id(2) * w + lax.iota(jnp.int32, w)  # [w]
+  valid = row < plan.num_rows
+  first, last = sequence_items(load_ends(ends_ref, plan.schedule), pl.program_id(0), plan.schedule)
+  merge = lambda o, lse: merge_by(o, lse, *_reductions(lambda x: x[None]))
+
+  def step(i, state):
+    item = first + i * c + lax.iota(jnp.int32, c)  # [c]
+    live = (item < last)[:, None] & valid[None, :]  # [c, rb]
+    lse = plgpu.load(lse_ref.at[item[:, None], row[None, :]], mask=live, other=-jnp.inf)
+    o = plgpu.load(o_ref.at[item[:, None, None], row[None, :, None], col[None, None, :]], mask=live[:, :, None],
+                   other=0.0)
+    o, lse = merge(o, lse)  # this chunk's items: [rb, w], [rb]
+    pair = lax.broadcasted_iota(jnp.int32, (2, rb), 0) == 0
+    return merge(jnp.where(pair[:, :, None], state[0][None], o[None]), jnp.where(pair, state[1][None], lse[None]))
+
+  empty = (jnp.zeros((rb, w), jnp.float32), jnp.full((rb,), -jnp.inf, jnp.float32))
+  out, out_lse = lax.fori_loop(0, (last - first + c - 1) // c, step, empty)
+  out_lse = out_lse[:, None]
+  head = h * plan.group + row % plan.group
+  if sinks_ref is not None:
+    out, out_lse = add_sink(out, out_lse, plgpu.load(sinks_ref.at[head])[:, None].astype(jnp.float32))
+  dst = jnp.where(valid, (row // plan.group) * plan.hq + head, plan.num_tokens * plan.hq)  # padding: one past the end
+  plgpu.store(out_ref.at[dst[:, None], col[None, :]], out.astype(out_ref.dtype), mask=valid[:, None])
+
+  @pl.when(pl.program_id(2) == 0)
+  def _():
+    plgpu.store(out_lse_ref.at[dst], out_lse[:, 0], mask=valid)
+
+
+def _combine_segments(plan: CombinePlan, o, lse, sinks, ends):
+  """The balanced schedule's states ``o [n, Hkv, R_p, 1, Dv]`` / ``lse [n, Hkv, R_p, 1]``
+  -> ``(out [B, T * Hq, Dv], lse [B, T * Hq])``, each sequence its run of items."""
+  sched = plan.schedule
+  b, hkv, n, dv = sched.batch, o.shape[1], plan.num_splits, plan.dv
+  o, lse = o[:, :, :, 0], lse[:, :, :, 0]
+  tiles = -(-plan.num_rows // plan.rows)
+  r_p = o.shape[2]
+  operands = [lse, o, ends.astype(jnp.int32)]
+  in_specs = [pl.BlockSpec((n, None, r_p), lambda i, hr, c: (0, hr // tiles, 0)),
+              pl.BlockSpec((n, None, r_p, dv), lambda i, hr, c: (0, hr // tiles, 0, 0)),
+              pl.BlockSpec((b,), lambda i, hr, c: (0,))]
+  if sinks is not None:
+    operands.append(sinks.astype(jnp.float32))
+    in_specs.append(pl.BlockSpec((plan.hq,), lambda i, hr, c: (0,)))
+  tq = plan.num_tokens * plan.hq
+  compiler_params = None if plan.interpret else plgpu.CompilerParams(num_warps=4, num_stages=1)
+  return pl.pallas_call(
+      lambda *refs: _segment_kernel(*refs, plan=plan),
+      grid=(b, hkv * tiles, dv // plan.width),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, tq, dv), lambda i, hr, c: (i, 0, 0)),
+                 pl.BlockSpec((None, tq), lambda i, hr, c: (i, 0))],
+      out_shape=[blk.out_struct((b, tq, dv), jnp.dtype(plan.out_dtype), *operands),
+                 blk.out_struct((b, tq), jnp.float32, *operands)],
+      compiler_params=compiler_params,
+      interpret=plan.interpret,
+      name="fdecode_combine_triton",
+  )(*operands)
+
+
 def combine(plan: CombinePlan, o, lse, sinks=None, *, ends=None):
   """Partial states ``o`` / ``lse`` (float32, laid out as ``plan`` says) -> ``(out
   [B, T * Hq, Dv] in plan.out_dtype, lse f32 [B, T * Hq])``; ``sinks``: f32 ``[Hq]`` or None.
   ``ends`` (with ``plan.schedule``): int32 ``[B]``, the sequences' ends the schedule was
   dealt from."""
-  sched = plan.schedule
-  b = sched.batch if sched is not None else o.shape[0]
+  if plan.schedule is not None:
+    return _combine_segments(plan, o, lse, sinks, ends)
+  b = o.shape[0]
   if plan.split_major and o.ndim == 4:  # [B, n, R_p, Dv]: one kv head (a free reshape)
     o, lse = o[:, None], lse[:, None]
   hkv = o.shape[1]
@@ -98,17 +174,10 @@ def combine(plan: CombinePlan, o, lse, sinks=None, *, ends=None):
   if plan.split_major:  # [B, Hkv, n, R_p(, Dv)]
     in_specs = [pl.BlockSpec((None, None, n, None), lambda i, hr, c: (i, hr // rows, 0, hr % rows)),
                 pl.BlockSpec((None, None, n, None, dv), lambda i, hr, c: (i, hr // rows, 0, hr % rows, 0))]
-  elif sched is not None:  # [n, Hkv, R_p, 1(, Dv)]: every item, for every sequence
-    o, lse = o[:, :, :, 0], lse[:, :, :, 0]
-    in_specs = [pl.BlockSpec((n, None, None), lambda i, hr, c: (0, hr // rows, hr % rows)),
-                pl.BlockSpec((n, None, None, dv), lambda i, hr, c: (0, hr // rows, hr % rows, 0))]
   else:  # [B, Hkv, R_p, n(, Dv)]
     in_specs = [pl.BlockSpec((None, None, None, n), lambda i, hr, c: (i, hr // rows, hr % rows, 0)),
                 pl.BlockSpec((None, None, None, n, dv), lambda i, hr, c: (i, hr // rows, hr % rows, 0, 0))]
   operands = [lse, o]
-  if sched is not None:
-    operands.append(ends.astype(jnp.int32))
-    in_specs.append(pl.BlockSpec((b,), lambda i, hr, c: (0,)))
   if sinks is not None:
     operands.append(sinks.astype(jnp.float32))
     in_specs.append(pl.BlockSpec((plan.hq,), lambda i, hr, c: (0,)))

@@ -61,6 +61,9 @@ REGS_MEASURED = 0.4
 F32_PIECE = 128
 # float32 elements one combine program loads at once (splits x columns): 32 a thread.
 COMBINE_ELEMENTS = 4096
+# The balanced schedule's combine: work items a program merges per step of its loop (a
+# sequence's run is a few items; `segment_combine_tiling`).
+COMBINE_CHUNK = 4
 # Work items of the balanced schedule past the batch, interpreted (compiled: one wave).
 INTERPRET_EXTRA_ITEMS = 8
 
@@ -293,9 +296,10 @@ class TritonPlan:
   @property
   def combine_plan(self):
     from fdecode.kernels.triton.combine import CombinePlan  # pylint: disable=g-import-not-at-top
+    rows = segment_combine_tiling(self.num_rows, self.dv)[0] if self.balanced else 1
     return CombinePlan(num_splits=self.items if self.balanced else self.num_splits, width=self.combine_width,
                        num_tokens=self.num_tokens, group=self.group, hq=self.hq, dv=self.dv,
-                       out_dtype=self.out_dtype, interpret=self.interpret, schedule=self.schedule)
+                       out_dtype=self.out_dtype, interpret=self.interpret, schedule=self.schedule, rows=rows)
 
 
 def _cache_geometry(k, block_tables, kv_layout):
@@ -403,9 +407,21 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
       r_pieces=r_pieces, quant=quant, fp8_bits=fp8_bits, v_from_k=v_from_k, sparse=index_slots is not None,
       mods=mods, compute_dtype=jnp.dtype(compute_dtype).name, out_dtype=jnp.dtype(out_dtype).name, block=bk,
       warps=launch.warps, stages=launch.stages, num_splits=int(num_splits), balanced=balanced, items=items, batch=b,
-      combine_width=combine_width(items if balanced else int(num_splits), dv), sparse_fold=sparse_fold,
-      has_sinks=bool(has_sinks), q_source=source is not None,
+      combine_width=segment_combine_tiling(t * (hq // hkv), dv)[1] if balanced else combine_width(int(num_splits), dv),
+      sparse_fold=sparse_fold, has_sinks=bool(has_sinks), q_source=source is not None,
       table_source=source is not None and source.table_rows is not None, cache_batch=cache_batch)
+
+
+def segment_combine_tiling(num_rows: int, dv: int) -> tuple[int, int]:
+  """``(rows, width)`` of a balanced-schedule combine program: a tile of ``rows`` query rows
+  (of the R = ``num_rows`` of a kv head) by ``width`` columns (the largest power of two
+  dividing Dv), merged ``COMBINE_CHUNK`` work items at a time within ``COMBINE_ELEMENTS``.
+  (One row a program, all items at once, gave ragged_decode's prefill call B * Hkv * R *
+  Dv / width programs, e.g. 73 x 512 x 4 = 149,504 for 73 blocks of 64 rows at G = 4.)"""
+  width = dv & -dv
+  while width > 1 and COMBINE_CHUNK * width > COMBINE_ELEMENTS:
+    width //= 2
+  return max(1, min(pow2_at_least(num_rows), COMBINE_ELEMENTS // (COMBINE_CHUNK * width))), width
 
 
 def combine_width(num_splits: int, dv: int) -> int:

@@ -2,7 +2,7 @@
 a fixed grid of work items dealt out over the sequences by their live blocks.
 
 The kernels derive it themselves: each split-kernel program (one work item) and each
-combine program (one sequence) loads the whole ``ends [B]`` and computes what it needs
+combine program (a tile of one sequence's rows) loads the whole ``ends [B]`` and computes what it needs
 (`item_work`, `sequence_items`: a few reductions and a cumsum over B, in registers), so
 the schedule costs no launch of its own. `balanced_schedule` is the same schedule in XLA
 over every item at once: the reference the kernels' derivation is tested against.
