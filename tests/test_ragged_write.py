@@ -2,7 +2,7 @@
 (interpreted here; compiled in the compile tier, run on a GPU by test_gpu_compiled.py)
 writes bit for bit what XLA's scatter writes, in every cache geometry: both layouts,
 contiguous and paged (page size 1 too), float values cast to a bfloat16 cache, 8-bit
-values moved as bytes, MLA latents (no v, a head dim that is not a power of two), and the
+values moved as bytes (and converted first where only one side is 8-bit), MLA latents (no v, a head dim that is not a power of two), and the
 rows that must write nothing: padding (pos -1), a position past a contiguous cache, a
 table entry outside the pool."""
 
@@ -23,6 +23,9 @@ CASES = {  # layout, paged, page size, cache dtype, new rows' dtype, head dim, M
     "nhd-paged1-int8": ("NHD", True, 1, jnp.int8, jnp.int8, 16, False),
     "hnd-contiguous-fp8-mla24": ("HND", False, 0, jnp.float8_e4m3fn, jnp.float8_e4m3fn, 24, True),
     "nhd-contiguous-f32": ("NHD", False, 0, jnp.float32, jnp.bfloat16, 8, False),
+    # Mixed dtypes with an 8-bit side: converted to the cache's dtype, as the scatter casts.
+    "hnd-paged4-bf16-from-fp8": ("HND", True, 4, jnp.bfloat16, jnp.float8_e4m3fn, 16, False),
+    "nhd-contiguous-int8-from-f32": ("NHD", False, 0, jnp.int8, jnp.float32, 16, False),
 }
 
 

@@ -179,10 +179,11 @@ def test_gpu_ragged_step_is_two_split_launches(reports, target, name):
   assert decode["grid"][0] == 16, report["kernels"]
   assert prefill["grid"][0] > 20 and prefill["grid"][2] == 1, report["kernels"]
   assert waves(chips.GPUS[target], prefill) >= 1, prefill
-  # The prefill blocks' combine: a program per block, kv head and tile of 8 query rows (of
-  # R = 64 * 4), all 128 columns (before: one row and 32 columns a program, 20 x 512 x 4).
+  # The prefill blocks' combine: a program per block, kv head and tile of 4 query rows (of
+  # R = 64 * 4), all 128 columns, 8 items a loop step (`segment_combine_tiling`: 101-119
+  # items over 20 blocks); before: one row and 32 columns a program, 20 x 512 x 4.
   combine = [k for k in report["kernels"] if "combine" in k["name"] and k["grid"][0] == 20]
-  assert len(combine) == 1 and math.prod(combine[0]["grid"]) == 20 * 2 * (64 * 4 // 8), report["kernels"]
+  assert len(combine) == 1 and math.prod(combine[0]["grid"]) == 20 * 2 * (64 * 4 // 4), report["kernels"]
 
 
 # Launches of one ragged step (no conditional on GPU: both parts always run), on H100 /

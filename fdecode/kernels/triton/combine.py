@@ -6,9 +6,11 @@ states over ``width`` of its columns (`fdecode.combine.merge_by`, the same math 
 in ``out [B, T * Hq, Dv]`` (and its lse in ``[B, T * Hq]``). The balanced schedule's
 states are merged by sequence runs (`_segment_kernel`): grid ``(B, Hkv * ceil(R / rows),
 Dv / width)``, a program a tile of ``rows`` query rows, looping over its sequence's run of
-work items ``COMBINE_CHUNK`` at a time (each chunk merged by `merge_by`, then merged into
-the running state by `merge_by` again: merging is associative), so the program count
-does not scale with R and the tile not with the items. With a split kernel, a call
+work items ``chunk`` at a time (`fdecode.kernels.triton.plan.segment_combine_tiling`):
+each chunk merged by `merge_by`, then merged into the running state by `merge_by` again.
+That equals one merge of the run (up to rounding) for the states a split kernel gives
+(lse finite, -inf or NaN); only `merge_by`'s convention for several +inf parts (each
+weight 1) would depend on how they fall into chunks. With a split kernel, a call
 launches two kernels and XLA adds nothing around them. It merges the Triton split
 kernel's states and the Hopper kernels' (`fdecode.kernels.mosaic_gpu`: MLA and GQA rows),
 laid out as `CombinePlan` says.
@@ -40,7 +42,7 @@ class CombinePlan:
   (``n_splits`` work items), each sequence merging its own run of items, which its
   program derives from the sequences' ends (`fdecode.kernels.triton.schedule`), in tiles
   of ``rows`` query rows, ``chunk`` items a loop step
-  (`fdecode.kernels.triton.plan.segment_combine_tiling`)."""
+  (`fdecode.kernels.triton.plan.segment_combine_tiling`; ``width`` columns)."""
   num_splits: int
   width: int
   num_tokens: int

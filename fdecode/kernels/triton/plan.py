@@ -219,7 +219,9 @@ class TritonPlan:
   ``balanced`` work items (``items`` programs on grid axis 0) over the ``batch`` B
   sequences (`schedule`). ``final``: one split, the
   split kernel writes the output itself; otherwise the combine kernel merges
-  ``num_splits`` partial states ``combine_width`` columns a program. ``q_source`` /
+  ``num_splits`` partial states, ``combine_tiling`` ``(rows, width, chunk)`` a program
+  (one row and ``width`` columns, all splits at once; balanced: `segment_combine_tiling`).
+  ``q_source`` /
   ``table_source``: q rows / table rows are read through a `RowSource`'s indices;
   ``cache_batch`` > 0: a contiguous cache's rows too (``M`` rows: ``cache_source``), its
   blocks gathered like a pool's (one page of S tokens per sequence row and kv head), its
@@ -255,7 +257,7 @@ class TritonPlan:
   num_splits: int
   balanced: bool
   items: int
-  combine_width: int
+  combine_tiling: tuple
   batch: int
   sparse_fold: int = 1
   has_sinks: bool = False
@@ -296,10 +298,11 @@ class TritonPlan:
   @property
   def combine_plan(self):
     from fdecode.kernels.triton.combine import CombinePlan  # pylint: disable=g-import-not-at-top
-    rows = segment_combine_tiling(self.num_rows, self.dv)[0] if self.balanced else 1
-    return CombinePlan(num_splits=self.items if self.balanced else self.num_splits, width=self.combine_width,
+    rows, width, chunk = self.combine_tiling
+    return CombinePlan(num_splits=self.items if self.balanced else self.num_splits, width=width,
                        num_tokens=self.num_tokens, group=self.group, hq=self.hq, dv=self.dv,
-                       out_dtype=self.out_dtype, interpret=self.interpret, schedule=self.schedule, rows=rows)
+                       out_dtype=self.out_dtype, interpret=self.interpret, schedule=self.schedule, rows=rows,
+                       chunk=chunk or COMBINE_CHUNK)
 
 
 def _cache_geometry(k, block_tables, kv_layout):
@@ -407,21 +410,34 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
       r_pieces=r_pieces, quant=quant, fp8_bits=fp8_bits, v_from_k=v_from_k, sparse=index_slots is not None,
       mods=mods, compute_dtype=jnp.dtype(compute_dtype).name, out_dtype=jnp.dtype(out_dtype).name, block=bk,
       warps=launch.warps, stages=launch.stages, num_splits=int(num_splits), balanced=balanced, items=items, batch=b,
-      combine_width=segment_combine_tiling(t * (hq // hkv), dv)[1] if balanced else combine_width(int(num_splits), dv),
+      combine_tiling=(segment_combine_tiling(b, hkv, t * (hq // hkv), dv, items, gpu.sms) if balanced
+                      else (1, combine_width(int(num_splits), dv), 0)),
       sparse_fold=sparse_fold, has_sinks=bool(has_sinks), q_source=source is not None,
       table_source=source is not None and source.table_rows is not None, cache_batch=cache_batch)
 
 
-def segment_combine_tiling(num_rows: int, dv: int) -> tuple[int, int]:
-  """``(rows, width)`` of a balanced-schedule combine program: a tile of ``rows`` query rows
-  (of the R = ``num_rows`` of a kv head) by ``width`` columns (the largest power of two
-  dividing Dv), merged ``COMBINE_CHUNK`` work items at a time within ``COMBINE_ELEMENTS``.
-  (One row a program, all items at once, gave ragged_decode's prefill call B * Hkv * R *
-  Dv / width programs, e.g. 73 x 512 x 4 = 149,504 for 73 blocks of 64 rows at G = 4.)"""
-  width = dv & -dv
+def segment_combine_tiling(batch: int, hkv: int, num_rows: int, dv: int, items: int,
+                           sms: int) -> tuple[int, int, int]:
+  """``(rows, width, chunk)`` of a balanced-schedule combine program: a tile of ``rows``
+  query rows (of the R = ``num_rows`` of a kv head) by ``width`` columns, merging
+  ``chunk`` of its sequence's work items a loop step, within ``COMBINE_ELEMENTS``.
+  ``chunk``: the average run, ``items / batch`` (at least ``COMBINE_CHUNK``; longer runs
+  take more steps); ``rows``: the most the budget leaves, halved (then ``width``, down to
+  16) while the grid, ``batch * hkv * ceil(R / rows) * Dv / width`` programs, has fewer
+  than 4 a SM. (Before: one row a program, all items padded to a power of two at once:
+  ragged_decode's prefill combine at bench_ragged's shape was 73 x 512 x 8 = 299,008
+  programs.)"""
+  width = dv & -dv  # the largest power of two dividing Dv
   while width > 1 and COMBINE_CHUNK * width > COMBINE_ELEMENTS:
     width //= 2
-  return max(1, min(pow2_at_least(num_rows), COMBINE_ELEMENTS // (COMBINE_CHUNK * width))), width
+  chunk = min(max(COMBINE_CHUNK, pow2_at_least(-(-items // max(batch, 1)))), COMBINE_ELEMENTS // width)
+  rows = max(1, min(pow2_at_least(num_rows), COMBINE_ELEMENTS // (chunk * width)))
+  programs = lambda r, w: batch * hkv * -(-num_rows // r) * (dv // w)
+  while rows > 1 and programs(rows, width) < 4 * sms:
+    rows //= 2
+  while rows == 1 and width > 16 and programs(rows, width) < 4 * sms:
+    width //= 2
+  return rows, width, min(pow2_at_least(items), COMBINE_ELEMENTS // (rows * width))
 
 
 def combine_width(num_splits: int, dv: int) -> int:

@@ -15,8 +15,9 @@ A row with ``pos < 0`` (no live sequence owns it, or a position before the cache
 ``jit``), contiguous ``pos >= S``, or, paged, whose table entry is not a page of the pool
 writes nothing: the same rows `fdecode.ragged.write`'s XLA scatter drops. The caches are the outputs' buffers
 (``input_output_aliases``): under ``jax.jit(..., donate_argnums=...)`` nothing is copied.
-Float values are cast to the cache's dtype in the kernel; 8-bit values (already in the
-cache's dtype) move as bytes. ``interpret=True`` runs the same kernel interpreted.
+Float values are cast to the cache's dtype in the kernel; 8-bit values move as bytes (a
+new row and a cache of different dtypes with either 8-bit are converted to the cache's
+dtype in XLA first, as the scatter casts). ``interpret=True`` runs the same kernel interpreted.
 """
 
 from __future__ import annotations
@@ -85,12 +86,15 @@ def write_rows(plan: WritePlan, caches, news, seq, pos, tables=None):
   None: in ``plan.layout``, contiguous or paged) at each row's ``(seq, pos)`` (int32
   ``[N]``; ``tables`` int32 ``[M, n]`` when paged) -> the updated caches, same shapes
   and dtypes, in place."""
-  pairs = [(c, x) for c, x in zip(caches, news) if c is not None]
+  byte = lambda x: jnp.dtype(x.dtype).itemsize == 1
+  # 8-bit on either side: converted in XLA to the cache's dtype first (as the scatter
+  # casts), so the kernel only moves bytes (Triton has no float8 conversion below sm_89).
+  pairs = [(c, x.astype(c.dtype) if x.dtype != c.dtype and (byte(x) or byte(c)) else x)
+           for c, x in zip(caches, news) if c is not None]
   n_rows = seq.shape[0]
-  as_bytes = lambda x: lax.bitcast_convert_type(x, jnp.uint8) if jnp.dtype(x.dtype).itemsize == 1 else x
+  as_bytes = lambda x: lax.bitcast_convert_type(x, jnp.uint8) if byte(x) else x
   flat = [as_bytes(c).reshape(-1, c.shape[-1]) for c, _ in pairs]
-  rows = [as_bytes(x) if jnp.dtype(c.dtype).itemsize == 1 else x for c, x in pairs]
-  rows = [x.reshape(n_rows * plan.hkv, x.shape[-1]) for x in rows]
+  rows = [as_bytes(x).reshape(n_rows * plan.hkv, x.shape[-1]) for _, x in pairs]
   operands = [seq.astype(jnp.int32), pos.astype(jnp.int32)]
   if plan.paged:
     operands.append(tables.astype(jnp.int32).reshape(-1))
