@@ -148,7 +148,7 @@ def gpu_num_splits(sms: int, residency: tuple[int, int], work: int, num_blocks: 
   split_bytes) / gpu_busy``, among those that give every SM `PROGRAMS_PER_SM` programs.
 
   ``residency``: programs per SM at once, ``(lower, upper)`` estimate (ptxas chooses the
-  registers after this choice; `fdecode.kernels.triton.plan.Launch.residency`); every
+  registers after this choice; `fdecode.kernels.triton.launch.Launch.residency`); every
   candidate is judged at the worst of them. ``work``: programs per split (batch x kv
   heads x row blocks). ``cache_bytes``: the bytes the launch streams; ``split_bytes``:
   what one more split adds (its partial outputs and LSEs, written, then read by the merge).

@@ -30,8 +30,9 @@ from fdecode.kernels.common.block import decode_fp8_bits
 from fdecode.kernels.common.modifiers import user_form
 from fdecode.kernels.triton.combine import CombinePlan, combine, combine_split_major
 from fdecode.kernels.triton.kernel import split_kernel
-from fdecode.kernels.triton.plan import (Launch, RowSource, TritonPlan, block_size, combine_width, launch_plan,
-                                         make_plan, row_tiling, triton_unsupported)
+from fdecode.kernels.triton.launch import Launch, block_size, launch_plan
+from fdecode.kernels.triton.plan import (RowSource, TritonPlan, combine_width, make_plan, row_tiling,
+                                         triton_unsupported)
 from fdecode.kernels.triton.schedule import Schedule, balanced_schedule, item_work, sequence_items
 from fdecode.kernels.triton.write import WritePlan, write_plan, write_rows
 from fdecode.kernels.common.sparse import Sparse, pad_slots

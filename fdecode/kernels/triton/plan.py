@@ -2,7 +2,7 @@
 
 `make_plan` returns a frozen `TritonPlan` for the GPU compiled for (`fdecode.kernels.common.chips.Gpu`): the
 column pieces of each head dim, the query rows a program holds, the key block and warps
-that fit the registers and shared memory (`launch_plan`, calibrated on ptxas), the split
+that fit the registers and shared memory (`fdecode.kernels.triton.launch`, calibrated on ptxas), the split
 count (`fdecode.config.gpu_num_splits`) or the balanced schedule's work items, and
 whether the split kernel writes the final output itself (one split) or partial states
 that the combine kernel merges (`fdecode.kernels.triton.combine`). The kernels take the
@@ -27,7 +27,6 @@ so nothing is padded in memory and no q copy is made.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -37,26 +36,13 @@ from fdecode import config as config_lib
 from fdecode.cache.layout import kv_heads, token_axis
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.modifiers import Modifiers, window_tokens
+from fdecode.kernels.triton.launch import MIN_DOT, launch_plan, load_convert_bytes, pow2_at_least, row_state_factor
 
-# tl.dot needs every dimension >= 16: row blocks, key blocks and pieces reach it.
-MIN_DOT = 16
 # Elements of q (and of the float32 accumulator) one program holds: with 4 warps about
 # 64-128 registers a thread. Wider rows (MLA's 576 / 512) get fewer rows per program
 # (sglang's Triton MLA decode: 16 heads a program).
 ROW_BUDGET = 16 * 1024
-# Bytes of tiles and row state one thread may hold: about 150 of its 255 registers (the
-# rest hold addresses, masks and the load pipeline). Calibrated on ptxas -v for H100 and
-# A100 (benchmarks/RESULTS.md, compile report): past it ptxas spills.
-THREAD_BYTES = 540
 PIECE_COLS = 64                 # a piece costs at least this many columns (dot, masks, acc)
-STAGES = 2                      # Triton software-pipeline stages (one block in flight)
-WARPS = (4, 8)
-# Shared memory the compiler really allocates came to about 0.8 of `Launch.smem`
-# (measured): the upper residency estimate counts 0.75 of it.
-SMEM_MEASURED = 0.75
-# Registers ptxas allocates came to 0.41-0.94 of `Launch.regs` over the compile report's
-# grid (H100 and A100): the upper residency estimate counts this fraction.
-REGS_MEASURED = 0.4
 # Widest piece of a float32 computation (FMA dots hold a contraction row a thread).
 F32_PIECE = 128
 # float32 elements one combine program loads at once (splits x columns): 32 a thread.
@@ -68,10 +54,6 @@ COMBINE_CHUNK = 4
 INTERPRET_EXTRA_ITEMS = 8
 
 
-def pow2_at_least(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
-
-
 def row_tiling(rows: int, dq: int, dv: int) -> tuple[int, int]:
   """``(block_r, row_blocks)`` for R = ``rows`` query rows of widths ``dq`` / ``dv``: the
   rows rounded up to a power of two >= 16 while ``block_r * max(dq, dv)`` fits
@@ -79,83 +61,6 @@ def row_tiling(rows: int, dq: int, dv: int) -> tuple[int, int]:
   per = max(MIN_DOT, 1 << ((ROW_BUDGET // max(dq, dv, 1)).bit_length() - 1))
   block_r = min(max(MIN_DOT, pow2_at_least(rows)), per)
   return block_r, -(-max(rows, 1) // block_r)
-
-
-def block_size(block_k: int) -> int:
-  """The kernel's ``bk`` cap: ``block_k`` rounded up to a power of two, at least 16."""
-  return max(MIN_DOT, pow2_at_least(block_k))
-
-
-@dataclasses.dataclass(frozen=True)
-class Launch:
-  """How one program runs on the target GPU."""
-  block: int                  # bk
-  warps: int
-  stages: int
-  smem: int                   # upper estimate of its shared memory (bytes)
-  regs: int                   # estimate of its registers per thread
-
-  def residency(self, gpu: chips.Gpu) -> tuple[int, int]:
-    """Programs an SM may hold at once, (lower, upper): at the estimated registers and
-    shared memory, and at `REGS_MEASURED` of those registers and `SMEM_MEASURED` of
-    that memory. Registers are ptxas' choice, so splits are judged at every residency between."""
-    threads = 32 * self.warps
-    hi = max(1, gpu.resident_programs(threads=threads, regs=int(self.regs * REGS_MEASURED),
-                                      smem=int(self.smem * SMEM_MEASURED)))
-    lo = max(1, gpu.resident_programs(threads=threads, regs=self.regs, smem=self.smem))
-    return min(lo, hi), hi
-
-
-def launch_plan(gpu: chips.Gpu, *, block_r: int, dq: int, dv: int, cols: int, raw_bytes: int,
-                compute_bytes: int, block_k: int, convert_bytes: int = 0, row_state: int = 1) -> Launch:
-  """Warps and block for ``gpu``: the largest power-of-two ``bk <= block_size(block_k)``
-  whose tiles fit `THREAD_BYTES` a thread and whose pipelined loads fit the chip's shared
-  memory per block, on 4 warps if that keeps ``bk >= 64`` (or the cap), else on 8.
-
-  ``cols``: cache columns one block loads (k's, v's unless MLA, k_rope's); ``raw_bytes``:
-  their bytes in memory; ``compute_bytes``: after the cast / dequantization;
-  ``convert_bytes``: what a loaded element holds on the way there (its raw bytes for a
-  cast or a dequantization, plus 4 for the int32 of a float8 bit decode; 0 when loads feed
-  the dots as they are); ``row_state``: how many times the rows' q and accumulator count
-  (`row_state_factor`).
-  """
-  cap = block_size(block_k)
-
-  def fits(bk, warps):
-    tiles = (bk * cols * (compute_bytes + convert_bytes) + row_state * block_r * (dq * compute_bytes + dv * 4)
-             + 2 * block_r * bk * 4)
-    smem = bk * cols * (raw_bytes * (STAGES - 1) + compute_bytes) + block_r * bk * compute_bytes
-    per_thread = tiles / (32 * warps)
-    ok = per_thread <= THREAD_BYTES and smem <= gpu.smem_per_block
-    return ok, Launch(bk, warps, STAGES, smem, math.ceil(per_thread / 4) + 64)
-
-  best = None
-  for warps in WARPS:
-    bk = cap
-    while bk >= MIN_DOT:
-      ok, launch = fits(bk, warps)
-      if ok:
-        if warps == WARPS[-1] or bk >= min(cap, 64):
-          return launch
-        best = best or launch
-        break
-      bk //= 2
-  if best is not None:
-    return best
-  # Nothing fits (float32 MLA: q and acc alone take ~70 registers a thread): the smallest
-  # tiles on 8 warps, which ptxas takes without spills once float32 pieces are at most
-  # F32_PIECE wide (16 warps would cap it at 128 registers and spill).
-  return fits(MIN_DOT, WARPS[-1])[1]
-
-
-def row_state_factor(block_r: int, pieces) -> int:
-  """2 where a block of 64+ rows holds pieces of unequal widths with one of 128 or more
-  (D = 192: 128 + 64), else 1. Found by the randomized compile leg (2026-11-26): A100, D=192
-  bf16, 64 rows, T > 1: the register model allowed bk = 32 and ptxas spilled 32-52 bytes at
-  255 registers (bk = 16: 212 registers); counting those rows' state twice gives bk = 16.
-  D = 112 / 96 / 80 (pieces of 64 and less) compiled without spills as they were."""
-  widths = {p.width for p in pieces}
-  return 2 if block_r >= 64 and len(widths) > 1 and max(widths) >= 128 else 1
 
 
 def column_pieces(dk, dv, k_tiles, v_tiles, v_from_k, rope_dim, max_width=None):
@@ -315,18 +220,6 @@ def _cache_geometry(k, block_tables, kv_layout):
   return k.shape[ax], k.shape[ax], 0, 0, 0
 
 
-def _convert_bytes(raw_bytes, compute_bytes, quantized, fp8_bits, gathered):
-  """What a loaded element holds on its way to the dots (`launch_plan`'s ``convert_bytes``).
-  A float cache cast up (bf16 -> f32) holds both; a dequantized one its bytes and a float32
-  product; a bit decode two more 32-bit words (at 4 bytes ptxas spilled 8 B of the A100
-  e4m3 tile-scale kernel); rows gathered one by one (pages smaller than a dot tile, or a
-  float32 index list) a 64-bit address per element (f32 page size 1 spilled 308 B at 255
-  registers without it; f32 index lists on H100 8 B at bk = 64 on 8 warps, none at bk = 32;
-  bf16 and 8-bit index lists compile without spills as they are)."""
-  b = (raw_bytes + 4 if quantized or raw_bytes != compute_bytes else 0) + (8 if any(fp8_bits) else 0)
-  return b + (8 if gathered else 0)
-
-
 def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block_tables=None, k_rope=None,
          k_scale=None, v_scale=None, k_offset=None, v_offset=None, v_head_dim=None, mods=Modifiers(),
          has_mask_or_bias=False, has_sinks=False, index_slots=None, sparse_fold=1, num_splits=None, block_k=None,
@@ -373,8 +266,8 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   caches = [x for x in (k, v, k_rope) if x is not None]
   raw_bytes = max(jnp.dtype(x.dtype).itemsize for x in caches)
   seq_len, cache_rows, page_size, num_pages, table_len = _cache_geometry(k, block_tables, kv_layout)
-  convert = _convert_bytes(raw_bytes, compute_bytes, k_scale is not None or v_scale is not None, fp8_bits,
-                           (paged and page_size < MIN_DOT) or (index_slots is not None and compute_bytes == 4))
+  convert = load_convert_bytes(raw_bytes, compute_bytes, k_scale is not None or v_scale is not None, fp8_bits,
+                               (paged and page_size < MIN_DOT) or (index_slots is not None and compute_bytes == 4))
   launch = launch_plan(gpu, block_r=block_r, dq=dq, dv=dv, cols=cols, raw_bytes=raw_bytes,
                        compute_bytes=compute_bytes, block_k=block_k or config_lib.DEFAULT_BLOCK_K, convert_bytes=convert,
                        row_state=row_state_factor(block_r, k_pieces + v_pieces))
