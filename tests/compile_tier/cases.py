@@ -19,6 +19,7 @@ from fdecode.kernels.common import chips
 
 import fuzz  # tests/compile_tier/fuzz.py: this folder is on sys.path (compile_check, pytest)
 import model_cases  # tests/compile_tier/model_cases.py: Flax layers and Gemma 3, a step each
+import ragged_cases  # tests/compile_tier/ragged_cases.py: ragged_decode steps
 
 class _Cases(dict):
   """name -> build; a ``fuzz:...`` name (tests/compile_tier/fuzz.py) builds its own case."""
@@ -327,40 +328,6 @@ def _cascade(target):
   return fn, args
 
 
-def _ragged(target, layout, write, paged=True, **opts):
-  """ragged_decode over a paged pool (or ``paged=False`` a contiguous cache of 16 rows): N
-  packed rows of 16 sequences (decodes beside prefill chunks), the fused write of their
-  keys and values into the caches, donated as the Engine's step donates them (updated in
-  place, no copy); ``opts``: ragged_decode's."""
-  sd = target.spec
-  m, n_rows, hkv, hq, d, ps = 16, 256, HKV, 8, 128, 16
-  pages = m * (S // ps) + 3
-  pool = (hkv, pages, ps, d) if layout == "HND" else (pages, ps, hkv, d)
-  if not paged:
-    pool = (m, hkv, S, d) if layout == "HND" else (m, S, hkv, d)
-  args = (sd((n_rows, hq, d), jnp.bfloat16), sd(pool, jnp.bfloat16), sd(pool, jnp.bfloat16), sd((m,), jnp.int32),
-          sd((m, S // ps), jnp.int32) if paged else None, sd((m + 1,), jnp.int32), sd((1,), jnp.int32))
-  if not write:
-    return (lambda *a: fdecode.ragged_decode(*a, kv_layout=layout, **opts)), args
-  new = sd((n_rows, hkv, d), jnp.bfloat16)
-  fn = lambda q, k, v, lens, t, cu, ns, nk, nv: fdecode.ragged_decode(q, k, v, lens, t, cu, ns, kv_layout=layout,
-                                                                       new_k=nk, new_v=nv, **opts)
-  return fn, args + (new, new), (1, 2)
-
-
-def _ragged_mla_write(target):
-  """ragged_decode over float8 MLA latents in a paged pool (one latent head, D = 576,
-  v = None), with the fused write of the new latents (already quantized), donated."""
-  sd = target.spec
-  m, n_rows, g, ps = 8, 64, 16, 16
-  pool = sd((1, m * (S // ps) + 3, ps, 576), jnp.float8_e4m3fn)
-  args = (sd((n_rows, g, 576), jnp.bfloat16), pool, sd((m,), jnp.int32), sd((m, S // ps), jnp.int32),
-          sd((m + 1,), jnp.int32), sd((1,), jnp.int32), sd((n_rows, 1, 576), jnp.float8_e4m3fn))
-  fn = lambda q, k, lens, t, cu, ns, nk: fdecode.ragged_decode(q, k, None, lens, t, cu, ns, new_k=nk, v_head_dim=512,
-                                                              k_scale=0.5)
-  return fn, args, (1,)
-
-
 @case("xla-gather-select")
 def _xla_gather_select(target):
   """Plain XLA: a select over a gather by clipped indices (the ragged step's output
@@ -375,17 +342,18 @@ def _xla_gather_select(target):
 PLAIN_XLA = {"xla-gather-select"}  # no fdecode kernel: a check of the compile itself
 
 
-CASES["ragged-paged16-write"] = functools.partial(_ragged, layout="HND", write=True)
+CASES["ragged-paged16-write"] = functools.partial(ragged_cases.ragged, layout="HND", write=True)
 # A 40-token prefill chunk beside a decode at G = 4 (prefill rows 4 * 41, not a power of two).
 CASES["ragged-chunk40-g4"] = fuzz.build("fuzz:kind=ragged,m=2,n=41,g=4,hkv=2,layout=HND,ps=16,write=1")
-CASES["ragged-nhd-paged16"] = functools.partial(_ragged, layout="NHD", write=False)
+CASES["ragged-nhd-paged16"] = functools.partial(ragged_cases.ragged, layout="NHD", write=False)
 # Contiguous caches: every prefill block reads its sequence's cache row in place (one call).
-CASES["ragged-contiguous-write"] = functools.partial(_ragged, layout="HND", write=True, paged=False)
-CASES["ragged-nhd-contiguous"] = functools.partial(_ragged, layout="NHD", write=False, paged=False)
+CASES["ragged-contiguous-write"] = functools.partial(ragged_cases.ragged, layout="HND", write=True, paged=False)
+CASES["ragged-nhd-contiguous"] = functools.partial(ragged_cases.ragged, layout="NHD", write=False, paged=False)
 # The fused write of 8-bit MLA latents (D = 576, not a power of two; float8 moved as bytes).
-CASES["ragged-mla-fp8-write"] = functools.partial(_ragged_mla_write)
+CASES["ragged-mla-fp8-write"] = ragged_cases.ragged_mla_write
 # Opt-in: both parts on the Hopper rows kernel (decode part T = 1, prefill blocks T = 64).
-CASES["ragged-paged16-mosaic-gpu"] = functools.partial(_ragged, layout="HND", write=False, impl="mosaic_gpu")
+CASES["ragged-paged16-mosaic-gpu"] = functools.partial(ragged_cases.ragged, layout="HND", write=False,
+                                                      impl="mosaic_gpu")
 
 
 def _sharded(target, n_dev, head, seq, pod=None):

@@ -1,0 +1,45 @@
+"""ragged_decode compile cases (tests/compile_tier/cases.py registers them): one serving
+step over a paged pool or a contiguous cache of ``S`` tokens a sequence, with and without
+the fused write of its new keys and values."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+import fdecode
+
+S = 4096  # tokens a sequence may hold (cases.py's S)
+
+
+def ragged(target, layout, write, paged=True, **opts):
+  """ragged_decode over a paged pool (or ``paged=False`` a contiguous cache of 16 rows): N
+  packed rows of 16 sequences (decodes beside prefill chunks), the fused write of their
+  keys and values into the caches, donated as the Engine's step donates them (updated in
+  place, no copy); ``opts``: ragged_decode's."""
+  sd = target.spec
+  m, n_rows, hkv, hq, d, ps = 16, 256, 2, 8, 128, 16
+  pages = m * (S // ps) + 3
+  pool = (hkv, pages, ps, d) if layout == "HND" else (pages, ps, hkv, d)
+  if not paged:
+    pool = (m, hkv, S, d) if layout == "HND" else (m, S, hkv, d)
+  args = (sd((n_rows, hq, d), jnp.bfloat16), sd(pool, jnp.bfloat16), sd(pool, jnp.bfloat16), sd((m,), jnp.int32),
+          sd((m, S // ps), jnp.int32) if paged else None, sd((m + 1,), jnp.int32), sd((1,), jnp.int32))
+  if not write:
+    return (lambda *a: fdecode.ragged_decode(*a, kv_layout=layout, **opts)), args
+  new = sd((n_rows, hkv, d), jnp.bfloat16)
+  fn = lambda q, k, v, lens, t, cu, ns, nk, nv: fdecode.ragged_decode(q, k, v, lens, t, cu, ns, kv_layout=layout,
+                                                                       new_k=nk, new_v=nv, **opts)
+  return fn, args + (new, new), (1, 2)
+
+
+def ragged_mla_write(target):
+  """ragged_decode over float8 MLA latents in a paged pool (one latent head, D = 576,
+  v = None), with the fused write of the new latents (already quantized), donated."""
+  sd = target.spec
+  m, n_rows, g, ps = 8, 64, 16, 16
+  pool = sd((1, m * (S // ps) + 3, ps, 576), jnp.float8_e4m3fn)
+  args = (sd((n_rows, g, 576), jnp.bfloat16), pool, sd((m,), jnp.int32), sd((m, S // ps), jnp.int32),
+          sd((m + 1,), jnp.int32), sd((1,), jnp.int32), sd((n_rows, 1, 576), jnp.float8_e4m3fn))
+  fn = lambda q, k, lens, t, cu, ns, nk: fdecode.ragged_decode(q, k, None, lens, t, cu, ns, new_k=nk, v_head_dim=512,
+                                                              k_scale=0.5)
+  return fn, args, (1,)
