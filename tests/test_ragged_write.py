@@ -48,11 +48,13 @@ def write_step(name, seed=0):
   new = lambda: jnp.asarray(rng.normal(size=(N, HKV, d)) * 4).astype(new_dtype)
   nk, nv = new(), None if mla else new()
   # Distinct (sequence, position) per row; -1: padding rows; s, s + 3: past a contiguous
-  # cache; (1, s - 1) and (2, 0): the table entries outside the pool when paged.
+  # cache, and sequence M outside it; (1, s - 1) and (2, 0): the table entries outside the
+  # pool when paged.
   edge = [1 * s + s - 1, 2 * s]
   slots = rng.permutation(np.setdiff1d(np.arange(M * s), edge))[:N - 5]
-  seq = np.concatenate([slots // s, [0, 1, 2, 1, 2]]).astype(np.int32)
-  pos = np.concatenate([slots % s, [-1, -1 if paged else s, -1 if paged else s + 3, s - 1, 0]]).astype(np.int32)
+  seq = np.concatenate([slots // s, [0 if paged else M, 1, 2, 1, 2]]).astype(np.int32)
+  pos = np.concatenate([slots % s, [-1 if paged else 0, -1 if paged else s, -1 if paged else s + 3, s - 1, 0]])
+  pos = pos.astype(np.int32)
   view = CacheView(k, v, block_tables=None if tables is None else jnp.asarray(tables), layout=layout, paged=paged)
   return view, nk, nv, jnp.asarray(seq), jnp.asarray(pos)
 

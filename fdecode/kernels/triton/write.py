@@ -12,12 +12,13 @@ free reshape), one row a store (a power-of-two width, masked to D):
   the sequence's table entry ``pos // page_size`` and ``slot = pos % page_size``.
 
 A row with ``pos < 0`` (no live sequence owns it, or a position before the cache under
-``jit``), contiguous ``pos >= S``, or, paged, whose table entry is not a page of the pool
-writes nothing: the same rows `fdecode.ragged.write`'s XLA scatter drops. The caches are the outputs' buffers
-(``input_output_aliases``): under ``jax.jit(..., donate_argnums=...)`` nothing is copied.
-Float values are cast to the cache's dtype in the kernel; 8-bit values move as bytes (a
-new row and a cache of different dtypes with either 8-bit are converted to the cache's
-dtype in XLA first, as the scatter casts). ``interpret=True`` runs the same kernel interpreted.
+``jit``), contiguous ``pos >= S`` or a sequence outside ``[0, M)``, or, paged, whose table
+entry is not a page of the pool writes nothing: the same rows `fdecode.ragged.write`'s XLA
+scatter drops. The caches are the outputs' buffers (``input_output_aliases``): under
+``jax.jit(..., donate_argnums=...)`` nothing is copied. Float values are cast to the
+cache's dtype in the kernel; 8-bit values move as bytes (a new row and a cache of
+different dtypes with either 8-bit are converted to the cache's dtype in XLA first, as
+the scatter casts). ``interpret=True`` runs the same kernel interpreted.
 """
 
 from __future__ import annotations
@@ -67,10 +68,9 @@ def _kernel(seq_ref, pos_ref, *refs, plan: WritePlan, n_caches: int):
     row = ((page * ps + slot) * plan.hkv + h if plan.layout == "NHD"
            else (h * plan.num_pages + page) * ps + slot)
   else:
-    ok = ok & (pos < plan.capacity)
-    s = jnp.minimum(p, plan.capacity - 1)
     m = outs[0].shape[0] // (plan.hkv * plan.capacity)
-    seq = jnp.clip(seq, 0, m - 1)
+    ok = ok & (pos < plan.capacity) & (seq >= 0) & (seq < m)
+    s, seq = jnp.minimum(p, plan.capacity - 1), jnp.clip(seq, 0, m - 1)
     row = (seq * plan.capacity + s) * plan.hkv + h if plan.layout == "NHD" else (seq * plan.hkv + h) * plan.capacity + s
   row = jnp.where(ok, row, 0)
   for new_ref, out_ref in zip(news, outs):
