@@ -130,35 +130,39 @@ def _segment_kernel(lse_ref, o_ref, ends_ref, *refs, plan: CombinePlan):
     plgpu.store(out_lse_ref.at[dst], out_lse[:, 0], mask=valid)
 
 
-def _combine_segments(plan: CombinePlan, o, lse, sinks, ends):
-  """The balanced schedule's states ``o [n, Hkv, R_p, 1, Dv]`` / ``lse [n, Hkv, R_p, 1]``
-  -> ``(out [B, T * Hq, Dv], lse [B, T * Hq])``, each sequence its run of items."""
-  sched = plan.schedule
-  b, hkv, n, dv = sched.batch, o.shape[1], plan.num_splits, plan.dv
-  o, lse = o[:, :, :, 0], lse[:, :, :, 0]
-  tiles = -(-plan.num_rows // plan.rows)
-  r_p = o.shape[2]
-  operands = [lse, o, ends.astype(jnp.int32)]
-  in_specs = [pl.BlockSpec((n, None, r_p), lambda i, hr, c: (0, hr // tiles, 0)),
-              pl.BlockSpec((n, None, r_p, dv), lambda i, hr, c: (0, hr // tiles, 0, 0)),
-              pl.BlockSpec((b,), lambda i, hr, c: (0,))]
+def _launch(plan: CombinePlan, kernel, grid, b: int, operands, in_specs, sinks):
+  """One combine launch over ``grid``: ``operands`` (the sinks appended), the finished
+  ``(out [B, T * Hq, Dv], lse [B, T * Hq])``, batch ``b`` on grid axis 0."""
   if sinks is not None:
-    operands.append(sinks.astype(jnp.float32))
-    in_specs.append(pl.BlockSpec((plan.hq,), lambda i, hr, c: (0,)))
-  tq = plan.num_tokens * plan.hq
-  compiler_params = None if plan.interpret else plgpu.CompilerParams(num_warps=4, num_stages=1)
+    operands = operands + [sinks.astype(jnp.float32)]
+    in_specs = in_specs + [pl.BlockSpec((plan.hq,), lambda i, hr, c: (0,))]
+  tq, dv = plan.num_tokens * plan.hq, plan.dv
   return pl.pallas_call(
-      lambda *refs: _segment_kernel(*refs, plan=plan),
-      grid=(b, hkv * tiles, dv // plan.width),
+      lambda *refs: kernel(*refs, plan=plan),
+      grid=grid,
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, tq, dv), lambda i, hr, c: (i, 0, 0)),
                  pl.BlockSpec((None, tq), lambda i, hr, c: (i, 0))],
       out_shape=[blk.out_struct((b, tq, dv), jnp.dtype(plan.out_dtype), *operands),
                  blk.out_struct((b, tq), jnp.float32, *operands)],
-      compiler_params=compiler_params,
+      compiler_params=None if plan.interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
       interpret=plan.interpret,
       name="fdecode_combine_triton",
   )(*operands)
+
+
+def _combine_segments(plan: CombinePlan, o, lse, sinks, ends):
+  """The balanced schedule's states ``o [n, Hkv, R_p, 1, Dv]`` / ``lse [n, Hkv, R_p, 1]``
+  -> ``(out [B, T * Hq, Dv], lse [B, T * Hq])``, each sequence its run of items."""
+  b, hkv, n, dv = plan.schedule.batch, o.shape[1], plan.num_splits, plan.dv
+  o, lse = o[:, :, :, 0], lse[:, :, :, 0]
+  tiles = -(-plan.num_rows // plan.rows)
+  r_p = o.shape[2]
+  in_specs = [pl.BlockSpec((n, None, r_p), lambda i, hr, c: (0, hr // tiles, 0)),
+              pl.BlockSpec((n, None, r_p, dv), lambda i, hr, c: (0, hr // tiles, 0, 0)),
+              pl.BlockSpec((b,), lambda i, hr, c: (0,))]
+  return _launch(plan, _segment_kernel, (b, hkv * tiles, dv // plan.width), b, [lse, o, ends.astype(jnp.int32)],
+                 in_specs, sinks)
 
 
 def combine(plan: CombinePlan, o, lse, sinks=None, *, ends=None):
@@ -179,25 +183,7 @@ def combine(plan: CombinePlan, o, lse, sinks=None, *, ends=None):
   else:  # [B, Hkv, R_p, n(, Dv)]
     in_specs = [pl.BlockSpec((None, None, None, n), lambda i, hr, c: (i, hr // rows, hr % rows, 0)),
                 pl.BlockSpec((None, None, None, n, dv), lambda i, hr, c: (i, hr // rows, hr % rows, 0, 0))]
-  operands = [lse, o]
-  if sinks is not None:
-    operands.append(sinks.astype(jnp.float32))
-    in_specs.append(pl.BlockSpec((plan.hq,), lambda i, hr, c: (0,)))
-  tq = plan.num_tokens * plan.hq
-  out_shape = [blk.out_struct((b, tq, dv), jnp.dtype(plan.out_dtype), *operands),
-               blk.out_struct((b, tq), jnp.float32, *operands)]
-  compiler_params = None if plan.interpret else plgpu.CompilerParams(num_warps=4, num_stages=1)
-  return pl.pallas_call(
-      lambda *refs: _kernel(*refs, plan=plan),
-      grid=(b, hkv * rows, dv // w),
-      in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, tq, dv), lambda i, hr, c: (i, 0, 0)),
-                 pl.BlockSpec((None, tq), lambda i, hr, c: (i, 0))],
-      out_shape=out_shape,
-      compiler_params=compiler_params,
-      interpret=plan.interpret,
-      name="fdecode_combine_triton",
-  )(*operands)
+  return _launch(plan, _kernel, (b, hkv * rows, dv // w), b, [lse, o], in_specs, sinks)
 
 
 def combine_split_major(o, lse, *, num_tokens: int, group: int, hq: int, out_dtype, interpret: bool):

@@ -207,7 +207,7 @@ class TritonPlan:
     return CombinePlan(num_splits=self.items if self.balanced else self.num_splits, width=width,
                        num_tokens=self.num_tokens, group=self.group, hq=self.hq, dv=self.dv,
                        out_dtype=self.out_dtype, interpret=self.interpret, schedule=self.schedule, rows=rows,
-                       chunk=chunk or COMBINE_CHUNK)
+                       chunk=chunk)
 
 
 def _cache_geometry(k, block_tables, kv_layout):
@@ -304,7 +304,7 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
       mods=mods, compute_dtype=jnp.dtype(compute_dtype).name, out_dtype=jnp.dtype(out_dtype).name, block=bk,
       warps=launch.warps, stages=launch.stages, num_splits=int(num_splits), balanced=balanced, items=items, batch=b,
       combine_tiling=(segment_combine_tiling(b, hkv, t * (hq // hkv), dv, items, gpu.sms) if balanced
-                      else (1, combine_width(int(num_splits), dv), 0)),
+                      else (1, combine_width(int(num_splits), dv), COMBINE_CHUNK)),
       sparse_fold=sparse_fold, has_sinks=bool(has_sinks), q_source=source is not None,
       table_source=source is not None and source.table_rows is not None, cache_batch=cache_batch)
 
