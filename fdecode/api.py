@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -200,16 +201,38 @@ def _canonical_caches(view: CacheView) -> CacheView:
                           k_rope=None if view.k_rope is None else jnp.asarray(view.k_rope))
 
 
-def flash_decode_with_source(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=None,
-                  softmax_scale=None, num_splits=None, block_k=None, impl=None,
-                  interpret=None, return_lse=False, k_offset=None, v_offset=None, kv_offset=None,
-                  causal=True, mask=None, bias=None, alibi_slopes=None, window=None,
-                  logits_soft_cap=None, sinks=None, v_head_dim=None, k_rope=None, indices=None,
-                  kv_layout="HND", source=None):
-  """`flash_decode`, and ``source``: a `fdecode.kernels.triton.RowSource` of which ``q`` (and
-  ``block_tables``, where the source has table rows, or the contiguous caches and their
-  per-sequence scales, where it has cache rows) are gathers (`fdecode.ragged`), which the
-  Triton kernels read through (the gathers then run only on paths that read them)."""
+class Call(NamedTuple):
+  """A `flash_decode` call, validated and canonical (`canonical_call`): ``q4`` ``[B, T, Hq,
+  Dk]``, the cache ``view`` (canonical scales, int32 tables), ``ends`` int32 ``[B]`` (each
+  sequence's end relative to the cache's first token), the static ``mods`` and their
+  canonical ``mod_arrays`` and ``sinks``, the static ``softmax_scale`` and ``cfg``, and the
+  call's other options as `fdecode.dispatch.decode` takes them."""
+  q4: object
+  view: CacheView
+  ends: object
+  kv_offset: object
+  mods: modifiers.Modifiers
+  mod_arrays: dict
+  sinks: object
+  softmax_scale: float
+  cfg: config_lib.Config
+  impl: object
+  interpret: object
+  dv: int
+  v_head_dim: object
+  single_token: bool
+  indices: object
+  source: object
+
+
+def canonical_call(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=None,
+                   softmax_scale=None, num_splits=None, block_k=None, impl=None,
+                   interpret=None, k_offset=None, v_offset=None, kv_offset=None,
+                   causal=True, mask=None, bias=None, alibi_slopes=None, window=None,
+                   logits_soft_cap=None, sinks=None, v_head_dim=None, k_rope=None, indices=None,
+                   kv_layout="HND", source=None) -> Call:
+  """`flash_decode`'s arguments (and a `RowSource`, as `flash_decode_with_source` takes it),
+  checked (every `flash_decode` error) and put in the form the backends take: a `Call`."""
   (q, k, v, lengths, block_tables, k_scale, v_scale, k_offset, v_offset, kv_offset, mask, bias,
    alibi_slopes, sinks, k_rope, indices) = as_arrays(
        q=q, k=k, v=v, lengths=lengths, block_tables=block_tables, k_scale=k_scale, v_scale=v_scale,
@@ -267,25 +290,37 @@ def flash_decode_with_source(q, k, v, lengths, *, block_tables=None, k_scale=Non
                           k_rope=None if view.k_rope is None else jnp.asarray(view.k_rope))
   if source is not None and source.caches is not None:  # the whole contiguous caches, canonical alike
     source = source._replace(caches=_canonical_caches(source.caches))
-  # The kernels take each sequence's end relative to the cache's first token.
   ends = to_int32(lengths)
   if kv_offset is not None:
     kv_offset = to_int32(kv_offset)
     ends = ends - kv_offset
+  return Call(q4=q4, view=view, ends=ends, kv_offset=kv_offset, mods=mods, mod_arrays=mod_arrays, sinks=sinks,
+              softmax_scale=scale, cfg=cfg, impl=impl, interpret=interpret, dv=dv,
+              v_head_dim=None if v is not None else dv, single_token=single_token, indices=indices, source=source)
+
+
+def flash_decode_with_source(q, k, v, lengths, *, return_lse=False, source=None, **options):
+  """`flash_decode`, and ``source``: a `fdecode.kernels.triton.RowSource` of which ``q`` (and
+  ``block_tables``, where the source has table rows, or the contiguous caches and their
+  per-sequence scales, where it has cache rows) are gathers (`fdecode.ragged`), which the
+  Triton kernels read through (the gathers then run only on paths that read them).
+  ``options``: `flash_decode`'s other keywords."""
+  c = canonical_call(q, k, v, lengths, source=source, **options)
+  q4, view, ends, mods = c.q4, c.view, c.ends, c.mods
   if q4.shape[0] == 0 or q4.shape[1] == 0:  # no sequence or no new token: nothing to attend
-    out = jnp.zeros(q4.shape[:-1] + (dv,), q.dtype)
+    out = jnp.zeros(q4.shape[:-1] + (c.dv,), q4.dtype)
     lse = jnp.full(q4.shape[:-1], -jnp.inf, jnp.float32)
   else:
     b, t = q4.shape[:2]
     sparse, lists = None, {}
-    if indices is not None:
-      q4, ends, sparse, lists, view = _sparse_setup(q4, ends, indices, view, kv_offset, mods)
+    if c.indices is not None:
+      q4, ends, sparse, lists, view = _sparse_setup(q4, ends, c.indices, view, c.kv_offset, mods)
     run = decode.__wrapped__ if recording() else decode  # `plan`: traced anew, not from jit's cache
-    out, lse = run(q4, view, ends, lists, mod_arrays, sinks, impl=impl, softmax_scale=scale,
-                   cfg=cfg, interpret=interpret, mods=mods, v_head_dim=None if v is not None else dv,
-                   sparse=sparse, source=None if single_token or sparse is not None else source)
+    out, lse = run(q4, view, ends, lists, c.mod_arrays, c.sinks, impl=c.impl, softmax_scale=c.softmax_scale,
+                   cfg=c.cfg, interpret=c.interpret, mods=mods, v_head_dim=c.v_head_dim,
+                   sparse=sparse, source=None if c.single_token or sparse is not None else c.source)
     out, lse = out.reshape(b, t, *out.shape[2:]), lse.reshape(b, t, -1)  # undo a sparse fold
-  if single_token:
+  if c.single_token:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out
 

@@ -222,20 +222,31 @@ def _triton(q, view, ends, *, num_tokens, softmax_scale, cfg, interpret, compute
   if not interpret and _hopper_mla_takes(q, rv, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg):
     return _hopper_mla(q, rv.k, ends, softmax_scale=softmax_scale, num_splits=cfg.num_splits)
   indices = lists.get("indices")
-  p = triton_plan(q.shape, rv.k, rv.v, compute_dtype=compute, out_dtype=q.dtype, kv_layout=rv.layout,
-                  block_tables=rv.block_tables, k_rope=rv.k_rope,
-                  **{n: getattr(rv, n) for n in QUANT_ARRAYS}, v_head_dim=v_head_dim, mods=mods,
-                  has_mask_or_bias=mask is not None or bias is not None, has_sinks=sinks is not None,
-                  index_slots=None if sparse is None else indices.shape[-1],
-                  sparse_fold=1 if sparse is None else sparse.fold, num_splits=cfg.num_splits,
-                  block_k=cfg.block_k, balance=cfg.balance, interpret=interpret,
-                  source=source if sparse is None else None)
-  _note(p)
-  if p.cache_source:  # the whole contiguous caches the call's are gathers of, read at the source's rows
-    rv = source.caches.read(rv.layout)
+  p, rv = triton_plan_view(q, view, compute=compute, mods=mods, v_head_dim=v_head_dim, cfg=cfg, interpret=interpret,
+                           has_mask_or_bias=mask is not None or bias is not None, has_sinks=sinks is not None,
+                           index_slots=None if sparse is None else indices.shape[-1],
+                           sparse_fold=1 if sparse is None else sparse.fold, source=source if sparse is None else None)
   return triton_run(p, q, ends, rv.k, rv.v, softmax_scale=softmax_scale, mask=mask, bias=bias, alibi=alibi,
                     sinks=sinks, sparse=sparse, source=source if p.q_source else None, **rv.kernel_arrays(),
                     **lists)
+
+
+def triton_plan_view(q, view, *, compute, mods, v_head_dim, cfg, interpret, has_mask_or_bias=False,
+                     has_sinks=False, index_slots=None, sparse_fold=1, source=None, balance=None):
+  """The Triton kernels' plan of a canonical call (q ``[B, T, Hq, Dq]``, its cache ``view``)
+  and the view they read (its read layout; a `RowSource`'s whole contiguous caches where the
+  plan reads cache rows). ``balance`` None: ``cfg.balance``."""
+  rv = view.read(view.read_layout)
+  p = triton_plan(q.shape, rv.k, rv.v, compute_dtype=compute, out_dtype=q.dtype, kv_layout=rv.layout,
+                  block_tables=rv.block_tables, k_rope=rv.k_rope,
+                  **{n: getattr(rv, n) for n in QUANT_ARRAYS}, v_head_dim=v_head_dim, mods=mods,
+                  has_mask_or_bias=has_mask_or_bias, has_sinks=has_sinks, index_slots=index_slots,
+                  sparse_fold=sparse_fold, num_splits=cfg.num_splits, block_k=cfg.block_k,
+                  balance=cfg.balance if balance is None else balance, interpret=interpret, source=source)
+  _note(p)
+  if p.cache_source:  # the whole contiguous caches the call's are gathers of, read at the source's rows
+    rv = source.caches.read(rv.layout)
+  return p, rv
 
 
 def _hopper_mla_takes(q, view, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg) -> bool:

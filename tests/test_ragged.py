@@ -129,18 +129,25 @@ def test_triton_reads_rows_in_place_per_sequence_grid():
 def test_triton_reads_contiguous_cache_rows_in_place(layout, case, monkeypatch):
   """A contiguous cache's prefill blocks go to one call of the interpreted Triton kernels,
   each block reading its sequence's cache row (and per-token scales) through the
-  RowSource's cache rows, not a loop over the blocks: on the balanced schedule, and on the
-  per-sequence grid (a per-row bias turns the schedule off). Other sequences' rows hold
-  NaN past their lengths and in the rows no sequence owns, which no block may reach."""
+  RowSource's cache rows, not a loop over the blocks: on the balanced schedule (the Triton
+  step, `fdecode.ragged.triton_step`: its decode part reads its sequences so too), and on
+  the per-sequence grid (a per-row bias turns the schedule off: the two-part path). Other
+  sequences' rows hold NaN past their lengths and in the rows no sequence owns, which no
+  block may reach."""
   import fdecode.ragged.decode as ragged_module
+  import fdecode.ragged.triton_step as step_module
   calls = []
-  real = ragged_module.flash_decode_with_source
 
-  def spy(q, *args, source=None, **kwargs):
-    calls.append((q.shape[:2], source is not None and source.cache_rows is not None))
-    return real(q, *args, source=source, **kwargs)
+  def spy(module, name):
+    real = getattr(module, name)
 
-  monkeypatch.setattr(ragged_module, "flash_decode_with_source", spy)
+    def call(q, *args, source=None, **kwargs):
+      calls.append((q.shape[:2], source is not None and source.caches is not None))
+      return real(q, *args, source=source, **kwargs)
+    monkeypatch.setattr(module, name, call)
+
+  spy(ragged_module, "flash_decode_with_source")
+  spy(step_module, "canonical_call")
   p = batch(9, [1, 9, 70, 2, 65], [50, 9, 90, 2, 70], max_seqs=7, paged=False, layout=layout)
   ax = 2 if layout == "HND" else 1
   k = np.asarray(p["k"]).copy()
@@ -161,6 +168,8 @@ def test_triton_reads_contiguous_cache_rows_in_place(layout, case, monkeypatch):
   check(p, out, lse, per_sequence(real, layout, per_row={n: opts[n] for n in ("bias",) if n in opts}))
   prefill = [c for c in calls if c[0][1] == 64]  # (traced twice: on GPU, and under the CPU's skip-empty cond)
   assert prefill and all(source and shape[0] > 1 for shape, source in prefill), calls
+  if case != "per-sequence-grid":  # the Triton step: its decode part too, one call of the M sequences
+    assert [c for c in calls if c[0] == (7, 1)] == [((7, 1), True)], calls
 
 
 @pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])

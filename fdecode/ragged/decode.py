@@ -62,7 +62,9 @@ from fdecode.api import flash_decode_with_source
 from fdecode.cache.layout import CacheView, check_layout
 from fdecode.dispatch import forced_tpu_interpret, triton_supports
 from fdecode.kernels.triton import RowSource
+from fdecode.kernels.triton.step import StepRows
 from fdecode.ragged.checks import CALLER, PER_ROW, check_shapes, check_values
+from fdecode.ragged.triton_step import triton_step
 from fdecode.ragged.write import write_new_tokens
 from fdecode.validation import as_arrays, to_int32
 
@@ -201,8 +203,6 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   # Decode part: each live sequence's last new token, over the caches in place.
   has = q_len > 0
   last = jnp.clip(cu[1:] - 1, 0, n_rows - 1)
-  dec_o, dec_l = call(q[last][:, None], caches["k"], caches["v"], jnp.where(has, lens, 0), block_tables=tables,
-                      source=RowSource(q, last), **_cache_opts(caches), **shared, **per_row(last, (m, 1)))
 
   # Prefill part: the other new tokens, in blocks of tb rows of one sequence.
   tb = min(QUERY_BLOCK, n_rows)
@@ -279,27 +279,61 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     j, t = _block_rows(cu, seq, ends - nb, tb, num_blocks)
     return o[j, t], l[j, t]
 
-  impl = opts.get("impl")
-  if n_rows < 2:  # no sequence has a row before its last: no prefill block
-    pre_o, pre_l = jnp.zeros((n_rows, hq, dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32)
-  elif not paged:  # batched only where the Triton kernels read each block's cache row in place
-    interp = opts.get("interpret")
-    # Sparse calls read the call's own (gathered) caches; so do Mosaic (TPU) and XLA: they loop.
-    if "indices" in arrays or isinstance(interp, pltpu.InterpretParams) or impl not in (None, "pallas"):
+  def two_parts():  # the decode part's call, the prefill blocks', and the rows gathered from both
+    dec_o, dec_l = call(q[last][:, None], caches["k"], caches["v"], jnp.where(has, lens, 0), block_tables=tables,
+                        source=RowSource(q, last), **_cache_opts(caches), **shared, **per_row(last, (m, 1)))
+    impl = opts.get("impl")
+    if n_rows < 2:  # no sequence has a row before its last: no prefill block
+      pre_o, pre_l = jnp.zeros((n_rows, hq, dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32)
+    elif not paged:  # batched only where the Triton kernels read each block's cache row in place
+      interp = opts.get("interpret")
+      # Sparse calls read the call's own (gathered) caches; so do Mosaic (TPU) and XLA: they loop.
+      if "indices" in arrays or isinstance(interp, pltpu.InterpretParams) or impl not in (None, "pallas"):
+        pre_o, pre_l = looped()
+      elif impl == "pallas" and interp:  # the Triton interpreter, on any host
+        pre_o, pre_l = batched()
+      else:  # impl="pallas" on CPU is the Triton interpreter; on GPU, Triton where it tiles these head dims
+        gpu = batched if triton_tiles else looped
+        cpu = batched if impl == "pallas" else looped
+        pre_o, pre_l = lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, default=looped)
+    elif impl in ("xla", "reference"):
       pre_o, pre_l = looped()
-    elif impl == "pallas" and interp:  # the Triton interpreter, on any host
+    elif impl in ("pallas", "mosaic_gpu"):  # mosaic_gpu: "balance" splits as None
       pre_o, pre_l = batched()
-    else:  # impl="pallas" on CPU is the Triton interpreter; on GPU, Triton where it tiles these head dims
-      gpu = batched if triton_tiles else looped
-      cpu = batched if impl == "pallas" else looped
-      pre_o, pre_l = lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, default=looped)
-  elif impl in ("xla", "reference"):
-    pre_o, pre_l = looped()
-  elif impl in ("pallas", "mosaic_gpu"):  # mosaic_gpu: "balance" splits as None
-    pre_o, pre_l = batched()
-  else:  # impl=None: the XLA path on CPU reads every block's whole table, so it loops
-    pre_o, pre_l = lax.platform_dependent(cpu=looped, default=batched)
-  out, lse = _gather_rows(cu, seq, pos, (dec_o[:, 0], dec_l[:, 0]), (pre_o, pre_l))
+    else:  # impl=None: the XLA path on CPU reads every block's whole table, so it loops
+      pre_o, pre_l = lax.platform_dependent(cpu=looped, default=batched)
+    return _gather_rows(cu, seq, pos, (dec_o[:, 0], dec_l[:, 0]), (pre_o, pre_l))
+
+  def step(interp):  # Triton: both parts' split launches, one combine into the packed rows
+    num_blocks = -(-n_rows // tb) + min(m, n_rows // 2)
+    j = jnp.arange(num_blocks, dtype=jnp.int32)
+    s, idx, length, _, first = geometry(j)
+    rows = StepRows(last=jnp.where(has, cu[1:] - 1, n_rows), first=first, lo=jnp.where(j < ends[-1], cu[s], n_rows),
+                    cu=cu, num_seqs=num_seqs)
+    dec = dict(q=q[last][:, None], ends=jnp.where(has, lens, 0), **shared)
+    pre = dict(q=q[idx], ends=length, **shared)
+    if paged:
+      dec.update(caches, block_tables=tables, source=RowSource(q, last))
+      pre.update(caches, block_tables=tables[s], source=RowSource(q, first, tables, s))
+    else:  # each part's sequences read through the source's cache rows of the whole caches
+      whole = CacheView.of(caches["k"], caches["v"], kv_layout=view.layout, caller=CALLER, **_cache_opts(caches))
+      dec.update(caches, source=RowSource(q, last, caches=whole))  # sequence b: cache row b
+      pre.update(_sequence_cache(caches, s, paged), source=RowSource(q, first, caches=whole, cache_rows=s))
+    return triton_step(dec, pre, rows, interpret=interp, options=dict(opts, kv_layout=view.layout))
+
+  impl, interp = opts.get("impl"), opts.get("interpret")
+  # The Triton step takes every call but index lists, per-row masks / biases (no balanced
+  # schedule), fixed split counts, and contiguous MLA latents (whose decode part goes to the
+  # Hopper MLA kernel on an sm_90 GPU).
+  if (impl not in (None, "pallas") or isinstance(interp, pltpu.InterpretParams) or {"indices", "mask", "bias"} & set(arrays)
+      or opts.get("num_splits") not in (None, "balance") or (v is None and not paged)):
+    out, lse = two_parts()
+  elif impl == "pallas" and interp:  # the Triton interpreter, on any host
+    out, lse = step(True)
+  else:  # GPU: Triton where it tiles these head dims; impl="pallas" on CPU: the Triton interpreter
+    gpu = (lambda: step(False)) if triton_tiles else two_parts
+    cpu = (lambda: step(True)) if impl == "pallas" else two_parts
+    out, lse = lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, default=two_parts)
   return out, lse, k, v
 
 

@@ -18,6 +18,7 @@ launch.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -39,7 +40,7 @@ from fdecode.kernels.common.sparse import Sparse, pad_slots
 
 __all__ = ["CombinePlan", "Launch", "RowSource", "Schedule", "TritonPlan", "balanced_schedule", "block_size",
            "combine", "combine_split_major", "combine_width", "decode_fp8_bits", "item_work", "launch_plan",
-           "make_plan", "row_tiling", "run", "sequence_items", "triton_unsupported", "WritePlan", "write_plan",
+           "make_plan", "row_tiling", "run", "split_states", "split_states_merged", "sequence_items", "triton_unsupported", "WritePlan", "write_plan",
            "write_rows"]
 
 
@@ -103,7 +104,7 @@ def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_array
     whole(block_tables.astype(jnp.int32).reshape(-1))
   elif p.paged:
     add(block_tables.astype(jnp.int32), pl.BlockSpec((None, p.table_len), lambda i, h, j: (i, 0)))
-  if p.cache_source:  # a RowSource's cache rows
+  if p.cache_row_list:  # a RowSource's cache rows
     whole(source.cache_rows.astype(jnp.int32))
   if p.sparse:
     idx = pad_slots(indices, p.block, p.seq_len)
@@ -140,25 +141,27 @@ def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_array
   return operands, specs, [x for x in caches if x is not None]
 
 
-def run(p: TritonPlan, q, ends, k, v, *, softmax_scale: float, block_tables=None, k_scale=None, v_scale=None,
-        k_offset=None, v_offset=None, mask=None, bias=None, alibi=None, sinks=None, k_rope=None, indices=None,
-        index_bounds=None, sparse: Sparse | None = None, source: RowSource | None = None):
-  """Runs plan ``p``: q ``[B, T, Hq, Dq]`` (any float dtype: cast in the kernel), ``ends``
-  int32 ``[B]`` (each sequence's end relative to the cache's first token), the caches and
-  their canonical scales / modifier arrays (`fdecode.dispatch`) -> ``(out [B, T, Hq, Dv] in
-  p.out_dtype, lse f32 [B, T, Hq])``. ``sparse``: a sparse call's fold (q row b' reads
-  cache row ``b' // fold``). ``source``: the `RowSource` of a plan made with it (q is then
-  its gather, read only for its shape; so is block_tables where the source has table rows)."""
+class _SplitCall(NamedTuple):
+  """One plan's split launch, unlaunched: operands, their BlockSpecs and the outputs' (over
+  grid ``(n, Hkv * row_blocks, n_splits)``), the output types and the cost."""
+  operands: list
+  in_specs: list
+  out_specs: list
+  out_shape: list
+  cost: pl.CostEstimate
+
+
+def _split_call(p: TritonPlan, q, ends, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offset=None,
+                v_offset=None, mask=None, bias=None, alibi=None, sinks=None, k_rope=None, indices=None,
+                index_bounds=None, source: RowSource | None = None, **unused) -> _SplitCall:
+  del unused  # softmax_scale, sparse: the kernel's
   b, t, hq, _ = q.shape
   operands, specs, caches = _operands(
       p, q, ends, k, v, block_tables=block_tables, k_rope=k_rope,
       quant_arrays=(k_scale, k_offset, v_scale, v_offset), mask=mask, bias=bias, alibi=alibi, sinks=sinks,
       indices=indices, index_bounds=index_bounds, source=source)
-  n = p.items
-  hkv = hq // p.group
-  rb = p.row_blocks
+  n, hkv, rb, dv = p.items, hq // p.group, p.row_blocks, p.dv
   specs = [pl.BlockSpec(s.block_shape, lambda i, hr, j, f=s.index_map: f(i, hr // rb, j)) for s in specs]
-  dv = p.dv
   if p.final:
     out_specs = [pl.BlockSpec((None, t * hq, dv), lambda i, hr, j: (i, 0, 0)),
                  pl.BlockSpec((None, t * hq), lambda i, hr, j: (i, 0))]
@@ -173,15 +176,86 @@ def run(p: TritonPlan, q, ends, k, v, *, softmax_scale: float, block_tables=None
   keys = p.seq_len if not p.sparse else indices.shape[-1]
   cost = blk.cost_estimate(b=n, hkv=hkv, rows=p.num_rows, keys=keys, dk=q.shape[-1], dv=dv, caches=caches,
                            operands=operands, outputs=out_shape, sparse=p.sparse)
+  return _SplitCall(operands, specs, out_specs, out_shape, cost)
+
+
+def split_states(p: TritonPlan, q, ends, k, v, *, softmax_scale: float, **arrays):
+  """The split kernel of plan ``p`` (one launch), its outputs as they are: with one split
+  (``p.final``) the finished ``(out [B, T * Hq, Dv] in p.out_dtype, lse f32 [B, T * Hq])``,
+  else the partial states ``(o f32 [n, Hkv, R_p, n_splits, Dv], lse f32 [n, Hkv, R_p,
+  n_splits])`` (n = B, or the balanced schedule's work items) for a combine. Arguments as
+  `run` takes them."""
+  c = _split_call(p, q, ends, k, v, **arrays)
   compiler_params = None if p.interpret else plgpu.CompilerParams(num_warps=p.warps, num_stages=p.stages)
-  o, lse = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(split_kernel, plan=p, softmax_scale=softmax_scale),
-      grid=(n, hkv * rb, p.num_splits), in_specs=specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=compiler_params, cost_estimate=cost, interpret=p.interpret,
+      grid=(p.items, (q.shape[2] // p.group) * p.row_blocks, p.num_splits), in_specs=c.in_specs,
+      out_specs=c.out_specs, out_shape=c.out_shape, compiler_params=compiler_params, cost_estimate=c.cost,
+      interpret=p.interpret, name="fdecode_split_kv_triton",
+  )(*c.operands)
+
+
+def split_states_merged(parts):
+  """Balanced plans' split kernels in *one* launch: ``parts``, a list of ``(p, q, ends, k,
+  v, arrays)`` (arguments as `split_states` takes them, ``softmax_scale`` in ``arrays``) ->
+  each part's partial states, in order. The grid is one axis: each part's programs, its
+  work items by its ``Hkv * row_blocks``, one after the other; each program runs its
+  part's plan (`fdecode.kernels.triton.kernel.split_kernel` with that part's ids), so no
+  program idles. The launch takes the most warps any part's plan asks (a plan's tiles fit
+  more warps' registers, not fewer)."""
+  plans = [part[0] for part in parts]
+  if not all(p.balanced for p in plans) or len({p.interpret for p in plans}) != 1:
+    raise ValueError(f"split_states_merged takes balanced plans, all interpreted or none: {plans}")
+  calls = [_split_call(p, q, ends, k, v, **arrays) for p, q, ends, k, v, arrays in parts]
+  widths = [(q.shape[2] // p.group) * p.row_blocks for p, q, *_ in parts]
+  sizes = [p.items * w for p, w in zip(plans, widths)]
+  starts = [sum(sizes[:i]) for i in range(len(plans))]
+  operands, in_specs, out_specs, out_shape = [], [], [], []
+  for c, start, size, width in zip(calls, starts, sizes, widths):
+    def remap(f, start=start, size=size, width=width):
+      local = lambda i: jnp.clip(i - start, 0, size - 1)
+      return lambda i, zero, j: f(local(i) // width, local(i) % width, j)
+    operands += c.operands
+    in_specs += [pl.BlockSpec(s.block_shape, remap(s.index_map)) for s in c.in_specs]
+    out_specs += [pl.BlockSpec(s.block_shape, remap(s.index_map)) for s in c.out_specs]
+    out_shape += c.out_shape
+  counts = [len(c.operands) for c in calls]
+  scales = [arrays["softmax_scale"] for *_, arrays in parts]
+
+  def kernel(*refs):
+    i = pl.program_id(0)  # read outside the branches (the interpreter)
+    ins, outs = refs[:len(operands)], refs[len(operands):]
+    for n, (p, start, size, width, scale) in enumerate(zip(plans, starts, sizes, widths, scales)):
+      own = ins[sum(counts[:n]):sum(counts[:n + 1])] + outs[2 * n:2 * n + 2]
+      local = i - start
+      pl.when((local >= 0) & (local < size))(functools.partial(
+          split_kernel, *own, plan=p, softmax_scale=scale, ids=(local // width, local % width, 0)))
+
+  cost = pl.CostEstimate(**{f: sum(getattr(c.cost, f) for c in calls)
+                            for f in ("flops", "transcendentals", "bytes_accessed")})
+  compiler_params = None if plans[0].interpret else plgpu.CompilerParams(
+      num_warps=max(p.warps for p in plans), num_stages=max(p.stages for p in plans))
+  out = pl.pallas_call(
+      kernel, grid=(sum(sizes), 1, 1), in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, compiler_params=compiler_params, cost_estimate=cost, interpret=plans[0].interpret,
       name="fdecode_split_kv_triton",
   )(*operands)
+  return [tuple(out[2 * n:2 * n + 2]) for n in range(len(plans))]
+
+
+def run(p: TritonPlan, q, ends, k, v, *, sinks=None, **arrays):
+  """Runs plan ``p``: q ``[B, T, Hq, Dq]`` (any float dtype: cast in the kernel), ``ends``
+  int32 ``[B]`` (each sequence's end relative to the cache's first token), the caches and
+  their canonical scales / modifier arrays (`fdecode.dispatch`: ``softmax_scale``,
+  ``block_tables``, ``k_scale``, ``v_scale``, ``k_offset``, ``v_offset``, ``mask``, ``bias``,
+  ``alibi``, ``sinks``, ``k_rope``, ``indices``, ``index_bounds``) -> ``(out [B, T, Hq, Dv] in
+  p.out_dtype, lse f32 [B, T, Hq])``. ``sparse``: a sparse call's fold (q row b' reads
+  cache row ``b' // fold``). ``source``: the `RowSource` of a plan made with it (q is then
+  its gather, read only for its shape; so is block_tables where the source has table rows)."""
+  b, t, hq, _ = q.shape
+  o, lse = split_states(p, q, ends, k, v, sinks=sinks, **arrays)
   if p.final:
-    return o.reshape(b, t, hq, dv), lse.reshape(b, t, hq)
+    return o.reshape(b, t, hq, p.dv), lse.reshape(b, t, hq)
   # Balanced: the combine merges each sequence's run of items, derived from the same ends.
   out, out_lse = combine(p.combine_plan, o, lse, sinks, ends=ends if p.balanced else None)
-  return out.reshape(b, t, hq, dv), out_lse.reshape(b, t, hq)
+  return out.reshape(b, t, hq, p.dv), out_lse.reshape(b, t, hq)

@@ -93,21 +93,16 @@ def _kernel(lse_ref, o_ref, *refs, plan: CombinePlan):
     out_lse_ref[pl.ds(dst, 1)] = out_lse.reshape(1)
 
 
-def _segment_kernel(lse_ref, o_ref, ends_ref, *refs, plan: CombinePlan):
-  # lse_ref f32[n, R_p], o_ref f32[n, R_p, Dv] (this kv head's states of every work item),
-  # ends int32[B], [sinks f32[Hq]], out [T * Hq, Dv], out_lse f32[T * Hq]
-  sinks_ref, out_ref, out_lse_ref = refs if len(refs) == 3 else (None, *refs)
-  rb, w, c = plan.rows, plan.width, plan.chunk
-  tiles = -(-plan.num_rows // rb)
-  h = pl.program_id(1) // tiles
-  row = (pl.program_id(1) % tiles) * rb + lax.iota(jnp.int32, rb)  # [rb]
-  col = pl.program_id(2) * w + lax.iota(jnp.int32, w)  # [w]
-  valid = row < plan.num_rows
-  first, last = sequence_items(load_ends(ends_ref, plan.schedule), pl.program_id(0), plan.schedule)
+def merge_run(lse_ref, o_ref, first, last, row, col, valid, chunk: int):
+  """In a kernel: the merged state of work items ``[first, last)`` (int32 scalars) of one kv
+  head's states (``lse_ref`` f32 ``[n, R_p]``, ``o_ref`` f32 ``[n, R_p, Dv]``) at rows ``row``
+  (int32 ``[rb]``, ``valid`` where real) and columns ``col`` (``[w]``), ``chunk`` items a loop
+  step -> ``(out f32 [rb, w], lse f32 [rb])`` (0 / -inf for an empty run)."""
+  rb, w = row.shape[0], col.shape[0]
   merge = lambda o, lse: merge_by(o, lse, *_reductions(lambda x: x[None]))
 
   def step(i, state):
-    item = first + i * c + lax.iota(jnp.int32, c)  # [c]
+    item = first + i * chunk + lax.iota(jnp.int32, chunk)  # [c]
     live = (item < last)[:, None] & valid[None, :]  # [c, rb]
     lse = plgpu.load(lse_ref.at[item[:, None], row[None, :]], mask=live, other=-jnp.inf)
     o = plgpu.load(o_ref.at[item[:, None, None], row[None, :, None], col[None, None, :]], mask=live[:, :, None],
@@ -117,11 +112,31 @@ def _segment_kernel(lse_ref, o_ref, ends_ref, *refs, plan: CombinePlan):
     return merge(jnp.where(pair[:, :, None], state[0][None], o[None]), jnp.where(pair, state[1][None], lse[None]))
 
   empty = (jnp.zeros((rb, w), jnp.float32), jnp.full((rb,), -jnp.inf, jnp.float32))
-  out, out_lse = lax.fori_loop(0, (last - first + c - 1) // c, step, empty)
-  out_lse = out_lse[:, None]
+  return lax.fori_loop(0, (last - first + chunk - 1) // chunk, step, empty)
+
+
+def with_sinks(sinks_ref, head, out, out_lse):
+  """``(out [rb, w], lse [rb, 1])`` with each row's sink joined (``head`` int32 ``[rb]``, its
+  query head; ``sinks_ref`` f32 ``[Hq]`` or None)."""
+  if sinks_ref is None:
+    return out, out_lse
+  return add_sink(out, out_lse, plgpu.load(sinks_ref.at[head])[:, None].astype(jnp.float32))
+
+
+def _segment_kernel(lse_ref, o_ref, ends_ref, *refs, plan: CombinePlan):
+  # lse_ref f32[n, R_p], o_ref f32[n, R_p, Dv] (this kv head's states of every work item),
+  # ends int32[B], [sinks f32[Hq]], out [T * Hq, Dv], out_lse f32[T * Hq]
+  sinks_ref, out_ref, out_lse_ref = refs if len(refs) == 3 else (None, *refs)
+  rb, w = plan.rows, plan.width
+  tiles = -(-plan.num_rows // rb)
+  h = pl.program_id(1) // tiles
+  row = (pl.program_id(1) % tiles) * rb + lax.iota(jnp.int32, rb)  # [rb]
+  col = pl.program_id(2) * w + lax.iota(jnp.int32, w)  # [w]
+  valid = row < plan.num_rows
+  first, last = sequence_items(load_ends(ends_ref, plan.schedule), pl.program_id(0), plan.schedule)
+  out, out_lse = merge_run(lse_ref, o_ref, first, last, row, col, valid, plan.chunk)
   head = h * plan.group + row % plan.group
-  if sinks_ref is not None:
-    out, out_lse = add_sink(out, out_lse, plgpu.load(sinks_ref.at[head])[:, None].astype(jnp.float32))
+  out, out_lse = with_sinks(sinks_ref, head, out, out_lse[:, None])
   dst = jnp.where(valid, (row // plan.group) * plan.hq + head, plan.num_tokens * plan.hq)  # padding: one past the end
   plgpu.store(out_ref.at[dst[:, None], col[None, :]], out.astype(out_ref.dtype), mask=valid[:, None])
 

@@ -56,13 +56,14 @@ from fdecode.kernels.common.modifiers import window_start
 from fdecode.kernels.common.sparse import slot_range
 
 
-def _take(refs, plan: TritonPlan):
-  """The kernel's refs by name, in the operand order of `fdecode.kernels.triton.run`."""
+def _take(refs, plan: TritonPlan, ids):
+  """The kernel's refs by name, in the operand order of `fdecode.kernels.triton.run`;
+  ``ids``: the program's grid indices."""
   refs, mods = list(refs), plan.mods
   pop = lambda cond=True: refs.pop(0) if cond else None
   r = types.SimpleNamespace()
   r.end, r.table, r.table_rows = pop(), pop(plan.paged), pop(plan.table_source)
-  r.cache_rows = pop(plan.cache_source)
+  r.cache_rows = pop(plan.cache_row_list)
   r.idx, r.bounds = pop(plan.sparse), pop(plan.sparse)
   r.q, r.q_start = pop(), pop(plan.q_source)
   r.k, r.v, r.rope = pop(), pop(not plan.v_from_k), pop(bool(plan.r_pieces))
@@ -71,14 +72,14 @@ def _take(refs, plan: TritonPlan):
   r.sinks = pop(plan.final and plan.has_sinks)
   r.o, r.lse = refs
   if plan.balanced:  # this program's work item, derived from every sequence's end (ends [B])
-    r.seq, r.split, r.count, r.end_value = item_work(load_ends(r.end, plan.schedule), pl.program_id(0),
+    r.seq, r.split, r.count, r.end_value = item_work(load_ends(r.end, plan.schedule), ids[0],
                                                      plan.schedule)
   else:
-    r.seq, r.split, r.count, r.end_value = None, pl.program_id(2), plan.num_splits, r.end[0]
+    r.seq, r.split, r.count, r.end_value = None, ids[2], plan.num_splits, r.end[0]
   # Balanced: q and the block table are whole arrays, flattened; through a RowSource q
   # (and the tables, with table rows) too. The program reads its sequence's rows
   # (`q_source_rows`, ``table_base``); otherwise its BlockSpecs select them.
-  b = pl.program_id(0) if r.seq is None else r.seq
+  b = ids[0] if r.seq is None else r.seq
   r.batch_index = b
   r.q_base = 0 if r.seq is None else r.seq * (plan.num_tokens * plan.hq)
   if plan.table_source:
@@ -86,8 +87,8 @@ def _take(refs, plan: TritonPlan):
   else:
     r.table_base = 0 if r.seq is None else r.seq * plan.table_len
   if plan.cache_source:  # this sequence's row of the whole contiguous caches, this program's kv head
-    r.cache_row = jnp.clip(r.cache_rows[b], 0, plan.cache_batch - 1)
-    r.kv_head = pl.program_id(1) // plan.row_blocks
+    r.cache_row = jnp.clip(b if r.cache_rows is None else r.cache_rows[b], 0, plan.cache_batch - 1)
+    r.kv_head = ids[1] // plan.row_blocks
   return r
 
 
@@ -218,12 +219,16 @@ def _load_block(plan: TritonPlan, r, index, qi, dtype):
   return k_pieces, v_pieces
 
 
-def split_kernel(*refs, plan: TritonPlan, softmax_scale: float):
-  """One program: its rows' state over its split's blocks, stored final or partial."""
-  r = _take(refs, plan)
+def split_kernel(*refs, plan: TritonPlan, softmax_scale: float, ids=None):
+  """One program: its rows' state over its split's blocks, stored final or partial.
+  ``ids``: its grid indices (item or sequence, kv head * row blocks + row block, split);
+  None: the launch's own (`fdecode.kernels.triton.split_states_merged` runs two plans in
+  one grid, each program taking its plan's share)."""
+  ids = (pl.program_id(0), pl.program_id(1), pl.program_id(2)) if ids is None else ids
+  r = _take(refs, plan, ids)
   mods, bk, rows_p = plan.mods, plan.block, plan.block_r
-  h = pl.program_id(1) // plan.row_blocks
-  first_row = (pl.program_id(1) % plan.row_blocks) * rows_p
+  h = ids[1] // plan.row_blocks
+  first_row = (ids[1] % plan.row_blocks) * rows_p
   dtype = jnp.dtype(plan.compute_dtype)
   end = r.end_value
   live_end = jnp.clip(end, 0, plan.seq_len)
@@ -236,7 +241,7 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float):
               + [r.q[q_src, _cols(dk_own + p.offset, p.width)].astype(dtype) for p in plan.r_pieces])
   slopes = None if r.alibi is None else r.alibi[head].astype(jnp.float32)
   if plan.sparse:
-    first, last = slot_range((r.bounds[0], r.bounds[1]), pl.program_id(2), plan.num_splits, bk)
+    first, last = slot_range((r.bounds[0], r.bounds[1]), ids[2], plan.num_splits, bk)
   else:
     first, last = blk.split_range(end, r.split, r.count, plan.num_tokens, plan.seq_len, bk, mods)
 
@@ -271,7 +276,7 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float):
   state = lax.fori_loop(first, last, body, blk.init_state(rows_p, plan.v_pieces))
   o_pieces, lse = blk.finalize(state)
   if plan.final:
-    _store_final(plan, r, o_pieces, lse, valid, head, q_row)
+    _store_final(plan, r, o_pieces, lse, valid, head, q_row, ids)
     return
 
   def store_partial():
@@ -285,7 +290,7 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float):
     store_partial()
 
 
-def _store_final(plan: TritonPlan, r, o_pieces, lse, valid, head, q_row):
+def _store_final(plan: TritonPlan, r, o_pieces, lse, valid, head, q_row, ids):
   """The finished rows: sinks joined, cast, stored at their ``[T * Hq]`` rows; padding
   rows are masked off (their address, one past the end, is never written)."""
   if r.sinks is not None:
@@ -296,7 +301,7 @@ def _store_final(plan: TritonPlan, r, o_pieces, lse, valid, head, q_row):
   out_dtype = jnp.dtype(plan.out_dtype)
   for p, o in zip(plan.v_pieces, o_pieces):
     plgpu.store(r.o.at[dst, _cols(p.offset, p.width)], o.astype(out_dtype), mask=valid)
-  valid1, _, q_row1 = row_ids(plan, pl.program_id(1) // plan.row_blocks,
-                              (pl.program_id(1) % plan.row_blocks) * plan.block_r, (plan.block_r,))
+  valid1, _, q_row1 = row_ids(plan, ids[1] // plan.row_blocks, (ids[1] % plan.row_blocks) * plan.block_r,
+                              (plan.block_r,))
   plgpu.store(r.lse.at[jnp.where(valid1, q_row1, plan.num_tokens * plan.hq)], lse.reshape(plan.block_r),
               mask=valid1)

@@ -101,7 +101,9 @@ class RowSource(NamedTuple):
   per-sequence scales are gathers): the whole contiguous caches, a
   `fdecode.cache.layout.CacheView` of ``M`` sequence rows (canonical scales, as the call's
   own view), and int32 ``[B]``: the call's sequence b is cache row ``cache_rows[b]``
-  (clipped into ``[0, M)``)."""
+  (clipped into ``[0, M)``); ``caches`` without ``cache_rows``: sequence b is cache row b
+  (B = M: the call's caches are the whole ones, read as a source's for the balanced
+  schedule)."""
   q: object
   q_start: object
   tables: object = None
@@ -128,7 +130,8 @@ class TritonPlan:
   (one row and ``width`` columns, all splits at once; balanced: `segment_combine_tiling`).
   ``q_source`` /
   ``table_source``: q rows / table rows are read through a `RowSource`'s indices;
-  ``cache_batch`` > 0: a contiguous cache's rows too (``M`` rows: ``cache_source``), its
+  ``cache_batch`` > 0: a contiguous cache's rows too (``M`` rows: ``cache_source``; read from
+  the source's list with ``cache_row_list``, else sequence b's is row b), its
   blocks gathered like a pool's (one page of S tokens per sequence row and kv head), its
   scales' (and offsets') dims in ``quant`` as ``(d0, d1, d2)`` of canonical rank 4.
   """
@@ -169,6 +172,7 @@ class TritonPlan:
   q_source: bool = False
   table_source: bool = False
   cache_batch: int = 0
+  cache_row_list: bool = False
 
   @property
   def cache_source(self) -> bool:
@@ -274,7 +278,7 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   bk = launch.block
   if not paged:
     cache_rows = max(cache_rows, bk)  # a cache shorter than one block is padded to it
-  cache_batch = 0 if source is None or source.cache_rows is None else source.caches.k.shape[0]
+  cache_batch = 0 if source is None or source.caches is None else source.caches.k.shape[0]
   balanced = (balance and num_splits is None and (paged or cache_batch > 0) and index_slots is None
               and not has_mask_or_bias)
   items = b
@@ -306,7 +310,8 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
       combine_tiling=(segment_combine_tiling(b, hkv, t * (hq // hkv), dv, items, gpu.sms) if balanced
                       else (1, combine_width(int(num_splits), dv), COMBINE_CHUNK)),
       sparse_fold=sparse_fold, has_sinks=bool(has_sinks), q_source=source is not None,
-      table_source=source is not None and source.table_rows is not None, cache_batch=cache_batch)
+      table_source=source is not None and source.table_rows is not None, cache_batch=cache_batch,
+      cache_row_list=source is not None and source.cache_rows is not None)
 
 
 def segment_combine_tiling(batch: int, hkv: int, num_rows: int, dv: int, items: int,
