@@ -62,7 +62,6 @@ from fdecode.api import flash_decode_with_source
 from fdecode.cache.layout import CacheView, check_layout
 from fdecode.dispatch import forced_tpu_interpret, triton_supports
 from fdecode.kernels.triton import RowSource
-from fdecode.kernels.triton.step import StepRows
 from fdecode.ragged.checks import CALLER, PER_ROW, check_shapes, check_values
 from fdecode.ragged.triton_step import triton_step
 from fdecode.ragged.write import write_new_tokens
@@ -192,7 +191,8 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   cu, lens, q_len, seq, pos = row_positions(kv_lens, cu, num_seqs, n_rows, view.capacity)
 
   if new_k is not None:
-    k, v = write_new_tokens(view, new_k, new_v, seq, pos, impl=opts.get("impl"), interpret=opts.get("interpret"))
+    k, v = write_new_tokens(view, new_k, new_v, seq, pos, impl=opts.get("impl"), interpret=opts.get("interpret"),
+                            step=(cu, kv_lens, num_seqs))
 
   # The caches in the caller's layout: flash_decode reads token-major ones in place (`fdecode.cache.layout`).
   caches = dict(k=k, v=v, **{n: arrays.get(n) for n in ("k_rope", "k_scale", "v_scale", "k_offset", "v_offset")})
@@ -304,22 +304,21 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
       pre_o, pre_l = lax.platform_dependent(cpu=looped, default=batched)
     return _gather_rows(cu, seq, pos, (dec_o[:, 0], dec_l[:, 0]), (pre_o, pre_l))
 
-  def step(interp):  # Triton: both parts' split launches, one combine into the packed rows
+  def step(interp):  # Triton: one split launch for both parts, one combine into the packed rows
     num_blocks = -(-n_rows // tb) + min(m, n_rows // 2)
-    j = jnp.arange(num_blocks, dtype=jnp.int32)
-    s, idx, length, _, first = geometry(j)
-    rows = StepRows(last=jnp.where(has, cu[1:] - 1, n_rows), first=first, lo=jnp.where(j < ends[-1], cu[s], n_rows),
-                    cu=cu, num_seqs=num_seqs)
+    s, idx, length, _, first = geometry(jnp.arange(num_blocks, dtype=jnp.int32))  # (shapes: not read)
+    arrays3 = (cu, kv_lens, num_seqs)
     dec = dict(q=q[last][:, None], ends=jnp.where(has, lens, 0), **shared)
     pre = dict(q=q[idx], ends=length, **shared)
     if paged:
-      dec.update(caches, block_tables=tables, source=RowSource(q, last))
-      pre.update(caches, block_tables=tables[s], source=RowSource(q, first, tables, s))
-    else:  # each part's sequences read through the source's cache rows of the whole caches
+      dec.update(caches, block_tables=tables, source=RowSource(q, last, tables, step=arrays3))
+      pre.update(caches, block_tables=tables[s], source=RowSource(q, first, tables, step=arrays3))
+    else:  # each part's sequences read through the source's caches (the whole ones)
       whole = CacheView.of(caches["k"], caches["v"], kv_layout=view.layout, caller=CALLER, **_cache_opts(caches))
-      dec.update(caches, source=RowSource(q, last, caches=whole))  # sequence b: cache row b
-      pre.update(_sequence_cache(caches, s, paged), source=RowSource(q, first, caches=whole, cache_rows=s))
-    return triton_step(dec, pre, rows, interpret=interp, options=dict(opts, kv_layout=view.layout))
+      dec.update(caches, source=RowSource(q, last, caches=whole, step=arrays3))
+      pre.update(_sequence_cache(caches, s, paged), source=RowSource(q, first, caches=whole, step=arrays3))
+    return triton_step(dec, pre, arrays3, block=tb, capacity=view.capacity, interpret=interp,
+                       options=dict(opts, kv_layout=view.layout))
 
   impl, interp = opts.get("impl"), opts.get("interpret")
   # The Triton step takes every call but index lists, per-row masks / biases (no balanced

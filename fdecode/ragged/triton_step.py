@@ -1,14 +1,17 @@
 """`ragged_decode`'s step on the Triton kernels (GPU, or interpreted): the decode part
 (each live sequence's last row, T = 1) and the prefill blocks (T = tb rows of one
 sequence) run in *one* split launch, each part's work items on its own balanced schedule
-(`fdecode.kernels.triton.split_states_merged`; q rows, table rows and contiguous cache rows
-read in place through a `RowSource`), and one combine launch merges both parts' states
-into the step's packed rows (`fdecode.kernels.triton.step.combine_step`): two kernels
-where there were four and an XLA select over the whole output.
+(`fdecode.kernels.triton.split_states_merged`), and one combine launch merges both parts'
+states into the step's packed rows (`fdecode.kernels.triton.step.combine_step`): two
+kernels where there were four, an XLA select over the whole output, and the XLA fusions
+that computed each part's geometry. Every program derives its unit's geometry (sequence,
+rows, kv length, the part's schedule) from the step's ``cu``, ``kv_lens`` and
+``num_seqs`` (`fdecode.kernels.triton.geometry`); q rows, table rows and contiguous cache
+rows are read in place.
 
 The parts are the ones `fdecode.ragged.decode` describes; both take the balanced schedule
-(a contiguous cache's decode part too, reading its sequences through the source's cache
-rows), so their states are laid out alike and merge in one launch.
+(a contiguous cache's decode part too, reading its sequences through the source's
+caches), so their states are laid out alike and merge in one launch.
 """
 
 from __future__ import annotations
@@ -16,17 +19,19 @@ from __future__ import annotations
 from fdecode.api import canonical_call
 from fdecode.dispatch import compute_dtype, triton_plan_view
 from fdecode.kernels.triton import split_states_merged
-from fdecode.kernels.triton.step import StepRows, combine_step
+from fdecode.kernels.triton.geometry import StepPart
+from fdecode.kernels.triton.step import combine_step
 from fdecode.ragged.checks import CALLER
 
 
-def _part(part: dict, *, interpret: bool, options: dict):
+def _part(call: dict, step: StepPart, *, interpret: bool, options: dict):
   """One part's balanced split: ``(plan, its split_states arguments, canonical sinks)``."""
-  part = dict(part)
-  c = canonical_call(part.pop("q"), part.pop("k"), part.pop("v"), part.pop("ends"), **part, **options)
+  call = dict(call)
+  c = canonical_call(call.pop("q"), call.pop("k"), call.pop("v"), call.pop("ends"), **call, **options)
   cd = compute_dtype(c.q4.dtype, *(None if x is None else x.dtype for x in (c.view.k, c.view.v, c.view.k_rope)))
   p, rv = triton_plan_view(c.q4, c.view, compute=cd, mods=c.mods, v_head_dim=c.v_head_dim, cfg=c.cfg,
-                           interpret=interpret, has_sinks=c.sinks is not None, source=c.source, balance=True)
+                           interpret=interpret, has_sinks=c.sinks is not None, source=c.source, balance=True,
+                           step=step)
   if not p.balanced:  # `ragged_decode` sends only calls the schedule takes
     raise AssertionError(f"{CALLER}: the Triton step's plan is not balanced: {p}")
   arrays = dict(softmax_scale=c.softmax_scale, alibi=c.mod_arrays["alibi"], sinks=c.sinks, source=c.source,
@@ -34,21 +39,23 @@ def _part(part: dict, *, interpret: bool, options: dict):
   return (p, c.q4, c.ends, rv.k, rv.v, arrays), c.sinks
 
 
-def triton_step(decode: dict, prefill: dict, rows: StepRows, *, interpret: bool, options: dict):
-  """The step's packed ``(out [N, Hq, Dv] in q's dtype, lse f32 [N, Hq])``, N the packed
-  rows of the parts' `RowSource`.
+def triton_step(decode: dict, prefill: dict, step, *, block: int, capacity: int, interpret: bool, options: dict):
+  """The step's packed ``(out [N, Hq, Dv] in q's dtype, lse f32 [N, Hq])``.
 
   ``decode`` / ``prefill``: each part's call as `fdecode.api.flash_decode_with_source`
-  takes it (``q`` the gather of its rows ``[B, T, Hq, Dk]``, ``k``, ``v``, ``ends`` int32
-  ``[B]``, ``block_tables`` (paged), ``source`` the `RowSource` its rows are read through,
-  the cache's scales / offsets / ``k_rope``); ``rows``: where the states go (`StepRows`),
-  the decode part's B = M sequences and the prefill part's B = NB blocks in order;
-  ``options``: the step's other `flash_decode` keywords (modifiers but a mask or bias,
-  sinks, ``v_head_dim``, ``block_k``, ``kv_layout``, ...)."""
+  takes it: ``q`` ``[B, T, Hq, Dk]`` (for its shape: a gather of the part's rows, never
+  read), ``k``, ``v``, ``ends`` int32 ``[B]`` (likewise), ``block_tables`` (paged), the
+  cache's scales / offsets / ``k_rope``, and ``source``: the `RowSource` its rows are read
+  through, with ``step``: ``(cu, kv_lens, num_seqs)`` (int32 ``[M + 1]`` clipped
+  non-decreasing, ``[M]``, ``[1]``), the arrays every unit's geometry derives from. The
+  decode part's B is M sequences, the prefill part's the NB blocks of ``block`` rows;
+  ``capacity``: S. ``options``: the step's other `flash_decode` keywords (modifiers but a
+  mask or bias, sinks, ``v_head_dim``, ``block_k``, ``kv_layout``, ...)."""
   options = {n: x for n, x in options.items() if n not in ("num_splits", "interpret")}
-  dec, sinks = _part(decode, interpret=interpret, options=options)
-  pre, _ = _part(prefill, interpret=interpret, options=options)
-  (o_d, l_d), (o_p, l_p) = split_states_merged([dec, pre])
-  n_rows = decode["source"].q.shape[0]
-  return combine_step(dec[0].combine_plan, pre[0].combine_plan, (o_d, l_d, dec[2]), (o_p, l_p, pre[2]), rows, sinks,
-                      num_rows=n_rows)
+  n_rows, m = decode["source"].q.shape[0], decode["q"].shape[0]
+  parts = [StepPart(part=name, rows=n_rows, seqs=m, units=call["q"].shape[0], block=tb, seq_len=capacity)
+           for name, call, tb in (("decode", decode, 1), ("prefill", prefill, block))]
+  dec, sinks = _part(decode, parts[0], interpret=interpret, options=options)
+  pre, _ = _part(prefill, parts[1], interpret=interpret, options=options)
+  decode_states, prefill_states = split_states_merged([dec, pre])
+  return combine_step(dec[0], pre[0], decode_states, prefill_states, step, sinks)

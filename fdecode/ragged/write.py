@@ -27,27 +27,30 @@ from fdecode.cache.write import scatter_keeping_sharding
 from fdecode.kernels.triton import write_plan, write_rows
 
 
-def write_new_tokens(view, new_k, new_v, seq, pos, *, impl=None, interpret=None):
+def write_new_tokens(view, new_k, new_v, seq, pos, *, impl=None, interpret=None, step=None):
   """``view``'s caches (`fdecode.cache.layout.CacheView`, int32 tables) with row r's
   ``new_k[r]`` / ``new_v[r]`` (``[N, Hkv, Dk]`` / ``[N, Hkv, Dv]``, ``new_v`` None for MLA)
   at sequence ``seq[r]``, position ``pos[r]`` (int32 ``[N]``, `fdecode.ragged.row_positions`)
-  -> ``(k, v)``. ``impl`` / ``interpret``: the step's, which choose the way (module doc)."""
+  -> ``(k, v)``. ``impl`` / ``interpret``: the step's, which choose the way (module doc).
+  ``step``: the step's ``(cu, kv_lens, num_seqs)`` that ``seq`` and ``pos`` came from; the
+  Triton kernel derives each row's from them (no launch computes ``seq`` / ``pos``)."""
   xla = lambda: _scatter(view, new_k, new_v, seq, pos)
   if (impl in ("xla", "reference") or isinstance(interpret, pltpu.InterpretParams)
       or explicit_sharding(view.k) is not None):
     return xla()
-  triton = lambda interp: (lambda: _triton(view, new_k, new_v, seq, pos, interp))
+  triton = lambda interp: (lambda: _triton(view, new_k, new_v, seq, pos, interp, step))
   if impl == "pallas" and interpret:  # the Triton interpreter, on any host
     return triton(True)()
   cpu = triton(True) if impl == "pallas" else xla
   return lax.platform_dependent(cpu=cpu, cuda=triton(False), rocm=triton(False), default=xla)
 
 
-def _triton(view, new_k, new_v, seq, pos, interpret):
+def _triton(view, new_k, new_v, seq, pos, interpret, step):
   tables = view.block_tables
   plan = write_plan(view.layout, view.paged, view.k.shape, page_size=view.page_size if view.paged else 1,
-                    table_len=tables.shape[1] if view.paged else 1, interpret=interpret)
-  return write_rows(plan, (view.k, view.v), (new_k, new_v), seq, pos, tables)
+                    table_len=tables.shape[1] if view.paged else 1, interpret=interpret,
+                    step_rows=None if step is None else (seq.shape[0], step[1].shape[0]))
+  return write_rows(plan, (view.k, view.v), (new_k, new_v), (seq, pos) if step is None else step, tables)
 
 
 def _scatter(view, new_k, new_v, seq, pos):

@@ -93,11 +93,16 @@ def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_array
   operands, specs = [], []
   add = lambda x, spec: (operands.append(x), specs.append(spec))
   whole = lambda x: add(x, pl.BlockSpec(x.shape, lambda i, h, j: (0,) * x.ndim))
-  if p.balanced:  # every item derives its work from all ends
+  if p.step is not None:  # every unit's geometry, derived from the step's arrays
+    for x in source.step:
+      whole(x.astype(jnp.int32).reshape(-1))
+  elif p.balanced:  # every item derives its work from all ends
     whole(ends.astype(jnp.int32))
   else:
     add(ends.astype(jnp.int32), pl.BlockSpec((1,), lambda i, h, j: (i,)))
-  if p.table_source:  # a RowSource's tables, read at its table rows
+  if p.step is not None and p.paged:  # the step's tables, read at each unit's sequence
+    whole((block_tables if source.tables is None else source.tables).astype(jnp.int32).reshape(-1))
+  elif p.table_source:  # a RowSource's tables, read at its table rows
     whole(source.tables.astype(jnp.int32).reshape(-1))
     whole(source.table_rows.astype(jnp.int32))
   elif p.paged and p.balanced:  # an item reads its sequence's table row in place
@@ -114,7 +119,8 @@ def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_array
   tq = p.num_tokens * p.hq
   if p.q_source:  # the packed rows, read from the RowSource's first rows
     whole(source.q.reshape(-1, source.q.shape[-1]))
-    whole(source.q_start.astype(jnp.int32))
+    if p.step is None:
+      whole(source.q_start.astype(jnp.int32))
   elif p.balanced:
     whole(q.reshape(q.shape[0] * tq, q.shape[-1]))
   else:

@@ -50,6 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 from fdecode.combine import add_sink
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.block import decode_fp8_bits
+from fdecode.kernels.triton.geometry import unit_ends, unit_rows
 from fdecode.kernels.triton.plan import TritonPlan
 from fdecode.kernels.triton.schedule import item_work, load_ends
 from fdecode.kernels.common.modifiers import window_start
@@ -62,16 +63,21 @@ def _take(refs, plan: TritonPlan, ids):
   refs, mods = list(refs), plan.mods
   pop = lambda cond=True: refs.pop(0) if cond else None
   r = types.SimpleNamespace()
-  r.end, r.table, r.table_rows = pop(), pop(plan.paged), pop(plan.table_source)
+  step = plan.step
+  r.step = None if step is None else (pop(), pop(), pop())  # cu, kv_lens, num_seqs
+  r.end = pop(step is None)
+  r.table, r.table_rows = pop(plan.paged), pop(plan.table_source and step is None)
   r.cache_rows = pop(plan.cache_row_list)
   r.idx, r.bounds = pop(plan.sparse), pop(plan.sparse)
-  r.q, r.q_start = pop(), pop(plan.q_source)
+  r.q, r.q_start = pop(), pop(plan.q_source and step is None)
   r.k, r.v, r.rope = pop(), pop(not plan.v_from_k), pop(bool(plan.r_pieces))
   r.quant = [pop(dims is not None) for dims in plan.quant]
   r.mask, r.bias, r.alibi = pop(bool(mods.mask)), pop(bool(mods.bias)), pop(bool(mods.alibi))
   r.sinks = pop(plan.final and plan.has_sinks)
   r.o, r.lse = refs
-  if plan.balanced:  # this program's work item, derived from every sequence's end (ends [B])
+  if step is not None:  # this program's work item, from every unit's end, derived from the step
+    r.seq, r.split, r.count, r.end_value = item_work(unit_ends(*r.step, step), ids[0], plan.schedule)
+  elif plan.balanced:  # this program's work item, derived from every sequence's end (ends [B])
     r.seq, r.split, r.count, r.end_value = item_work(load_ends(r.end, plan.schedule), ids[0],
                                                      plan.schedule)
   else:
@@ -82,12 +88,18 @@ def _take(refs, plan: TritonPlan, ids):
   b = ids[0] if r.seq is None else r.seq
   r.batch_index = b
   r.q_base = 0 if r.seq is None else r.seq * (plan.num_tokens * plan.hq)
-  if plan.table_source:
+  if step is not None:  # the unit's sequence (its table / cache row) and first q row
+    row, r.q_first, _ = unit_rows(*r.step, step, b)
+  else:
+    row, r.q_first = (None if r.cache_rows is None else r.cache_rows[b]), (r.q_start[b] if plan.q_source else None)
+  if step is not None and plan.paged:
+    r.table_base = row * plan.table_len
+  elif plan.table_source:
     r.table_base = jnp.clip(r.table_rows[b], 0, r.table.shape[0] // plan.table_len - 1) * plan.table_len
   else:
     r.table_base = 0 if r.seq is None else r.seq * plan.table_len
   if plan.cache_source:  # this sequence's row of the whole contiguous caches, this program's kv head
-    r.cache_row = jnp.clip(b if r.cache_rows is None else r.cache_rows[b], 0, plan.cache_batch - 1)
+    r.cache_row = jnp.clip(b if row is None else row, 0, plan.cache_batch - 1)
     r.kv_head = ids[1] // plan.row_blocks
   return r
 
@@ -117,7 +129,7 @@ def q_source_rows(plan: TritonPlan, r, q_row):
   if not plan.q_source:
     return r.q_base + q_row
   t, head = q_row // plan.hq, q_row % plan.hq
-  packed = jnp.clip(r.q_start[r.batch_index] + t, 0, r.q.shape[0] // plan.hq - 1)
+  packed = jnp.clip(r.q_first + t, 0, r.q.shape[0] // plan.hq - 1)
   return packed * plan.hq + head
 
 

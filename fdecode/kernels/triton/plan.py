@@ -36,6 +36,7 @@ from fdecode import config as config_lib
 from fdecode.cache.layout import kv_heads, token_axis
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.modifiers import Modifiers, window_tokens
+from fdecode.kernels.triton.geometry import StepPart
 from fdecode.kernels.triton.launch import MIN_DOT, launch_plan, load_convert_bytes, pow2_at_least, row_state_factor
 
 # Elements of q (and of the float32 accumulator) one program holds: with 4 warps about
@@ -103,13 +104,18 @@ class RowSource(NamedTuple):
   own view), and int32 ``[B]``: the call's sequence b is cache row ``cache_rows[b]``
   (clipped into ``[0, M)``); ``caches`` without ``cache_rows``: sequence b is cache row b
   (B = M: the call's caches are the whole ones, read as a source's for the balanced
-  schedule)."""
+  schedule). ``step``: ``(cu, kv_lens, num_seqs)`` of a ragged step (int32 ``[M + 1]``
+  clipped non-decreasing, ``[M]``, ``[1]``), whose part (`make_plan`'s ``step``) the call
+  is: each work unit's sequence, first q row, table / cache row and kv length are derived
+  in the kernels from them (`fdecode.kernels.triton.geometry`), and ``q_start``,
+  ``table_rows``, ``cache_rows`` and the call's ends are not read."""
   q: object
   q_start: object
   tables: object = None
   table_rows: object = None
   caches: object = None
   cache_rows: object = None
+  step: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +134,8 @@ class TritonPlan:
   split kernel writes the output itself; otherwise the combine kernel merges
   ``num_splits`` partial states, ``combine_tiling`` ``(rows, width, chunk)`` a program
   (one row and ``width`` columns, all splits at once; balanced: `segment_combine_tiling`).
-  ``q_source`` /
+  ``step``: the ragged step's part the call is (`fdecode.kernels.triton.geometry.StepPart`;
+  the source's ``step`` arrays then give every unit's geometry). ``q_source`` /
   ``table_source``: q rows / table rows are read through a `RowSource`'s indices;
   ``cache_batch`` > 0: a contiguous cache's rows too (``M`` rows: ``cache_source``; read from
   the source's list with ``cache_row_list``, else sequence b's is row b), its
@@ -173,6 +180,7 @@ class TritonPlan:
   table_source: bool = False
   cache_batch: int = 0
   cache_row_list: bool = False
+  step: StepPart | None = None
 
   @property
   def cache_source(self) -> bool:
@@ -228,7 +236,7 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
          k_scale=None, v_scale=None, k_offset=None, v_offset=None, v_head_dim=None, mods=Modifiers(),
          has_mask_or_bias=False, has_sinks=False, index_slots=None, sparse_fold=1, num_splits=None, block_k=None,
          balance=False, interpret=False, gpu: chips.Gpu | None = None,
-         source: RowSource | None = None) -> TritonPlan:
+         source: RowSource | None = None, step: StepPart | None = None) -> TritonPlan:
   """The plan of one call (arguments canonical, `fdecode.dispatch`; arrays or
   `jax.ShapeDtypeStruct` s: only shapes and dtypes are read).
 
@@ -244,7 +252,9 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   with index lists. With cache rows, the balanced schedule also runs on a contiguous cache.
 
   Raises ValueError, compiled, for shapes `triton_unsupported` names. The interpreter
-  runs them with pieces narrower than a dot tile (no compiled plan exists to mirror)."""
+  runs them with pieces narrower than a dot tile (no compiled plan exists to mirror).
+  ``step``: a ragged step's part (with a source holding the step's arrays, on the balanced
+  schedule)."""
   gpu = gpu or chips.lowering_gpu()
   b, t, hq, dq = q_shape
   paged = block_tables is not None
@@ -311,7 +321,7 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
                       else (1, combine_width(int(num_splits), dv), COMBINE_CHUNK)),
       sparse_fold=sparse_fold, has_sinks=bool(has_sinks), q_source=source is not None,
       table_source=source is not None and source.table_rows is not None, cache_batch=cache_batch,
-      cache_row_list=source is not None and source.cache_rows is not None)
+      cache_row_list=step is None and source is not None and source.cache_rows is not None, step=step)
 
 
 def segment_combine_tiling(batch: int, hkv: int, num_rows: int, dv: int, items: int,

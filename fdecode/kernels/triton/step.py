@@ -1,18 +1,20 @@
 """A ragged serving step's combine on the Triton kernels (`fdecode.ragged_decode`): the
 states of its two parts, each sequence's last row (T = 1) and the prefill blocks (T = tb
-rows), each from a balanced split launch (`fdecode.kernels.triton.split_states`), merged by
-*one* launch straight into the step's packed rows ``out [N, Hq, Dv]`` / ``lse [N, Hq]``,
-padding rows included (out 0, lse -inf). Nothing runs after it: before, each part had its
-own combine and XLA gathered the rows from both outputs (a select over ``[N, Hq, Dv]``).
+rows), both from one split launch (`fdecode.kernels.triton.split_states_merged`), merged
+by *one* launch straight into the step's packed rows ``out [N, Hq, Dv]`` / ``lse [N,
+Hq]``, padding rows included (out 0, lse -inf). Nothing runs after it: before, each part
+had its own combine and XLA gathered the rows from both outputs (a select over ``[N, Hq,
+Dv]``). Each program derives its unit's rows and its part's schedule from the step's
+arrays (`fdecode.kernels.triton.geometry`).
 
-Grid ``(M + NB + P, Hkv * tiles, Dv / width)``, three kinds of program on axis 0:
+Grid ``(M + NB + P, width, 1)``, three kinds of program on axis 0:
 
 * ``u < M``: sequence u's last row, its run of the decode part's work items merged
-  (`fdecode.kernels.triton.combine.merge_run`) and stored at packed row ``rows.last[u]``
-  (N: the sequence has no row, nothing is stored);
-* ``M <= M + j < M + NB``: prefill block j's rows, row t stored at packed row
-  ``rows.first[j] + t`` where that is at or past ``rows.lo[j]`` (its sequence's first row;
-  N for a block past the real ones);
+  (`fdecode.kernels.triton.combine.merge_run`) and stored at that row (nothing where the
+  sequence has no row);
+* ``M <= M + j < M + NB``: prefill block j's rows, each stored where it is its sequence's
+  (a block's first rows may be the previous sequence's; a block past the real ones
+  stores nothing);
 * the last P: the padding rows (no live sequence's: outside ``[cu[0], cu[num_seqs])``) of a
   chunk of ``PAD_ENTRIES // G`` rows.
 
@@ -26,7 +28,6 @@ program past its part's share of the axis stores nothing.
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -35,31 +36,19 @@ from jax.experimental.pallas import triton as plgpu
 
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.triton.combine import CombinePlan, merge_run, with_sinks
-from fdecode.kernels.triton.schedule import load_ends, sequence_items
+from fdecode.kernels.triton.geometry import StepPart, unit_ends, unit_rows
+from fdecode.kernels.triton.plan import TritonPlan
+from fdecode.kernels.triton.schedule import sequence_items
 
 # Query rows (times G heads) a padding program stores: 64 (row, head) entries.
 PAD_ENTRIES = 64
-
-
-class StepRows(NamedTuple):
-  """Where a step's states go in its packed rows (N rows). ``last``: int32 ``[M]``, each
-  sequence's last row (N: none); ``first``: int32 ``[NB]``, each prefill block's first row
-  (its row t is packed row ``first + t``; rows before ``lo`` are another sequence's);
-  ``lo``: int32 ``[NB]``, the block's sequence's first row (N: a block past the real
-  ones); ``cu``: int32 ``[M + 1]``, the step's (clipped, non-decreasing) row offsets and
-  ``num_seqs`` int32 ``[1]``: rows ``[cu[0], cu[clip(num_seqs, 0, M)])`` belong to live
-  sequences, the others are padding."""
-  last: object
-  first: object
-  lo: object
-  cu: object
-  num_seqs: object
 
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
   decode: CombinePlan
   prefill: CombinePlan
+  parts: tuple  # (decode, prefill) `StepPart` s
   num_rows: int
   hq: int
   group: int
@@ -77,12 +66,12 @@ def _ids(plan: CombinePlan, k):
   return k // (tiles * chunks), (k // chunks) % tiles, k % chunks
 
 
-def _part(g: _Geometry, plan: CombinePlan, k, refs, unit, dest, out_refs, sinks_ref):
+def _part(g: _Geometry, plan: CombinePlan, part: StepPart, k, states, step, unit, out_refs, sinks_ref):
   """One part's program: ``unit``'s run of work items merged for the rows and columns of
-  axis-1 index ``k`` (read outside any branch: the interpreter needs it), its rows stored
-  where ``dest(t, valid)`` (t int32 ``[rb]``, each row's token) puts them: ``(packed row,
-  stored)``."""
-  lse_ref, o_ref, ends_ref = refs
+  axis-1 index ``k`` (read outside any branch: the interpreter needs it), row t stored at
+  packed row ``first + t`` where that is at or past ``lo`` and before N
+  (`fdecode.kernels.triton.geometry.unit_rows`)."""
+  lse_ref, o_ref = states
   out_ref, out_lse_ref = out_refs
   rb, w = plan.rows, plan.width
   h, tile, chunk = _ids(plan, k)
@@ -91,8 +80,10 @@ def _part(g: _Geometry, plan: CombinePlan, k, refs, unit, dest, out_refs, sinks_
   def _():
     row = tile * rb + lax.iota(jnp.int32, rb)
     col = chunk * w + lax.iota(jnp.int32, w)
-    packed, valid = dest(row // g.group, row < plan.num_rows)
-    first, last = sequence_items(load_ends(ends_ref, plan.schedule), unit, plan.schedule)
+    _, first_row, lo = unit_rows(*step, part, unit)
+    packed = first_row + row // g.group
+    valid = (row < plan.num_rows) & (packed >= lo) & (packed < g.num_rows)
+    first, last = sequence_items(unit_ends(*step, part), unit, plan.schedule)
     out, lse = merge_run(lse_ref, o_ref, first, last, row, col, valid, plan.chunk)
     head = h * g.group + row % g.group
     out, lse = with_sinks(sinks_ref, head, out, lse[:, None])
@@ -124,56 +115,49 @@ def _padding(g: _Geometry, p, k, cu_ref, ns_ref, out_refs):
 
 
 def _step_kernel(*refs, g: _Geometry):
-  # decode: lse f32[n_d, R_d], o f32[n_d, R_d, Dv], ends int32[M]; prefill: the same [n_p, R_p(, Dv)],
-  # ends int32[NB]; rows: last [M], first [NB], lo [NB], cu [M + 1], num_seqs [1]; [sinks f32[Hq]];
-  # out [N * Hq, Dv], out_lse f32[N * Hq]
+  # decode: lse f32[n_d, R_d], o f32[n_d, R_d, Dv]; prefill: the same [n_p, R_p(, Dv)]; the step:
+  # cu int32[M + 1], kv_lens int32[M], num_seqs int32[1]; [sinks f32[Hq]]; out [N * Hq, Dv], out_lse f32[N * Hq]
   refs = list(refs)
-  decode, prefill, (last_ref, first_ref, lo_ref, cu_ref, ns_ref) = refs[0:3], refs[3:6], refs[6:11]
-  sinks_ref = refs[11] if len(refs) == 14 else None
+  decode, prefill, step = refs[0:2], refs[2:4], refs[4:7]
+  sinks_ref = refs[7] if len(refs) == 10 else None
   out_refs = refs[-2:]
   m, nb = g.decode.schedule.batch, g.prefill.schedule.batch
   i, k = pl.program_id(0), pl.program_id(1)
-  n = g.num_rows
 
   @pl.when(i < m)
   def _():
-    row = last_ref[i]
-    _part(g, g.decode, k, decode, i, lambda t, valid: (jnp.full_like(t, row), valid & (row < n)), out_refs,
-          sinks_ref)
+    _part(g, g.decode, g.parts[0], k, decode, step, i, out_refs, sinks_ref)
 
   @pl.when((i >= m) & (i < m + nb))
   def _():
-    j = i - m
-    first, lo = first_ref[j], lo_ref[j]
-    dest = lambda t, valid: (first + t, valid & (first + t >= lo) & (first + t < n))
-    _part(g, g.prefill, k, prefill, j, dest, out_refs, sinks_ref)
+    _part(g, g.prefill, g.parts[1], k, prefill, step, i - m, out_refs, sinks_ref)
 
   @pl.when(i >= m + nb)
   def _():
-    _padding(g, i - m - nb, k, cu_ref, ns_ref, out_refs)
+    _padding(g, i - m - nb, k, step[0], step[2], out_refs)
 
 
-def combine_step(decode: CombinePlan, prefill: CombinePlan, decode_states, prefill_states, rows: StepRows,
-                 sinks=None, *, num_rows: int):
+def combine_step(decode: TritonPlan, prefill: TritonPlan, decode_states, prefill_states, step, sinks=None):
   """One launch: the step's packed ``(out [N, Hq, Dv] in the plans' out dtype, lse f32 [N,
-  Hq])`` (N = ``num_rows``) from each part's balanced states, ``(o f32 [n, Hkv, R_p, 1, Dv],
-  lse f32 [n, Hkv, R_p, 1], ends int32 [B])`` as `fdecode.kernels.triton.split_states` gave
-  them and the ends the schedule was dealt from; ``rows``: where they go (`StepRows`);
-  ``sinks`` f32 ``[Hq]`` or None. ``decode`` / ``prefill``: the parts' combine plans
-  (balanced: a schedule each), T = 1 and T = tb."""
-  hq, group, dv = decode.hq, decode.group, decode.dv
+  Hq])`` from each part's states, ``(o f32 [n, Hkv, R_p, 1, Dv], lse f32 [n, Hkv, R_p,
+  1])`` as `fdecode.kernels.triton.split_states_merged` gave them for the parts' plans
+  ``decode`` / ``prefill`` (balanced, their `StepPart` s in ``plan.step``); ``step``:
+  ``(cu, kv_lens, num_seqs)``, the step's arrays the units derive from; ``sinks`` f32
+  ``[Hq]`` or None."""
+  parts = (decode.step, prefill.step)
+  decode, prefill = decode.combine_plan, prefill.combine_plan
+  hq, group, dv, num_rows = decode.hq, decode.group, decode.dv, parts[0].rows
   hkv = hq // group
-  g = _Geometry(decode=decode, prefill=prefill, num_rows=num_rows, hq=hq, group=group)
+  g = _Geometry(decode=decode, prefill=prefill, parts=parts, num_rows=num_rows, hq=hq, group=group)
   operands, in_specs = [], []
-  for plan, (o, lse, ends) in ((decode, decode_states), (prefill, prefill_states)):
+  for plan, (o, lse) in ((decode, decode_states), (prefill, prefill_states)):
     o, lse = o[:, :, :, 0], lse[:, :, :, 0]
     n, _, r_p = lse.shape
     head = lambda k, plan=plan: jnp.minimum(_ids(plan, k)[0], hkv - 1)
-    operands += [lse, o, ends.astype(jnp.int32)]
+    operands += [lse, o]
     in_specs += [pl.BlockSpec((n, None, r_p), lambda i, k, c, head=head: (0, head(k), 0)),
-                 pl.BlockSpec((n, None, r_p, dv), lambda i, k, c, head=head: (0, head(k), 0, 0)),
-                 pl.BlockSpec(ends.shape, lambda i, k, c: (0,))]
-  extra = [x.astype(jnp.int32) for x in rows] + ([] if sinks is None else [sinks.astype(jnp.float32)])
+                 pl.BlockSpec((n, None, r_p, dv), lambda i, k, c, head=head: (0, head(k), 0, 0))]
+  extra = [x.astype(jnp.int32).reshape(-1) for x in step] + ([] if sinks is None else [sinks.astype(jnp.float32)])
   operands += extra
   in_specs += [pl.BlockSpec(x.shape, lambda i, k, c: (0,)) for x in extra]
   pads = -(-num_rows // max(PAD_ENTRIES // group, 1))

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fdecode.kernels.common import block as blk
+from fdecode.kernels.triton.geometry import StepPart, row_position
 from fdecode.kernels.triton.plan import pow2_at_least
 
 
@@ -47,17 +48,24 @@ class WritePlan:
   num_pages: int = 0
   table_len: int = 1
   interpret: bool = False
+  step: StepPart | None = None
 
 
-def _kernel(seq_ref, pos_ref, *refs, plan: WritePlan, n_caches: int):
-  # seq / pos int32 [N]; [tables int32 [M * n]]; new rows [N * Hkv, D] per cache; the
-  # aliased caches' inputs (unused) and outputs, flat [rows, D].
+def _kernel(*refs, plan: WritePlan, n_caches: int):
+  # seq / pos int32 [N] (or with plan.step: the step's cu [M + 1], kv_lens [M], num_seqs [1]);
+  # [tables int32 [M * n]]; new rows [N * Hkv, D] per cache; the aliased caches' inputs
+  # (unused) and outputs, flat [rows, D].
   refs = list(refs)
-  table_ref = refs.pop(0) if plan.paged else None
-  news, outs = refs[:n_caches], refs[2 * n_caches:]
   r = pl.program_id(0)
   h = pl.program_id(1)
-  seq, pos = seq_ref[r], pos_ref[r]
+  if plan.step is not None:  # the row's sequence and position, derived from the step
+    seq, pos = row_position(*refs[:3], plan.step, r)
+    refs = refs[3:]
+  else:
+    seq, pos = refs[0][r], refs[1][r]
+    refs = refs[2:]
+  table_ref = refs.pop(0) if plan.paged else None
+  news, outs = refs[:n_caches], refs[2 * n_caches:]
   ok = pos >= 0
   p = jnp.maximum(pos, 0)
   if plan.paged:
@@ -81,21 +89,24 @@ def _kernel(seq_ref, pos_ref, *refs, plan: WritePlan, n_caches: int):
     plgpu.store(out_ref.at[row, pl.ds(0, dp)], x.astype(out_ref.dtype), mask=live)
 
 
-def write_rows(plan: WritePlan, caches, news, seq, pos, tables=None):
+def write_rows(plan: WritePlan, caches, news, positions, tables=None):
   """Writes ``news`` (``[N, Hkv, D]`` each, one per cache) into ``caches`` (k, and v unless
-  None: in ``plan.layout``, contiguous or paged) at each row's ``(seq, pos)`` (int32
-  ``[N]``; ``tables`` int32 ``[M, n]`` when paged) -> the updated caches, same shapes
-  and dtypes, in place."""
+  None: in ``plan.layout``, contiguous or paged) at each row's sequence and position ->
+  the updated caches, same shapes and dtypes, in place. ``positions``: ``(seq, pos)``, int32
+  ``[N]`` each (`fdecode.ragged.row_positions`'), or with ``plan.step`` the step's ``(cu,
+  kv_lens, num_seqs)`` (int32 ``[M + 1]`` clipped non-decreasing, ``[M]``, ``[1]``), from
+  which each program derives its row's (`fdecode.kernels.triton.geometry.row_position`);
+  ``tables`` int32 ``[M, n]`` when paged."""
   byte = lambda x: jnp.dtype(x.dtype).itemsize == 1
   # 8-bit on either side: converted in XLA to the cache's dtype first (as the scatter
   # casts), so the kernel only moves bytes (Triton has no float8 conversion below sm_89).
   pairs = [(c, x.astype(c.dtype) if x.dtype != c.dtype and (byte(x) or byte(c)) else x)
            for c, x in zip(caches, news) if c is not None]
-  n_rows = seq.shape[0]
+  n_rows = pairs[0][1].shape[0]
   as_bytes = lambda x: lax.bitcast_convert_type(x, jnp.uint8) if byte(x) else x
   flat = [as_bytes(c).reshape(-1, c.shape[-1]) for c, _ in pairs]
   rows = [as_bytes(x).reshape(n_rows * plan.hkv, x.shape[-1]) for _, x in pairs]
-  operands = [seq.astype(jnp.int32), pos.astype(jnp.int32)]
+  operands = [x.astype(jnp.int32).reshape(-1) for x in positions]
   if plan.paged:
     operands.append(tables.astype(jnp.int32).reshape(-1))
   operands += rows + flat
@@ -124,12 +135,15 @@ def write_rows(plan: WritePlan, caches, news, seq, pos, tables=None):
 
 
 def write_plan(layout: str, paged: bool, cache_shape, *, page_size: int = 1, table_len: int = 1,
-               interpret: bool = False) -> WritePlan:
-  """The plan of writing into caches shaped like ``cache_shape`` (k's, in ``layout``)."""
+               interpret: bool = False, step_rows: tuple[int, int] | None = None) -> WritePlan:
+  """The plan of writing into caches shaped like ``cache_shape`` (k's, in ``layout``).
+  ``step_rows``: ``(N, M)``, the rows' positions derive from a ragged step's arrays."""
   hkv = cache_shape[2] if layout == "NHD" else (cache_shape[0] if paged else cache_shape[1])
   if paged:
     num_pages = cache_shape[0] if layout == "NHD" else cache_shape[1]
-    return WritePlan(layout, True, hkv, table_len * page_size, page_size, num_pages, table_len,
-                     interpret=bool(interpret))
-  capacity = cache_shape[1] if layout == "NHD" else cache_shape[2]
-  return WritePlan(layout, False, hkv, capacity, interpret=bool(interpret))
+    capacity, geometry = table_len * page_size, dict(page_size=page_size, num_pages=num_pages, table_len=table_len)
+  else:
+    capacity, geometry = (cache_shape[1] if layout == "NHD" else cache_shape[2]), {}
+  step = None if step_rows is None else StepPart(part="rows", rows=step_rows[0], seqs=step_rows[1],
+                                                 units=step_rows[0], block=1, seq_len=capacity)
+  return WritePlan(layout, paged, hkv, capacity, interpret=bool(interpret), step=step, **geometry)

@@ -1,0 +1,153 @@
+"""A ragged serving step's geometry, derived by each Triton program from the step's own
+offsets (`fdecode.ragged_decode` on the Triton kernels): which sequence a work unit reads,
+its first packed row, its kv length, and every unit's kv length for the balanced schedule.
+XLA computed these before, as small fusions between the kernels (a launch each); here each
+program computes what it needs in registers from ``cu [M + 1]`` (the step's clipped,
+non-decreasing row offsets, `fdecode.ragged.row_positions`' ``cu``), ``kv_lens [M]`` and
+``num_seqs [1]``, a few vector reductions over the M sequences (and, for the prefill
+blocks' lengths, over blocks x sequences in chunks).
+
+The units are a `StepPart`'s: the decode part's M sequences (unit b: sequence b's last
+row, T = 1) or the prefill part's NB blocks (unit j: ``block`` rows of one sequence,
+counted back from the row before its last; `fdecode.ragged.decode` describes both). The
+XLA form of the same geometry is `fdecode.ragged.decode`'s (``row_positions`` and its
+block geometry), which the tests compare the kernels' results against through the
+step's outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import triton as plgpu
+
+# Elements of the blocks x sequences comparison one loop step holds (prefill lengths).
+PAIR_ELEMENTS = 4096
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPart:
+  """One part of a ragged step whose units the kernels derive (hashable: in the plan).
+  ``part``: ``"decode"`` (units: the M sequences, T = 1) or ``"prefill"`` (units: NB =
+  ``units`` blocks of ``block`` rows); ``rows`` N packed rows; ``seqs`` M; ``seq_len`` S
+  (kv lengths are clipped to it)."""
+  part: str
+  rows: int
+  seqs: int
+  units: int
+  block: int
+  seq_len: int
+
+  @property
+  def seqs_padded(self) -> int:
+    return _pow2(self.seqs)
+
+  @property
+  def units_padded(self) -> int:
+    return _pow2(self.units)
+
+
+class Seqs(NamedTuple):
+  """The step's sequences in registers, int32 ``[M_p]`` (0 past M): each one's first row,
+  rows (0 for a dead sequence, past ``num_seqs``) and kv length (clipped into ``[0, S]``,
+  0 for a dead sequence)."""
+  first: object
+  q_len: object
+  kv: object
+
+
+def _at(x, i):
+  """``x[i]`` of a register vector at a traced scalar index (a masked sum); 0 past it."""
+  return jnp.sum(jnp.where(lax.iota(jnp.int32, x.shape[0]) == i, x, 0))
+
+
+def _cdiv(a, b: int):
+  return (a + b - 1) // b
+
+
+def _load(ref, start, size: int, limit: int):
+  """``ref[start : start + size]`` as a vector, 0 at indices ``>= limit`` (a gather at
+  clipped indices: never a slice past the ref)."""
+  i = start + lax.iota(jnp.int32, size)
+  return plgpu.load(ref.at[jnp.minimum(i, ref.shape[0] - 1)], mask=i < limit, other=0), i
+
+
+def load_seqs(cu_ref, lens_ref, ns_ref, part: StepPart, start=0, size: int | None = None) -> Seqs:
+  """Sequences ``[start, start + size)`` (default: all, ``[0, M_p)``) from the step's
+  refs: ``cu`` int32 ``[M + 1]`` (clipped, non-decreasing), ``kv_lens`` int32 ``[M]``,
+  ``num_seqs`` int32 ``[1]``."""
+  size = part.seqs_padded if size is None else size
+  m = part.seqs
+  lo, i = _load(cu_ref, start, size, m)
+  hi, _ = _load(cu_ref, start + 1, size, m + 1)
+  kv, _ = _load(lens_ref, start, size, m)
+  live = (i < m) & (i < jnp.clip(ns_ref[0], 0, m))
+  return Seqs(lo, jnp.where(live, hi - lo, 0), jnp.where(live, jnp.clip(kv, 0, part.seq_len), 0))
+
+
+def _blocks(q_len, part: StepPart):
+  """Prefill blocks per sequence: its rows but the last, ``block`` a block."""
+  return _cdiv(jnp.maximum(q_len - 1, 0), part.block)
+
+
+def unit_ends(cu_ref, lens_ref, ns_ref, part: StepPart):
+  """Every unit's kv length (its last row's end), int32 ``[B_p]`` (0 past the units and
+  for units with no row): `fdecode.kernels.triton.schedule`'s ``ends`` for this part."""
+  if part.part == "decode":
+    s = load_seqs(cu_ref, lens_ref, ns_ref, part)
+    return jnp.where(s.q_len > 0, s.kv, 0)
+  bp, mp = part.units_padded, part.seqs_padded
+  chunk = min(mp, max(1, _pow2(PAIR_ELEMENTS // bp + 1) // 2))
+  j = lax.iota(jnp.int32, bp)[:, None]
+
+  def step(c, carry):  # sequences [c * chunk, (c + 1) * chunk): their blocks' lengths
+    ends, before = carry
+    s = load_seqs(cu_ref, lens_ref, ns_ref, part, c * chunk, chunk)
+    nb = _blocks(s.q_len, part)
+    last = before + jnp.cumsum(nb)  # each sequence's blocks: [last - nb, last)
+    first = (last - nb)[None, :]
+    mine = (j >= first) & (j < last[None, :])
+    length = s.kv[None, :] - 1 - (j - first) * part.block
+    return ends + jnp.sum(jnp.where(mine, length, 0), axis=1), before + jnp.sum(nb)
+
+  zero = (jnp.zeros((bp,), jnp.int32), jnp.int32(0))
+  return lax.fori_loop(0, mp // chunk, step, zero)[0]
+
+
+def unit_rows(cu_ref, lens_ref, ns_ref, part: StepPart, b):
+  """Unit ``b`` (int32 scalar): ``(seq, first, lo)``, the sequence it reads (clipped into
+  ``[0, M)``), the packed row of its row 0 (unclipped: a block's rows before ``lo`` are
+  another sequence's), and the first row it may store (N: none; the decode part's unit
+  stores its one row, its sequence's last, where the sequence has a row)."""
+  s = load_seqs(cu_ref, lens_ref, ns_ref, part)
+  n = part.rows
+  end = s.first + s.q_len  # each sequence's rows end
+  if part.part == "decode":
+    last = _at(end, b) - 1
+    return b, last, jnp.where(_at(s.q_len, b) > 0, last, n)
+  nb = _blocks(s.q_len, part)
+  ends = jnp.cumsum(nb)
+  seq = jnp.minimum(jnp.sum(jnp.where(ends <= b, 1, 0)), part.seqs - 1)
+  jj = b - (_at(ends, seq) - _at(nb, seq))
+  hi = _at(end, seq) - 1 - jj * part.block  # rows [hi - block, hi)
+  live = b < jnp.sum(nb)
+  return seq, hi - part.block, jnp.where(live, _at(s.first, seq), n)
+
+
+def row_position(cu_ref, lens_ref, ns_ref, part: StepPart, r):
+  """Packed row ``r``'s ``(sequence, position)`` (int32 scalars): `fdecode.ragged.row_positions`'
+  ``seq`` and ``pos`` for it (position -1 for a row no live sequence owns)."""
+  m = part.seqs
+  s = load_seqs(cu_ref, lens_ref, ns_ref, part)
+  hi, i = _load(cu_ref, 1, part.seqs_padded, m + 1)
+  seq = jnp.minimum(jnp.sum(jnp.where((i <= m) & (hi <= r), 1, 0)), m - 1)
+  owned = (r >= cu_ref[0]) & (r < cu_ref[jnp.clip(ns_ref[0], 0, m)])
+  pos = _at(s.kv, seq) - _at(s.q_len, seq) + r - _at(s.first, seq)
+  return seq, jnp.where(owned, pos, -1)
