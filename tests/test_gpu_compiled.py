@@ -295,9 +295,9 @@ RAGGED_MIXES = {"mixed": ([1, 7, 64, 1, 0, 30], [5, 40, 100, 128, 3, 30]),
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_ragged_decode(mix, cache, layout, dtype):
-  """Issue 19: ragged_decode on the compiled kernels (the decode call, the one prefill-block
-  call of a paged step, skipped on a step of decodes) against each sequence alone through
-  the float32 reference; padding rows give 0 and lse -inf."""
+  """Issue 19: ragged_decode on the compiled kernels (the Triton step: one split launch for
+  the decode part and the prefill blocks, one combine into the packed rows) against each
+  sequence alone through the float32 reference; padding rows give 0 and lse -inf."""
   from test_ragged import batch, per_sequence  # pylint: disable=g-import-not-at-top
   q_lens, kv_lens = RAGGED_MIXES[mix]
   p = batch(1, q_lens, kv_lens, max_seqs=8, d=128, paged=cache != "contiguous", layout=layout, dtype=dtype)
@@ -310,6 +310,24 @@ def test_ragged_decode(mix, cache, layout, dtype):
   assert_close(lse[:live], ref_lse, atol=tl["lse"], rtol=tl["lse"], what="lse")
   np.testing.assert_array_equal(np.asarray(out[live:], np.float32), 0)
   assert np.isneginf(np.asarray(lse[live:])).all()
+
+
+@pytest.mark.parametrize("paged,layout", [(True, "HND"), (True, "NHD"), (False, "HND")])
+@pytest.mark.parametrize("seed", range(3))
+def test_step_geometry_compiled(seed, paged, layout):
+  """The compiled Triton step's in-kernel geometry (`fdecode.kernels.triton.geometry`) on
+  traced, unchecked offsets and lengths equals XLA's (tests/test_step_geometry.py, here
+  compiled): outputs within float32 tolerance, the fused write's slots bit for bit."""
+  from test_step_geometry import _step  # pylint: disable=g-import-not-at-top
+  p, (nk, nv) = _step(seed, paged, layout)
+  run = lambda impl: jax.jit(lambda p, nk, nv: fdecode.ragged_decode(
+      **p, kv_layout=layout, new_k=nk, new_v=nv, return_lse=True, impl=impl))(p, nk, nv)
+  with jax.default_matmul_precision("highest"):
+    (out_x, lse_x, *caches_x), (out_t, lse_t, *caches_t) = run("xla"), run("pallas")
+  np.testing.assert_allclose(np.asarray(out_t), np.asarray(out_x), atol=1e-4, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(lse_t), np.asarray(lse_x), atol=1e-4, rtol=1e-4)
+  for x, t in zip(caches_x, caches_t):
+    np.testing.assert_array_equal(np.asarray(t), np.asarray(x))
 
 
 @pytest.mark.parametrize("name", ["hnd-paged16-bf16", "nhd-paged1-int8", "hnd-contiguous-fp8-mla24",

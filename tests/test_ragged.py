@@ -134,7 +134,7 @@ def test_triton_reads_contiguous_cache_rows_in_place(layout, case, monkeypatch):
   the per-sequence grid (a per-row bias turns the schedule off: the two-part path). Other
   sequences' rows hold NaN past their lengths and in the rows no sequence owns, which no
   block may reach."""
-  import fdecode.ragged.decode as ragged_module
+  import fdecode.ragged.parts as ragged_module
   import fdecode.ragged.triton_step as step_module
   calls = []
 
@@ -410,16 +410,22 @@ def test_prefill_blocks_in_one_call_on_the_kernels(impl, request, monkeypatch):
   """With the Pallas kernels a paged step's prefill blocks go to one flash_decode call
   (ceil(N / 64) + min(max_seqs, N // 2) blocks, the unused ones of kv length 0); the XLA
   path loops over the real blocks. A sequence of 300 new tokens spans 5 blocks, the
-  first partial; one of 2 new tokens has a 1-row block; dead slots hold NaN."""
-  import fdecode.ragged.decode as ragged_module
+  first partial; one of 2 new tokens has a 1-row block; dead slots hold NaN. (The Triton
+  step, `fdecode.ragged.triton_step`, makes the same call, canonical, for its launch.)"""
+  import fdecode.ragged.parts as parts_module
+  import fdecode.ragged.triton_step as step_module
   batches = []
-  real = ragged_module.flash_decode_with_source
 
-  def spy(q, *args, **kwargs):
-    batches.append(q.shape[:2])
-    return real(q, *args, **kwargs)
+  def spy(module, name):
+    real = getattr(module, name)
 
-  monkeypatch.setattr(ragged_module, "flash_decode_with_source", spy)
+    def call(q, *args, **kwargs):
+      batches.append(q.shape[:2])
+      return real(q, *args, **kwargs)
+    monkeypatch.setattr(module, name, call)
+
+  spy(parts_module, "flash_decode_with_source")
+  spy(step_module, "canonical_call")
   p = batch(8, [300, 1, 2, 70], [333, 17, 2, 90], max_seqs=6, pad_rows=5)
   k = np.asarray(p["k"]).copy()  # which pages no table names: NaN there (never read)
   k[:, np.setdiff1d(np.arange(k.shape[1]), p["block_tables"])] = np.nan
@@ -439,7 +445,7 @@ def test_row_search_has_no_loop(n_edges, n_x):
   edges, values outside, both methods: all pairs below ~1M pairs, sort above), and its
   program holds no loop (jnp's default method is a scan, which XLA compiles to a while
   loop: a chain of dependent steps on GPU)."""
-  from fdecode.ragged.decode import _searchsorted  # pylint: disable=g-import-not-at-top
+  from fdecode.ragged.parts import searchsorted as _searchsorted  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(n_edges)
   edges = np.sort(rng.integers(0, n_x, n_edges)).astype(np.int32)  # cu_q_lens-like: repeats
   x = np.arange(-2, n_x + 2, dtype=np.int32)

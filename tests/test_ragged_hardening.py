@@ -153,12 +153,13 @@ def test_visible_nan_value_gives_whole_rows_on_every_impl(impl):
   assert (out[6:] == 0).all() and np.isneginf(lse[6:]).all() and hq == 4
 
 
-@pytest.mark.parametrize("m", [5, 1100], ids=["pairs", "cummax"])
+@pytest.mark.parametrize("m", [5, 1100], ids=["pairs", "cumsum"])
 def test_row_positions_clip_traced_geometry(m):
   """`row_positions` on traced, unchecked geometry (cu_q_lens decreasing, negative, past
-  N; kv_lens past S; num_seqs past M) against its docstring in numpy: cu is the running
-  maximum of the clipped offsets (for short batches computed over all pairs, past ~1M
-  pairs by ``lax.cummax``), and each owned row's position one of its sequence's new ones."""
+  N; kv_lens past S; num_seqs past M) against its docstring in numpy: each sequence keeps
+  its clipped count where positive, counted on from the clipped cu[0] and capped at N
+  (for short batches summed over all pairs, past ~1M pairs by ``lax.cumsum``), and each
+  owned row's position one of its sequence's new ones."""
   from fdecode.ragged.decode import row_positions
   rng = np.random.default_rng(m)
   n, cap = 3 * m, 64
@@ -170,8 +171,9 @@ def test_row_positions_clip_traced_geometry(m):
     kv = rng.integers(-3, cap + 10, m).astype(np.int32)
     ns = np.array([rng.integers(0, m + 2)], np.int32)
     got = [np.asarray(x) for x in fn(kv, cu_in, ns)]
+    clipped = np.clip(cu_in, 0, n)
+    cu = np.minimum(clipped[0] + np.concatenate([[0], np.cumsum(np.maximum(np.diff(clipped), 0))]), n)
     live = np.arange(m) < min(int(ns[0]), m)
-    cu = np.maximum.accumulate(np.clip(cu_in, 0, n))
     lens = np.where(live, np.clip(kv, 0, cap), 0)
     q_len = np.where(live, np.diff(cu), 0)
     rows = np.arange(n)

@@ -3,43 +3,48 @@ different number of new tokens per sequence (decodes of 1 beside prefill chunks)
 engines schedule them (vLLM / SGLang / tpu-inference; FlashAttention's ``cu_seqlens_q``,
 FlashInfer's ``qo_indptr``, JAX's ``ragged_paged_attention``).
 
-How the work is split (all inside one jit-compiled program):
+How the work is split (all inside one jit-compiled program; `fdecode.ragged.parts`):
 
-* **Decode part.** Every live sequence's *last* new token, as a batch of ``max_seqs``
-  single-token queries over the caches in place: exactly `flash_decode`'s decode path,
-  so a step of pure decodes costs what `flash_decode` costs (benchmarks/RESULTS.md).
+* **Decode part.** Every live sequence's *last* new token: ``max_seqs`` single-token
+  queries over the caches in place, as `flash_decode` decodes.
 * **Prefill part.** The other new tokens, in query blocks of up to ``QUERY_BLOCK`` rows
   of one sequence (aligned to the sequence's last token), each a ``T = QUERY_BLOCK``
-  `flash_decode` call over that sequence's cache (its block-table row when paged, its
-  cache row when contiguous). On the XLA path (and for contiguous caches off the Triton
-  kernels) a ``lax.while_loop`` runs only the real blocks, ``sum_i ceil((q_len_i - 1) /
-  QUERY_BLOCK)``: padding rows and dead sequences cost nothing, a step with no prefill runs
-  no block, and no work scales with ``max_seqs * max(q_len)``. With the Pallas kernels
-  (GPU, TPU, ``impl="pallas"``) a paged step's blocks go to *one* `flash_decode` call, and
-  so do a contiguous step's on the Triton kernels (GPU, or interpreted), each block
-  reading its sequence's cache row in place (a `RowSource`'s cache rows), a static
-  ``ceil(N / QUERY_BLOCK) + min(max_seqs, N // 2)`` of them (one kernel launch): blocks
-  past the real ones have kv length 0, and the kernels read nothing for them; off GPU a
-  step with no prefill block skips that call (``lax.cond``; on GPU XLA would copy the
-  predicate to the host and wait for the stream, so the call runs and finds no block).
-  On GPU that call runs the
-  balanced schedule (``num_splits="balance"``): a grid of work items sized to fill the
-  GPU deals out the real blocks' keys, however few they are (before, its split count
-  was sized for the static bound, so a step with 9 real blocks of 73 ran 72 programs). (Where
-  `flash_decode` itself falls back to XLA on GPU or TPU, a head dim Triton cannot tile or
-  a page size Mosaic cannot DMA, that XLA path reads every block of the bound.)
-  ``impl="mosaic_gpu"`` (opt-in) runs both parts on the Hopper rows kernel, the prefill
-  blocks of a paged step in one call like ``impl="pallas"`` (blocks of length 0 load
-  nothing), its decode part's T = 1 rows padded to a 64-row tile; MLA caches are refused
-  (the MLA kernel takes T = 1 only, so not the prefill blocks).
+  query over that sequence's cache (its block-table row when paged, its cache row when
+  contiguous), a static ``ceil(N / QUERY_BLOCK) + min(max_seqs, N // 2)`` of them: blocks
+  past the real ones have kv length 0, and the kernels read nothing for them.
 
-Each part's query rows (and each prefill block's table row, or contiguous cache row) are
-gathers of the packed q (and of the block tables, or the caches); the Triton kernels read
-them in place through their indices (`fdecode.kernels.triton.RowSource`), so on GPU no
-gather is launched; every other path reads the gathers. (A program exported for several
-platforms at once, ``jax.export(..., platforms=[...])``, picks its branch at run time, so
-it computes the gathers wherever it runs, on a contiguous cache a copy of each block's
-cache row: export one program per platform.)
+Where they run:
+
+* **The Triton step** (GPU, and ``impl="pallas"`` interpreted; `fdecode.ragged.triton_step`):
+  both parts in *one* split launch, each part's work items on its own balanced schedule
+  (a grid sized to fill the GPU deals out the real units' keys, however few they are),
+  then *one* combine launch that stores the packed rows, padding rows included. Every
+  program derives its unit's geometry from the step's ``cu_q_lens``, ``kv_lens`` and
+  ``num_seqs`` (`fdecode.kernels.triton.geometry`) and reads q rows, table rows and a
+  contiguous cache's rows in place: nothing else launches (on A100 the parts take a split
+  launch each: ptxas spilled the merged kernel there). It takes every call but per-row
+  masks / biases and index lists (no balanced schedule), a fixed ``num_splits``, and
+  contiguous MLA latents (whose decode part goes to the Hopper MLA kernel on sm_90), and
+  head dims Triton cannot tile (the GPU's flash_decode runs XLA for those).
+* **The two-part path** (every other case): a `flash_decode` call per part, the rows
+  gathered from both outputs. The decode part is one batched call (a step of pure
+  decodes costs what `flash_decode` costs). On the XLA path (and for contiguous caches off
+  the Triton kernels) a ``lax.while_loop`` runs only the real prefill blocks, ``sum_i
+  ceil((q_len_i - 1) / QUERY_BLOCK)``: padding rows and dead sequences cost nothing, a
+  step with no prefill runs no block, and no work scales with ``max_seqs * max(q_len)``.
+  With the Pallas kernels (TPU, ``impl="mosaic_gpu"``, and the Triton fallbacks above) a
+  paged step's blocks go to *one* `flash_decode` call (``num_splits="balance"`` where
+  the kernel takes it); off GPU a step with no prefill block skips that call
+  (``lax.cond``; on GPU XLA would copy the predicate to the host and wait for the
+  stream, so the call runs and finds no block). ``impl="mosaic_gpu"`` (opt-in) runs both
+  parts on the Hopper rows kernel, its decode part's T = 1 rows padded to a 64-row tile;
+  MLA caches are refused (the MLA kernel takes T = 1 only, so not the prefill blocks).
+  Each part's query rows (and each prefill block's table row, or contiguous cache row)
+  are gathers of the packed q (and of the block tables, or the caches); the Triton
+  kernels read them in place through their indices (`fdecode.kernels.triton.RowSource`);
+  every other path reads the gathers. (A program exported for several platforms at once,
+  ``jax.export(..., platforms=[...])``, picks its branch at run time, so it computes the
+  gathers wherever it runs: export one program per platform.)
 
 The fused cache write (``new_k`` / ``new_v``) puts the new tokens in the caches in the
 caller's layout, before the attention, in the same program (`fdecode.ragged.write`: one
@@ -54,20 +59,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
-from fdecode.api import flash_decode_with_source
 from fdecode.cache.layout import CacheView, check_layout
 from fdecode.dispatch import forced_tpu_interpret, triton_supports
-from fdecode.kernels.triton import RowSource
-from fdecode.ragged.checks import CALLER, PER_ROW, check_shapes, check_values
+from fdecode.ragged.checks import CALLER, check_shapes, check_values
+from fdecode.ragged.parts import Step, searchsorted, triton_calls, two_parts
 from fdecode.ragged.triton_step import triton_step
 from fdecode.ragged.write import write_new_tokens
 from fdecode.validation import as_arrays, to_int32
-
-QUERY_BLOCK = 64  # rows of a prefill query block
 # flash_decode's keywords ragged_decode forwards; the per-row ones are indexed by row.
 _OPTIONS = ("k_scale", "v_scale", "k_offset", "v_offset", "softmax_scale", "num_splits", "block_k",
             "impl", "interpret", "return_lse", "causal", "mask", "bias", "alibi_slopes", "window",
@@ -179,191 +180,48 @@ def _hashable(x):
 
 @functools.partial(jax.jit, static_argnames=("statics",))
 def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
-  """The jit-compiled step: clip, write, decode part, prefill blocks. ``view``: the caches
-  (`fdecode.cache.layout.CacheView`: k, v in the caller's layout, int32 block tables)."""
+  """The jit-compiled step: clip, write, attend (the Triton step, or the two-part path).
+  ``view``: the caches (`fdecode.cache.layout.CacheView`: k, v in the caller's layout,
+  int32 block tables)."""
   opts = dict(statics)
-  k, v, tables, paged = view.k, view.v, view.block_tables, view.paged
+  k, v, paged = view.k, view.v, view.paged
   n_rows, m = q.shape[0], kv_lens.shape[0]
   dv = opts.get("v_head_dim") if v is None else v.shape[-1]
   hq = q.shape[1]
   if n_rows == 0 or m == 0:  # no row or no sequence: nothing to write or attend
     return jnp.zeros((n_rows, hq, dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32), k, v
-  cu, lens, q_len, seq, pos = row_positions(kv_lens, cu, num_seqs, n_rows, view.capacity)
-
+  given = (cu, kv_lens, num_seqs)  # as given: the Triton kernels clip them as row_positions does
+  geometry = row_positions(kv_lens, cu, num_seqs, n_rows, view.capacity)
+  impl, interp = opts.get("impl"), opts.get("interpret")
   if new_k is not None:
-    k, v = write_new_tokens(view, new_k, new_v, seq, pos, impl=opts.get("impl"), interpret=opts.get("interpret"),
-                            step=(cu, kv_lens, num_seqs))
-
+    k, v = write_new_tokens(view, new_k, new_v, *geometry[3:], impl=impl, interpret=interp, step=given)
   # The caches in the caller's layout: flash_decode reads token-major ones in place (`fdecode.cache.layout`).
   caches = dict(k=k, v=v, **{n: arrays.get(n) for n in ("k_rope", "k_scale", "v_scale", "k_offset", "v_offset")})
-  call = functools.partial(flash_decode_with_source, return_lse=True, kv_layout=view.layout, **opts)
-  shared = {n: arrays[n] for n in ("alibi_slopes", "sinks") if n in arrays}
-  per_row = lambda idx, shape: {n: _rows(arrays[n], idx, shape) for n in PER_ROW if n in arrays}
-
-  # Decode part: each live sequence's last new token, over the caches in place.
-  has = q_len > 0
-  last = jnp.clip(cu[1:] - 1, 0, n_rows - 1)
-
-  # Prefill part: the other new tokens, in blocks of tb rows of one sequence.
-  tb = min(QUERY_BLOCK, n_rows)
-  nb = -(-jnp.maximum(q_len - 1, 0) // tb)  # blocks per sequence
-  ends = jnp.cumsum(nb)
-
-  def geometry(j):
-    """Block(s) ``j`` (int32 scalar or ``[J]``): sequence, rows ``[..., tb]`` (clipped for
-    the gather), kv length, each row's destination (``n_rows``: dropped, for rows
-    before the sequence's own and for blocks past the real ones) and first row (unclipped)."""
-    s = jnp.clip(_searchsorted(ends, j), 0, m - 1).astype(jnp.int32)
-    jj = j - (ends[s] - nb[s])
-    live = j < ends[-1]
-    hi = cu[s + 1] - 1 - jj * tb  # rows [hi - tb, hi); those before cu[s] are not this sequence's
-    blk = hi[..., None] - tb + jnp.arange(tb, dtype=jnp.int32)  # made here: not an operand of the cond
-    dest = jnp.where(live[..., None] & (blk >= cu[s][..., None]), blk, n_rows)
-    return s, jnp.clip(blk, 0, n_rows - 1), jnp.where(live, lens[s] - 1 - jj * tb, 0), dest, hi - tb
-
-  def put(out, lse, dest, o, l):
-    dest = dest.reshape(-1)
-    return (out.at[dest].set(o.reshape(dest.shape[0], *o.shape[-2:]), mode="drop"),
-            lse.at[dest].set(l.reshape(dest.shape[0], -1), mode="drop"))
-
-  def looped():  # one flash_decode per real block, scattered to its rows: nothing runs for padding or decodes
-    def block(j, carry):
-      s, idx, length, dest, _ = geometry(j)
-      seq_cache = _sequence_cache(caches, s, paged)
-      o, l = call(q[idx][None], seq_cache["k"], seq_cache["v"], length[None],
-                  block_tables=None if not paged else lax.dynamic_slice_in_dim(tables, s, 1, 0),
-                  **_cache_opts(seq_cache), **shared, **per_row(idx, (1, tb)))
-      return put(*carry, dest, o, l)
-    empty = (jnp.zeros((n_rows, hq, dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32))
-    return lax.fori_loop(0, ends[-1], block, empty)
-
+  st = Step(q=q, caches=caches, view=view.with_arrays(k=k, v=v), geometry=geometry, given=given, arrays=arrays,
+            opts=opts, dv=dv)
   # Whether the GPU's Triton kernels take these head dims (else its flash_decode runs XLA).
   triton_tiles = triton_supports(view.with_arrays(**{n: arrays.get(n) for n in ("k_scale", "v_scale", "k_rope")}), dv)
-
-  def batched():  # every block in one flash_decode call (one kernel launch)
-    # At most ceil(N / tb) + min(M, N // 2) blocks: a block per tb rows, plus one partial
-    # block per sequence with 2 or more new tokens. Blocks past the real ones have kv
-    # length 0, which the Pallas kernels skip (no KV block is read). A contiguous cache
-    # runs here only where the Triton kernels read it (the path choice below): each block's
-    # cache row through the RowSource; the per-block gathers of the call's own arguments
-    # are then dropped by XLA.
-    # A step of decodes only has no block. On GPU the call runs anyway where the kernels
-    # skip empty blocks (Triton's tiled shapes, the Hopper rows kernel): the work items and
-    # combine programs find no block and load no key, and unused items store no partial
-    # state. A conditional there would cost more: XLA:GPU's runs on the host,
-    # copying its predicate from the GPU and waiting for the stream (ConditionalThunk),
-    # once per call. Elsewhere (TPU: control flow on the chip; CPU, interpreted) a step
-    # with no block skips the call (lax.cond).
-    num_blocks = -(-n_rows // tb) + min(m, n_rows // 2)
-
-    def run():
-      s, idx, length, _, first = geometry(jnp.arange(num_blocks, dtype=jnp.int32))
-      # num_splits "balance": the Triton kernel deals the real blocks' keys over a grid
-      # that fills the GPU, whichever blocks are real (`fdecode.kernels.triton`).
-      if paged:
-        block_caches, source = caches, RowSource(q, first, tables, s)
-      else:  # each block's rows of the caches (also at M = 1: the call's batch is the blocks')
-        block_caches = _sequence_cache(caches, s, paged)
-        source = RowSource(q, first, caches=CacheView.of(
-            caches["k"], caches["v"], kv_layout=view.layout, caller=CALLER, **_cache_opts(caches)), cache_rows=s)
-      return call(q[idx], block_caches["k"], block_caches["v"], length,
-                  block_tables=tables[s] if paged else None, source=source,
-                  num_splits=opts.get("num_splits") or "balance", **_cache_opts(block_caches), **shared,
-                  **per_row(idx, idx.shape))
-    none = lambda: (jnp.zeros((num_blocks, tb, hq, dv), q.dtype),
-                    jnp.full((num_blocks, tb, hq), -jnp.inf, jnp.float32))
-    skip_empty = lambda: lax.cond(ends[-1] > 0, run, none)
-    # The GPU's XLA fallback (head dims the Triton kernel cannot tile) reads every block: it keeps the cond.
-    gpu = run if opts.get("impl") == "mosaic_gpu" or triton_tiles else skip_empty
-    o, l = lax.platform_dependent(cuda=gpu, rocm=gpu, default=skip_empty)
-    j, t = _block_rows(cu, seq, ends - nb, tb, num_blocks)
-    return o[j, t], l[j, t]
-
-  def two_parts():  # the decode part's call, the prefill blocks', and the rows gathered from both
-    dec_o, dec_l = call(q[last][:, None], caches["k"], caches["v"], jnp.where(has, lens, 0), block_tables=tables,
-                        source=RowSource(q, last), **_cache_opts(caches), **shared, **per_row(last, (m, 1)))
-    impl = opts.get("impl")
-    if n_rows < 2:  # no sequence has a row before its last: no prefill block
-      pre_o, pre_l = jnp.zeros((n_rows, hq, dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32)
-    elif not paged:  # batched only where the Triton kernels read each block's cache row in place
-      interp = opts.get("interpret")
-      # Sparse calls read the call's own (gathered) caches; so do Mosaic (TPU) and XLA: they loop.
-      if "indices" in arrays or isinstance(interp, pltpu.InterpretParams) or impl not in (None, "pallas"):
-        pre_o, pre_l = looped()
-      elif impl == "pallas" and interp:  # the Triton interpreter, on any host
-        pre_o, pre_l = batched()
-      else:  # impl="pallas" on CPU is the Triton interpreter; on GPU, Triton where it tiles these head dims
-        gpu = batched if triton_tiles else looped
-        cpu = batched if impl == "pallas" else looped
-        pre_o, pre_l = lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, default=looped)
-    elif impl in ("xla", "reference"):
-      pre_o, pre_l = looped()
-    elif impl in ("pallas", "mosaic_gpu"):  # mosaic_gpu: "balance" splits as None
-      pre_o, pre_l = batched()
-    else:  # impl=None: the XLA path on CPU reads every block's whole table, so it loops
-      pre_o, pre_l = lax.platform_dependent(cpu=looped, default=batched)
-    return _gather_rows(cu, seq, pos, (dec_o[:, 0], dec_l[:, 0]), (pre_o, pre_l))
-
-  def step(interp):  # Triton: one split launch for both parts, one combine into the packed rows
-    num_blocks = -(-n_rows // tb) + min(m, n_rows // 2)
-    s, idx, length, _, first = geometry(jnp.arange(num_blocks, dtype=jnp.int32))  # (shapes: not read)
-    arrays3 = (cu, kv_lens, num_seqs)
-    dec = dict(q=q[last][:, None], ends=jnp.where(has, lens, 0), **shared)
-    pre = dict(q=q[idx], ends=length, **shared)
-    if paged:
-      dec.update(caches, block_tables=tables, source=RowSource(q, last, tables, step=arrays3))
-      pre.update(caches, block_tables=tables[s], source=RowSource(q, first, tables, step=arrays3))
-    else:  # each part's sequences read through the source's caches (the whole ones)
-      whole = CacheView.of(caches["k"], caches["v"], kv_layout=view.layout, caller=CALLER, **_cache_opts(caches))
-      dec.update(caches, source=RowSource(q, last, caches=whole, step=arrays3))
-      pre.update(_sequence_cache(caches, s, paged), source=RowSource(q, first, caches=whole, step=arrays3))
-    return triton_step(dec, pre, arrays3, block=tb, capacity=view.capacity, interpret=interp,
-                       options=dict(opts, kv_layout=view.layout))
-
-  impl, interp = opts.get("impl"), opts.get("interpret")
+  two = lambda: two_parts(st, triton_tiles)
+  step = lambda interpret: (lambda: triton_step(*triton_calls(st), given, block=st.block, capacity=view.capacity,
+                                                interpret=interpret, options=dict(opts, kv_layout=view.layout)))
   # The Triton step takes every call but index lists, per-row masks / biases (no balanced
   # schedule), fixed split counts, and contiguous MLA latents (whose decode part goes to the
   # Hopper MLA kernel on an sm_90 GPU).
   if (impl not in (None, "pallas") or isinstance(interp, pltpu.InterpretParams) or {"indices", "mask", "bias"} & set(arrays)
       or opts.get("num_splits") not in (None, "balance") or (v is None and not paged)):
-    out, lse = two_parts()
+    out, lse = two()
   elif impl == "pallas" and interp:  # the Triton interpreter, on any host
-    out, lse = step(True)
+    out, lse = step(True)()
   else:  # GPU: Triton where it tiles these head dims; impl="pallas" on CPU: the Triton interpreter
-    gpu = (lambda: step(False)) if triton_tiles else two_parts
-    cpu = (lambda: step(True)) if impl == "pallas" else two_parts
-    out, lse = lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, default=two_parts)
+    gpu = step(False) if triton_tiles else two
+    out, lse = lax.platform_dependent(cpu=step(True) if impl == "pallas" else two, cuda=gpu, rocm=gpu, default=two)
   return out, lse, k, v
-
-
-def _block_rows(cu, seq, first_block, tb: int, num_blocks: int):
-  """Each row's prefill block and row in it, ``(j, t)`` int32 ``[N]``: row r of sequence s
-  (not its last) is row t of the sequence's block jj, counted back from its last row.
-  ``first_block``: ``[M]`` each sequence's first block. Clipped for the gather (the last
-  rows and padding rows read some block's row, selected away by `_gather_rows`)."""
-  rows = jnp.arange(seq.shape[0], dtype=jnp.int32)
-  jj = (cu[seq + 1] - 2 - rows) // tb
-  j = jnp.clip(first_block[seq] + jj, 0, num_blocks - 1)
-  return j, jnp.clip(rows - (cu[seq + 1] - 1 - (jj + 1) * tb), 0, tb - 1)
-
-
-def _gather_rows(cu, seq, pos, decode, prefill):
-  """The step's ``(out [N, Hq, Dv], lse [N, Hq])``, each row from its source (gathered, not
-  scattered into a zeroed output): its sequence's decode state (``decode``: ``[M, ...]``)
-  at its last row, its prefill block's row (``prefill``: ``[N, ...]``, row-aligned) at
-  the others, none at padding rows (``pos`` -1: out 0, lse -inf)."""
-  rows = jnp.arange(seq.shape[0], dtype=jnp.int32)
-  last_row = (pos >= 0) & (rows == cu[seq + 1] - 1)
-  prefill_row = (pos >= 0) & ~last_row
-  pick = lambda sel, x: sel.reshape(sel.shape + (1,) * (x.ndim - 1))
-  return tuple(jnp.where(pick(last_row, d), d[seq], jnp.where(pick(prefill_row, p), p, empty))
-               for d, p, empty in zip(decode, prefill, (0, -jnp.inf)))
 
 
 def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):
   """The step's geometry, clipped so that nothing reads or writes outside the caches
   (under ``jit`` the values are not checked): returns ``(cu, lens, q_len, seq, pos)``:
-  monotone ``cu_q_lens`` in ``[0, N]``, kv_lens in ``[0, S]`` (0 for
+  monotone offsets in ``[0, N]`` (`monotone_offsets`), kv_lens in ``[0, S]`` (0 for
   dead sequences), new tokens per sequence, and per row its sequence and position
   (``pos`` -1 for rows no live sequence owns: before ``cu[0]`` (a traced
   ``cu_q_lens[0] > 0``) or from ``cu[num_seqs]`` on). A row's position is
@@ -372,53 +230,30 @@ def row_positions(kv_lens, cu_q_lens, num_seqs, n_rows: int, capacity: int):
   ``num_seqs`` int32 ``[1]``; M >= 1."""
   m = kv_lens.shape[0]
   ns = jnp.clip(num_seqs[0], 0, m)
-  cu = _cummax(jnp.clip(cu_q_lens, 0, n_rows))
+  cu = monotone_offsets(cu_q_lens, n_rows)
   live = jnp.arange(m) < ns
   lens = jnp.where(live, jnp.clip(kv_lens, 0, capacity), 0)
   q_len = jnp.where(live, cu[1:] - cu[:-1], 0)
   rows = jnp.arange(n_rows, dtype=jnp.int32)
-  seq = jnp.clip(_searchsorted(cu[1:], rows), 0, max(m - 1, 0)).astype(jnp.int32)
+  seq = jnp.clip(searchsorted(cu[1:], rows), 0, max(m - 1, 0)).astype(jnp.int32)
   owned = (rows >= cu[0]) & (rows < cu[ns])
   pos = jnp.where(owned, lens[seq] - q_len[seq] + rows - cu[seq], -1)
   return cu, lens, q_len, seq, pos
 
 
-def _cummax(x):
-  """``lax.cummax(x)`` of a short int vector as one reduction over all pairs (``lax.cummax``
-  is a reduce-window, which XLA:GPU splits into a few tiny kernels); past ~1M pairs, it."""
-  if x.size * x.size > 1 << 20:
-    return lax.cummax(x)
-  i = jnp.arange(x.size)
-  return jnp.max(jnp.where(i[None, :] <= i[:, None], x[None, :], jnp.iinfo(x.dtype).min), axis=1)
-
-
-def _searchsorted(edges, x):
-  """``jnp.searchsorted(edges, x, side="right")`` without a loop: its default method is a
-  scan, compiled to a while loop of log2(len(edges)) dependent steps, a few tiny kernels
-  and a predicate check each on GPU (the H100 compile of a bench_ragged step had one);
-  comparing all pairs is one fusion, sorting past ~1M pairs."""
-  method = "compare_all" if edges.size * x.size <= 1 << 20 else "sort"
-  return jnp.searchsorted(edges, x, side="right", method=method)
-
-
-def _cache_opts(caches):
-  return {n: caches[n] for n in ("k_scale", "v_scale", "k_offset", "v_offset", "k_rope") if caches[n] is not None}
-
-
-def _sequence_cache(caches, s, paged):
-  """The cache arrays of sequence ``s`` (int32 scalar: sliced, batch 1) or of sequences
-  ``s`` (``[J]``: gathered, batch J): a paged pool is shared (its table row selects); of a
-  contiguous cache, k, v and k_rope are per sequence, and so are the scales / offsets that
-  are not broadcast over sequences (leading axis 1 or no sequence axis)."""
-  if paged:
-    return caches
-  per_seq = lambda n, x: n in ("k", "v", "k_rope") or (np.ndim(x) == 4 and x.shape[0] > 1)
-  rows = (lambda x: lax.dynamic_slice_in_dim(x, s, 1, 0)) if np.ndim(s) == 0 else (lambda x: x[s])
-  return {n: rows(x) if x is not None and per_seq(n, x) else x for n, x in caches.items()}
-
-
-def _rows(x, idx, shape):
-  """A per-row array ``[N|1, ...]`` at rows ``idx`` (shaped ``shape``) -> ``[*shape, ...]``."""
-  if x.shape[0] == 1:
-    return jnp.broadcast_to(x.reshape((1,) * len(shape) + x.shape[1:]), shape + x.shape[1:])
-  return x[idx.reshape(-1)].reshape(shape + x.shape[1:])
+def monotone_offsets(cu_q_lens, n_rows: int):
+  """``cu_q_lens`` (int32 ``[M + 1]``, unchecked under ``jit``) made non-decreasing in
+  ``[0, N]``: sequence i keeps its count ``clip(cu[i + 1], 0, N) - clip(cu[i], 0, N)``
+  where that is positive (else 0), counted on from ``clip(cu[0], 0, N)`` and capped at N.
+  Valid offsets come out as they are. (The same the Triton kernels derive in registers,
+  `fdecode.kernels.triton.geometry.load_seqs`: a running sum, which Triton has; before, a
+  running maximum, which it has not.) The sum runs over all pairs (one fusion; XLA's
+  cumulative sum is a reduce-window, a few tiny kernels on GPU), past ~1M pairs as it."""
+  c = jnp.clip(cu_q_lens, 0, n_rows)
+  count = jnp.concatenate([jnp.zeros((1,), c.dtype), jnp.maximum(c[1:] - c[:-1], 0)])
+  if count.size * count.size > 1 << 20:
+    total = lax.cumsum(count)
+  else:
+    i = jnp.arange(count.size)
+    total = jnp.sum(jnp.where(i[None, :] <= i[:, None], count[None, :], 0), axis=1)
+  return jnp.minimum(c[0] + total, n_rows).astype(c.dtype)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from fdecode.api import canonical_call
 from fdecode.dispatch import compute_dtype, triton_plan_view
-from fdecode.kernels.triton import split_states_merged
+from fdecode.kernels.triton import merges_parts, split_states, split_states_merged
 from fdecode.kernels.triton.geometry import StepPart
 from fdecode.kernels.triton.step import combine_step
 from fdecode.ragged.checks import CALLER
@@ -57,5 +57,8 @@ def triton_step(decode: dict, prefill: dict, step, *, block: int, capacity: int,
            for name, call, tb in (("decode", decode, 1), ("prefill", prefill, block))]
   dec, sinks = _part(decode, parts[0], interpret=interpret, options=options)
   pre, _ = _part(prefill, parts[1], interpret=interpret, options=options)
-  decode_states, prefill_states = split_states_merged([dec, pre])
+  if merges_parts():  # one launch for both parts' work items
+    decode_states, prefill_states = split_states_merged([dec, pre])
+  else:  # (A100: the merged kernel spilled; `fdecode.kernels.triton.plan.MERGE_PARTS_CAPABILITY`)
+    decode_states, prefill_states = (split_states(p, q, ends, k, v, **arrays) for p, q, ends, k, v, arrays in (dec, pre))
   return combine_step(dec[0], pre[0], decode_states, prefill_states, step, sinks)

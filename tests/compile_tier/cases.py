@@ -351,6 +351,10 @@ CASES["ragged-contiguous-write"] = functools.partial(ragged_cases.ragged, layout
 CASES["ragged-nhd-contiguous"] = functools.partial(ragged_cases.ragged, layout="NHD", write=False, paged=False)
 # The fused write of 8-bit MLA latents (D = 576, not a power of two; float8 moved as bytes).
 CASES["ragged-mla-fp8-write"] = ragged_cases.ragged_mla_write
+# A serving step at scale: 256 sequences, 2048 rows, Llama-3-8B heads: every program derives
+# its unit's geometry from 256 sequences (the prefill blocks' lengths over 288 blocks).
+CASES["ragged-m256-write"] = functools.partial(ragged_cases.ragged, layout="HND", write=True, m=256, n_rows=2048,
+                                               hkv=8, hq=32)
 # Opt-in: both parts on the Hopper rows kernel (decode part T = 1, prefill blocks T = 64).
 CASES["ragged-paged16-mosaic-gpu"] = functools.partial(ragged_cases.ragged, layout="HND", write=False,
                                                       impl="mosaic_gpu")

@@ -11,13 +11,13 @@ import fdecode
 S = 4096  # tokens a sequence may hold (cases.py's S)
 
 
-def ragged(target, layout, write, paged=True, **opts):
-  """ragged_decode over a paged pool (or ``paged=False`` a contiguous cache of 16 rows): N
-  packed rows of 16 sequences (decodes beside prefill chunks), the fused write of their
-  keys and values into the caches, donated as the Engine's step donates them (updated in
-  place, no copy); ``opts``: ragged_decode's."""
+def ragged(target, layout, write, paged=True, m=16, n_rows=256, hkv=2, hq=8, **opts):
+  """ragged_decode over a paged pool (or ``paged=False`` a contiguous cache of M rows): N
+  packed rows of M sequences (decodes beside prefill chunks; default 256 of 16), the fused
+  write of their keys and values into the caches, donated as the Engine's step donates
+  them (updated in place, no copy); ``opts``: ragged_decode's."""
   sd = target.spec
-  m, n_rows, hkv, hq, d, ps = 16, 256, 2, 8, 128, 16
+  d, ps = 128, 16
   pages = m * (S // ps) + 3
   pool = (hkv, pages, ps, d) if layout == "HND" else (pages, ps, hkv, d)
   if not paged:

@@ -10,9 +10,14 @@ adds no launch: each of its work items (a split-kernel program) derives its sequ
 split from the whole ``ends [B]``, and each combine program its sequence's run of items
 (`fdecode.kernels.triton.schedule`); the items read q and the block table in place
 (a caller's gathers of them too: `fdecode.kernels.triton.plan.RowSource`).
-``interpret=True`` runs the same plan in Pallas' interpreter. `write_rows`
-(`fdecode.kernels.triton.write`): a ragged step's fused cache write, keys and values in one
-launch.
+``interpret=True`` runs the same plan in Pallas' interpreter.
+
+A ragged step (`fdecode.ragged.triton_step`): `split_states_merged` runs its two parts'
+balanced plans in one split launch (`merges_parts`), each program deriving its unit from
+the step's offsets (`fdecode.kernels.triton.geometry`), and
+`fdecode.kernels.triton.step.combine_step` merges both into the packed rows in one more;
+`write_rows` (`fdecode.kernels.triton.write`) is its fused cache write, keys and values in
+one launch.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from fdecode.kernels.common.modifiers import user_form
 from fdecode.kernels.triton.combine import CombinePlan, combine, combine_split_major
 from fdecode.kernels.triton.kernel import split_kernel
 from fdecode.kernels.triton.launch import Launch, block_size, launch_plan
-from fdecode.kernels.triton.plan import (RowSource, TritonPlan, combine_width, make_plan, row_tiling,
+from fdecode.kernels.triton.plan import (RowSource, TritonPlan, combine_width, make_plan, merges_parts, row_tiling,
                                          triton_unsupported)
 from fdecode.kernels.triton.schedule import Schedule, balanced_schedule, item_work, sequence_items
 from fdecode.kernels.triton.write import WritePlan, write_plan, write_rows
@@ -40,7 +45,7 @@ from fdecode.kernels.common.sparse import Sparse, pad_slots
 
 __all__ = ["CombinePlan", "Launch", "RowSource", "Schedule", "TritonPlan", "balanced_schedule", "block_size",
            "combine", "combine_split_major", "combine_width", "decode_fp8_bits", "item_work", "launch_plan",
-           "make_plan", "row_tiling", "run", "split_states", "split_states_merged", "sequence_items", "triton_unsupported", "WritePlan", "write_plan",
+           "make_plan", "merges_parts", "row_tiling", "run", "split_states", "split_states_merged", "sequence_items", "triton_unsupported", "WritePlan", "write_plan",
            "write_rows"]
 
 

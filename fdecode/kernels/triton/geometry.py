@@ -55,12 +55,16 @@ class StepPart:
 
 
 class Seqs(NamedTuple):
-  """The step's sequences in registers, int32 ``[M_p]`` (0 past M): each one's first row,
-  rows (0 for a dead sequence, past ``num_seqs``) and kv length (clipped into ``[0, S]``,
-  0 for a dead sequence)."""
+  """The step's sequences in registers, int32 ``[size]``: each one's first row and the
+  offset after its rows (``cu[i]``, ``cu[i + 1]`` clipped; past M: N), its rows (0 for a
+  dead sequence, past ``num_seqs``, and past M) and kv length (clipped into ``[0, S]``, 0
+  for a dead sequence); ``after``: the scalar offset after the last of them (the next
+  chunk's ``before``)."""
   first: object
+  end: object
   q_len: object
   kv: object
+  after: object
 
 
 def _at(x, i):
@@ -79,17 +83,39 @@ def _load(ref, start, size: int, limit: int):
   return plgpu.load(ref.at[jnp.minimum(i, ref.shape[0] - 1)], mask=i < limit, other=0), i
 
 
-def load_seqs(cu_ref, lens_ref, ns_ref, part: StepPart, start=0, size: int | None = None) -> Seqs:
+def first_row(cu_ref, part: StepPart):
+  """The step's first owned row, ``clip(cu[0], 0, N)`` (`fdecode.ragged.row_positions`)."""
+  return jnp.clip(cu_ref[0], 0, part.rows)
+
+
+def load_seqs(cu_ref, lens_ref, ns_ref, part: StepPart, start=0, size: int | None = None, before=None) -> Seqs:
   """Sequences ``[start, start + size)`` (default: all, ``[0, M_p)``) from the step's
-  refs: ``cu`` int32 ``[M + 1]`` (clipped, non-decreasing), ``kv_lens`` int32 ``[M]``,
-  ``num_seqs`` int32 ``[1]``."""
+  refs, ``cu_q_lens`` int32 ``[M + 1]`` (as the caller gave them: clipped here as
+  `fdecode.ragged.row_positions` clips them, each sequence's count ``clip(cu[i + 1], 0,
+  N) - clip(cu[i], 0, N)`` floored at 0, counted on from ``clip(cu[0], 0, N)``, the
+  offsets capped at N), ``kv_lens`` int32 ``[M]``, ``num_seqs`` int32 ``[1]``. ``before``:
+  the offset the chunk starts at (``Seqs.after`` of the chunk before; default its first
+  row, for ``start`` 0)."""
   size = part.seqs_padded if size is None else size
-  m = part.seqs
+  m, n = part.seqs, part.rows
   lo, i = _load(cu_ref, start, size, m)
   hi, _ = _load(cu_ref, start + 1, size, m + 1)
   kv, _ = _load(lens_ref, start, size, m)
+  count = jnp.where(i < m, jnp.maximum(jnp.clip(hi, 0, n) - jnp.clip(lo, 0, n), 0), 0)
+  before = first_row(cu_ref, part) if before is None else before
+  ends = before + jnp.cumsum(count)
+  first, end = jnp.minimum(ends - count, n), jnp.minimum(ends, n)
   live = (i < m) & (i < jnp.clip(ns_ref[0], 0, m))
-  return Seqs(lo, jnp.where(live, hi - lo, 0), jnp.where(live, jnp.clip(kv, 0, part.seq_len), 0))
+  return Seqs(first, jnp.where(i < m, end, n), jnp.where(live, end - first, 0),
+              jnp.where(live, jnp.clip(kv, 0, part.seq_len), 0), before + jnp.sum(count))
+
+
+def owned_rows(cu_ref, ns_ref, part: StepPart, seqs: Seqs):
+  """``(lo, hi)``: the rows live sequences own, ``[cu[0], cu[num_seqs])`` of the clipped
+  offsets (``seqs``: all of them, `load_seqs`' default)."""
+  ns = jnp.clip(ns_ref[0], 0, part.seqs)
+  lo = first_row(cu_ref, part)
+  return lo, lo + jnp.sum(jnp.where(lax.iota(jnp.int32, seqs.q_len.shape[0]) < ns, seqs.q_len, 0))
 
 
 def _blocks(q_len, part: StepPart):
@@ -108,16 +134,16 @@ def unit_ends(cu_ref, lens_ref, ns_ref, part: StepPart):
   j = lax.iota(jnp.int32, bp)[:, None]
 
   def step(c, carry):  # sequences [c * chunk, (c + 1) * chunk): their blocks' lengths
-    ends, before = carry
-    s = load_seqs(cu_ref, lens_ref, ns_ref, part, c * chunk, chunk)
+    ends, blocks_before, rows_before = carry
+    s = load_seqs(cu_ref, lens_ref, ns_ref, part, c * chunk, chunk, rows_before)
     nb = _blocks(s.q_len, part)
-    last = before + jnp.cumsum(nb)  # each sequence's blocks: [last - nb, last)
+    last = blocks_before + jnp.cumsum(nb)  # each sequence's blocks: [last - nb, last)
     first = (last - nb)[None, :]
     mine = (j >= first) & (j < last[None, :])
     length = s.kv[None, :] - 1 - (j - first) * part.block
-    return ends + jnp.sum(jnp.where(mine, length, 0), axis=1), before + jnp.sum(nb)
+    return ends + jnp.sum(jnp.where(mine, length, 0), axis=1), blocks_before + jnp.sum(nb), s.after
 
-  zero = (jnp.zeros((bp,), jnp.int32), jnp.int32(0))
+  zero = (jnp.zeros((bp,), jnp.int32), jnp.int32(0), first_row(cu_ref, part))
   return lax.fori_loop(0, mp // chunk, step, zero)[0]
 
 
@@ -144,10 +170,8 @@ def unit_rows(cu_ref, lens_ref, ns_ref, part: StepPart, b):
 def row_position(cu_ref, lens_ref, ns_ref, part: StepPart, r):
   """Packed row ``r``'s ``(sequence, position)`` (int32 scalars): `fdecode.ragged.row_positions`'
   ``seq`` and ``pos`` for it (position -1 for a row no live sequence owns)."""
-  m = part.seqs
   s = load_seqs(cu_ref, lens_ref, ns_ref, part)
-  hi, i = _load(cu_ref, 1, part.seqs_padded, m + 1)
-  seq = jnp.minimum(jnp.sum(jnp.where((i <= m) & (hi <= r), 1, 0)), m - 1)
-  owned = (r >= cu_ref[0]) & (r < cu_ref[jnp.clip(ns_ref[0], 0, m)])
+  seq = jnp.minimum(jnp.sum(jnp.where(s.end <= r, 1, 0)), part.seqs - 1)
+  lo, hi = owned_rows(cu_ref, ns_ref, part, s)
   pos = _at(s.kv, seq) - _at(s.q_len, seq) + r - _at(s.first, seq)
-  return seq, jnp.where(owned, pos, -1)
+  return seq, jnp.where((r >= lo) & (r < hi), pos, -1)

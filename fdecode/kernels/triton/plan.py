@@ -324,6 +324,21 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
       cache_row_list=step is None and source is not None and source.cache_rows is not None, step=step)
 
 
+# A ragged step's two split launches run as one (`fdecode.kernels.triton.split_states_merged`)
+# on GPUs of at least this compute capability. On A100 (sm_80) ptxas held the merged kernel
+# at 128 registers and spilled 4-16 B at M = 64, 128 and 256 sequences (compile report, 2048
+# rows, Llama-3-8B heads), where each part's own kernel needs none (the prefill part's 176
+# registers); on H100 the merged kernel compiled without a spill at every size measured.
+MERGE_PARTS_CAPABILITY = (9, 0)
+
+
+def merges_parts(gpu: chips.Gpu | None = None) -> bool:
+  """Whether a ragged step's parts share one split launch on ``gpu`` (None:
+  `fdecode.kernels.common.chips.lowering_gpu`, the GPU the plans are made for; an
+  H100's when interpreted unless told otherwise): `MERGE_PARTS_CAPABILITY`."""
+  return (gpu or chips.lowering_gpu()).capability >= MERGE_PARTS_CAPABILITY
+
+
 def segment_combine_tiling(batch: int, hkv: int, num_rows: int, dv: int, items: int,
                            sms: int) -> tuple[int, int, int]:
   """``(rows, width, chunk)`` of a balanced-schedule combine program: a tile of ``rows``

@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.triton.combine import CombinePlan, merge_run, with_sinks
-from fdecode.kernels.triton.geometry import StepPart, unit_ends, unit_rows
+from fdecode.kernels.triton.geometry import StepPart, load_seqs, owned_rows, unit_ends, unit_rows
 from fdecode.kernels.triton.plan import TritonPlan
 from fdecode.kernels.triton.schedule import sequence_items
 
@@ -95,14 +95,14 @@ def _part(g: _Geometry, plan: CombinePlan, part: StepPart, k, states, step, unit
       plgpu.store(out_lse_ref.at[dst], lse[:, 0], mask=valid)
 
 
-def _padding(g: _Geometry, p, k, cu_ref, ns_ref, out_refs):
+def _padding(g: _Geometry, p, k, step, out_refs):
   """Padding program ``p``: out 0, lse -inf at the rows of its chunk that no live sequence
   owns, for kv head and column chunk ``k`` (`_ids` of the prefill part's widths)."""
   plan = g.prefill
   _, chunks = _layout(plan)
   h, chunk, w = k // chunks, k % chunks, plan.width
-  m = cu_ref.shape[0] - 1
-  lo, hi = cu_ref[0], cu_ref[jnp.clip(ns_ref[0], 0, m)]
+  cu_ref, _, ns_ref = step
+  lo, hi = owned_rows(cu_ref, ns_ref, g.parts[0], load_seqs(*step, g.parts[0]))
   per = max(PAD_ENTRIES // g.group, 1)
   e = lax.iota(jnp.int32, per * g.group)
   row = p * per + e // g.group
@@ -134,7 +134,7 @@ def _step_kernel(*refs, g: _Geometry):
 
   @pl.when(i >= m + nb)
   def _():
-    _padding(g, i - m - nb, k, step[0], step[2], out_refs)
+    _padding(g, i - m - nb, k, step, out_refs)
 
 
 def combine_step(decode: TritonPlan, prefill: TritonPlan, decode_states, prefill_states, step, sinks=None):
@@ -171,7 +171,8 @@ def combine_step(decode: TritonPlan, prefill: TritonPlan, decode_states, prefill
                  pl.BlockSpec((num_rows * hq,), lambda i, k, c: (0,))],
       out_shape=[blk.out_struct((num_rows * hq, dv), jnp.dtype(decode.out_dtype), *operands),
                  blk.out_struct((num_rows * hq,), jnp.float32, *operands)],
-      compiler_params=None if decode.interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
+      # 8 warps: at 4, A100 spilled (80 registers, 8 B) holding both parts' merges; 8 hold them in 64-78.
+      compiler_params=None if decode.interpret else plgpu.CompilerParams(num_warps=8, num_stages=1),
       interpret=decode.interpret,
       name="fdecode_combine_triton",
   )(*operands)

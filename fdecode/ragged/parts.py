@@ -1,0 +1,264 @@
+"""A ragged step's two parts (`fdecode.ragged.decode` describes them): their geometry in
+XLA, the two-part path that runs them as `flash_decode` calls (every backend but the
+Triton step), and the calls the Triton step (`fdecode.ragged.triton_step`) is made of.
+
+`Step` holds what both read: the packed rows, the caches, the clipped geometry
+(`fdecode.ragged.row_positions`) and the options.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
+
+from fdecode.api import flash_decode_with_source
+from fdecode.cache.layout import CacheView
+from fdecode.kernels.triton import RowSource
+from fdecode.ragged.checks import CALLER, PER_ROW
+
+QUERY_BLOCK = 64  # rows of a prefill query block
+
+
+class Step(NamedTuple):
+  """One traced step. ``q`` ``[N, Hq, Dk]``; ``caches``: dict of k, v, k_rope, scales and
+  offsets in ``view``'s layout (``view``: the caches' `CacheView`, its int32 block tables
+  when paged); ``geometry``: `fdecode.ragged.row_positions`' ``(cu, lens, q_len, seq,
+  pos)``; ``given``: the step's ``(cu_q_lens, kv_lens, num_seqs)`` as given (int32); ``arrays``:
+  the per-call option arrays (modifiers, sinks); ``opts``: the static options; ``dv``: Dv."""
+  q: object
+  caches: dict
+  view: CacheView
+  geometry: tuple
+  given: tuple
+  arrays: dict
+  opts: dict
+  dv: int
+
+  @property
+  def block(self) -> int:  # rows of a prefill block
+    return min(QUERY_BLOCK, self.q.shape[0])
+
+  @property
+  def num_blocks(self) -> int:
+    """The prefill blocks' static bound: a block per ``block`` rows, plus one partial block
+    per sequence with 2 or more new tokens."""
+    n, m = self.q.shape[0], self.given[1].shape[0]
+    return -(-n // self.block) + min(m, n // 2)
+
+
+def searchsorted(edges, x):
+  """``jnp.searchsorted(edges, x, side="right")`` without a loop: its default method is a
+  scan, compiled to a while loop of log2(len(edges)) dependent steps, a few tiny kernels
+  and a predicate check each on GPU (the H100 compile of a bench_ragged step had one);
+  comparing all pairs is one fusion, sorting past ~1M pairs."""
+  method = "compare_all" if edges.size * x.size <= 1 << 20 else "sort"
+  return jnp.searchsorted(edges, x, side="right", method=method)
+
+
+def _blocks(st: Step):
+  """Prefill blocks per sequence ``[M]`` and their running total (each sequence's last block + 1)."""
+  nb = -(-jnp.maximum(st.geometry[2] - 1, 0) // st.block)
+  return nb, jnp.cumsum(nb)
+
+
+def block_geometry(st: Step, j):
+  """Block(s) ``j`` (int32 scalar or ``[J]``): sequence, rows ``[..., tb]`` (clipped for
+  the gather), kv length, each row's destination (``N``: dropped, for rows before the
+  sequence's own and for blocks past the real ones) and first row (unclipped). Blocks
+  count back from the row before each sequence's last."""
+  cu, lens = st.geometry[0], st.geometry[1]
+  n_rows, m, tb = st.q.shape[0], lens.shape[0], st.block
+  nb, ends = _blocks(st)
+  s = jnp.clip(searchsorted(ends, j), 0, m - 1).astype(jnp.int32)
+  jj = j - (ends[s] - nb[s])
+  live = j < ends[-1]
+  hi = cu[s + 1] - 1 - jj * tb  # rows [hi - tb, hi); those before cu[s] are not this sequence's
+  blk = hi[..., None] - tb + jnp.arange(tb, dtype=jnp.int32)  # made here: not an operand of the cond
+  dest = jnp.where(live[..., None] & (blk >= cu[s][..., None]), blk, n_rows)
+  return s, jnp.clip(blk, 0, n_rows - 1), jnp.where(live, lens[s] - 1 - jj * tb, 0), dest, hi - tb
+
+
+def _call(st: Step):
+  return functools.partial(flash_decode_with_source, return_lse=True, kv_layout=st.view.layout, **st.opts)
+
+
+def _shared(st: Step):
+  return {n: st.arrays[n] for n in ("alibi_slopes", "sinks") if n in st.arrays}
+
+
+def _per_row(st: Step, idx, shape):
+  return {n: _rows(st.arrays[n], idx, shape) for n in PER_ROW if n in st.arrays}
+
+
+def _last_rows(st: Step):
+  """Each sequence's last row, clipped into the packed rows ``[M]``, and its kv length for
+  the decode part (0 for a sequence with no row)."""
+  cu, lens, q_len = st.geometry[:3]
+  return jnp.clip(cu[1:] - 1, 0, st.q.shape[0] - 1), jnp.where(q_len > 0, lens, 0)
+
+
+def _looped(st: Step):
+  """One flash_decode per real block, scattered to its rows: nothing runs for padding or decodes."""
+  q, caches, paged, tables = st.q, st.caches, st.view.paged, st.view.block_tables
+  n_rows, hq = q.shape[:2]
+
+  def block(j, carry):
+    s, idx, length, dest, _ = block_geometry(st, j)
+    seq_cache = _sequence_cache(caches, s, paged)
+    o, l = _call(st)(q[idx][None], seq_cache["k"], seq_cache["v"], length[None],
+                     block_tables=None if not paged else lax.dynamic_slice_in_dim(tables, s, 1, 0),
+                     **_cache_opts(seq_cache), **_shared(st), **_per_row(st, idx, (1, st.block)))
+    dest = dest.reshape(-1)
+    out, lse = carry
+    return (out.at[dest].set(o.reshape(dest.shape[0], *o.shape[-2:]), mode="drop"),
+            lse.at[dest].set(l.reshape(dest.shape[0], -1), mode="drop"))
+
+  empty = (jnp.zeros((n_rows, hq, st.dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32))
+  return lax.fori_loop(0, _blocks(st)[1][-1], block, empty)
+
+
+def _batched(st: Step, triton_tiles: bool):
+  """Every block in one flash_decode call (one kernel launch), its rows gathered back.
+
+  Blocks past the real ones have kv length 0, which the Pallas kernels skip (no KV block is
+  read). A contiguous cache runs here only where the Triton kernels read it: each block's
+  cache row through the RowSource; the per-block gathers of the call's own arguments are
+  then dropped by XLA. A step of decodes only has no block. On GPU the call runs anyway
+  where the kernels skip empty blocks (Triton's tiled shapes, the Hopper rows kernel): a
+  conditional there would cost more (XLA:GPU's runs on the host, copying its predicate
+  and waiting for the stream, once per call). Elsewhere (TPU: control flow on the chip;
+  CPU, interpreted) a step with no block skips the call (lax.cond)."""
+  q, caches, view, opts = st.q, st.caches, st.view, st.opts
+  tb, num_blocks, hq = st.block, st.num_blocks, q.shape[1]
+  nb, ends = _blocks(st)
+
+  def run():
+    s, idx, length, _, first = block_geometry(st, jnp.arange(num_blocks, dtype=jnp.int32))
+    # num_splits "balance": the Triton kernel deals the real blocks' keys over a grid that
+    # fills the GPU, whichever blocks are real (`fdecode.kernels.triton`).
+    if view.paged:
+      block_caches, source = caches, RowSource(q, first, view.block_tables, s)
+    else:  # each block's rows of the caches (also at M = 1: the call's batch is the blocks')
+      block_caches = _sequence_cache(caches, s, False)
+      source = RowSource(q, first, caches=CacheView.of(
+          caches["k"], caches["v"], kv_layout=view.layout, caller=CALLER, **_cache_opts(caches)), cache_rows=s)
+    return _call(st)(q[idx], block_caches["k"], block_caches["v"], length,
+                     block_tables=view.block_tables[s] if view.paged else None, source=source,
+                     num_splits=opts.get("num_splits") or "balance", **_cache_opts(block_caches), **_shared(st),
+                     **_per_row(st, idx, idx.shape))
+  none = lambda: (jnp.zeros((num_blocks, tb, hq, st.dv), q.dtype), jnp.full((num_blocks, tb, hq), -jnp.inf,
+                                                                          jnp.float32))
+  skip_empty = lambda: lax.cond(ends[-1] > 0, run, none)
+  # The GPU's XLA fallback (head dims the Triton kernel cannot tile) reads every block: it keeps the cond.
+  gpu = run if opts.get("impl") == "mosaic_gpu" or triton_tiles else skip_empty
+  o, l = lax.platform_dependent(cuda=gpu, rocm=gpu, default=skip_empty)
+  j, t = _block_rows(st.geometry[0], st.geometry[3], ends - nb, tb, num_blocks)
+  return o[j, t], l[j, t]
+
+
+def two_parts(st: Step, triton_tiles: bool):
+  """The step's ``(out [N, Hq, Dv], lse [N, Hq])``: the decode part's call, the prefill
+  blocks' (looped or batched, as the backend reads them), the rows gathered from both.
+  ``triton_tiles``: the GPU's Triton kernels take these head dims."""
+  q, caches, view, arrays, opts = st.q, st.caches, st.view, st.arrays, st.opts
+  n_rows, hq = q.shape[:2]
+  last, dec_ends = _last_rows(st)
+  dec_o, dec_l = _call(st)(q[last][:, None], caches["k"], caches["v"], dec_ends, block_tables=view.block_tables,
+                           source=RowSource(q, last), **_cache_opts(caches), **_shared(st),
+                           **_per_row(st, last, (last.shape[0], 1)))
+  impl, interp = opts.get("impl"), opts.get("interpret")
+  looped, batched = (lambda: _looped(st)), (lambda: _batched(st, triton_tiles))
+  if n_rows < 2:  # no sequence has a row before its last: no prefill block
+    pre_o, pre_l = jnp.zeros((n_rows, hq, st.dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32)
+  elif not view.paged:  # batched only where the Triton kernels read each block's cache row in place
+    # Sparse calls read the call's own (gathered) caches; so do Mosaic (TPU) and XLA: they loop.
+    if "indices" in arrays or isinstance(interp, pltpu.InterpretParams) or impl not in (None, "pallas"):
+      pre_o, pre_l = looped()
+    elif impl == "pallas" and interp:  # the Triton interpreter, on any host
+      pre_o, pre_l = batched()
+    else:  # impl="pallas" on CPU is the Triton interpreter; on GPU, Triton where it tiles these head dims
+      gpu = batched if triton_tiles else looped
+      cpu = batched if impl == "pallas" else looped
+      pre_o, pre_l = lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, default=looped)
+  elif impl in ("xla", "reference"):
+    pre_o, pre_l = looped()
+  elif impl in ("pallas", "mosaic_gpu"):  # mosaic_gpu: "balance" splits as None
+    pre_o, pre_l = batched()
+  else:  # impl=None: the XLA path on CPU reads every block's whole table, so it loops
+    pre_o, pre_l = lax.platform_dependent(cpu=looped, default=batched)
+  cu, _, _, seq, pos = st.geometry
+  return _gather_rows(cu, seq, pos, (dec_o[:, 0], dec_l[:, 0]), (pre_o, pre_l))
+
+
+def triton_calls(st: Step):
+  """The two parts' calls as the Triton step takes them (`fdecode.ragged.triton_step`):
+  each a dict of `flash_decode_with_source`'s arguments, ``q`` and ``ends`` for their
+  shapes only, the rows read through a `RowSource` whose ``step`` holds the arrays every
+  unit's geometry derives from (the caches in place: a pool through the whole table, a
+  contiguous cache through the whole caches)."""
+  q, caches, view = st.q, st.caches, st.view
+  last, dec_ends = _last_rows(st)
+  s, idx, length, _, first = block_geometry(st, jnp.arange(st.num_blocks, dtype=jnp.int32))  # (shapes: not read)
+  dec = dict(q=q[last][:, None], ends=dec_ends, **_shared(st))
+  pre = dict(q=q[idx], ends=length, **_shared(st))
+  if view.paged:
+    tables = view.block_tables
+    dec.update(caches, block_tables=tables, source=RowSource(q, last, tables, step=st.given))
+    pre.update(caches, block_tables=tables[s], source=RowSource(q, first, tables, step=st.given))
+  else:
+    whole = CacheView.of(caches["k"], caches["v"], kv_layout=view.layout, caller=CALLER, **_cache_opts(caches))
+    dec.update(caches, source=RowSource(q, last, caches=whole, step=st.given))
+    pre.update(_sequence_cache(caches, s, False), source=RowSource(q, first, caches=whole, step=st.given))
+  return dec, pre
+
+
+def _block_rows(cu, seq, first_block, tb: int, num_blocks: int):
+  """Each row's prefill block and row in it, ``(j, t)`` int32 ``[N]``: row r of sequence s
+  (not its last) is row t of the sequence's block jj, counted back from its last row.
+  ``first_block``: ``[M]`` each sequence's first block. Clipped for the gather (the last
+  rows and padding rows read some block's row, selected away by `_gather_rows`)."""
+  rows = jnp.arange(seq.shape[0], dtype=jnp.int32)
+  jj = (cu[seq + 1] - 2 - rows) // tb
+  j = jnp.clip(first_block[seq] + jj, 0, num_blocks - 1)
+  return j, jnp.clip(rows - (cu[seq + 1] - 1 - (jj + 1) * tb), 0, tb - 1)
+
+
+def _gather_rows(cu, seq, pos, decode, prefill):
+  """The step's ``(out [N, Hq, Dv], lse [N, Hq])``, each row from its source (gathered, not
+  scattered into a zeroed output): its sequence's decode state (``decode``: ``[M, ...]``)
+  at its last row, its prefill block's row (``prefill``: ``[N, ...]``, row-aligned) at
+  the others, none at padding rows (``pos`` -1: out 0, lse -inf)."""
+  rows = jnp.arange(seq.shape[0], dtype=jnp.int32)
+  last_row = (pos >= 0) & (rows == cu[seq + 1] - 1)
+  prefill_row = (pos >= 0) & ~last_row
+  pick = lambda sel, x: sel.reshape(sel.shape + (1,) * (x.ndim - 1))
+  return tuple(jnp.where(pick(last_row, d), d[seq], jnp.where(pick(prefill_row, p), p, empty))
+               for d, p, empty in zip(decode, prefill, (0, -jnp.inf)))
+
+
+def _cache_opts(caches):
+  return {n: caches[n] for n in ("k_scale", "v_scale", "k_offset", "v_offset", "k_rope") if caches[n] is not None}
+
+
+def _sequence_cache(caches, s, paged):
+  """The cache arrays of sequence ``s`` (int32 scalar: sliced, batch 1) or of sequences
+  ``s`` (``[J]``: gathered, batch J): a paged pool is shared (its table row selects); of a
+  contiguous cache, k, v and k_rope are per sequence, and so are the scales / offsets that
+  are not broadcast over sequences (leading axis 1 or no sequence axis)."""
+  if paged:
+    return caches
+  per_seq = lambda n, x: n in ("k", "v", "k_rope") or (np.ndim(x) == 4 and x.shape[0] > 1)
+  rows = (lambda x: lax.dynamic_slice_in_dim(x, s, 1, 0)) if np.ndim(s) == 0 else (lambda x: x[s])
+  return {n: rows(x) if x is not None and per_seq(n, x) else x for n, x in caches.items()}
+
+
+def _rows(x, idx, shape):
+  """A per-row array ``[N|1, ...]`` at rows ``idx`` (shaped ``shape``) -> ``[*shape, ...]``."""
+  if x.shape[0] == 1:
+    return jnp.broadcast_to(x.reshape((1,) * len(shape) + x.shape[1:]), shape + x.shape[1:])
+  return x[idx.reshape(-1)].reshape(shape + x.shape[1:])

@@ -1,0 +1,61 @@
+"""The ragged step's geometry derived inside the Triton kernels
+(`fdecode.kernels.triton.geometry`: each program's sequence, rows, kv length and its part's
+schedule, and each written row's position, from the step's raw ``cu_q_lens``, ``kv_lens``
+and ``num_seqs``) against XLA's (`fdecode.ragged.row_positions` and the block geometry of
+`fdecode.ragged.decode`), on traced, unchecked geometry: offsets decreasing, negative and
+past N, kv lengths past S or below the new tokens, ``num_seqs`` past M. The interpreted
+Triton step and the XLA step must agree on every output row (values, -inf / 0 for rows no
+live sequence owns) and write the same cache slots bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fdecode
+from fdecode.ragged import row_positions
+
+M, N, HQ, HKV, D, PS, PAGES_PER_SEQ = 5, 24, 4, 2, 16, 4, 6
+S = PS * PAGES_PER_SEQ
+
+
+def _step(seed, paged, layout):
+  rng = np.random.default_rng(seed)
+  cu = np.sort(rng.integers(-3, N + 4, M + 1)).astype(np.int32)
+  swaps = rng.choice(M + 1, 2, replace=False)
+  cu[swaps] = rng.integers(-3, N + 4, 2)  # non-monotone, out of range
+  kv = rng.integers(-2, S + 6, M).astype(np.int32)
+  ns = np.array([rng.integers(0, M + 2)], np.int32)
+  pool = M * PAGES_PER_SEQ + 2
+  tables = rng.permutation(pool)[:M * PAGES_PER_SEQ].reshape(M, PAGES_PER_SEQ).astype(np.int32)
+  shape = (HKV, pool, PS, D) if paged else (M, HKV, S, D)
+  k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+  if layout == "NHD":
+    k, v = (x.transpose(1, 2, 0, 3) if paged else x.swapaxes(1, 2) for x in (k, v))
+  q = rng.standard_normal((N, HQ, D)).astype(np.float32)
+  new_k, new_v = (rng.standard_normal((N, HKV, D)).astype(np.float32) for _ in range(2))
+  return dict(q=q, k=k, v=v, kv_lens=kv, block_tables=tables if paged else None, cu_q_lens=cu, num_seqs=ns), \
+      (new_k, new_v)
+
+
+@pytest.mark.parametrize("paged,layout", [(True, "HND"), (True, "NHD"), (False, "HND")])
+@pytest.mark.parametrize("seed", range(4))
+def test_kernels_derive_the_geometry_xla_computes(seed, paged, layout):
+  p, (nk, nv) = _step(seed, paged, layout)
+  run = lambda impl, **kw: jax.jit(lambda p, nk, nv: fdecode.ragged_decode(
+      **p, kv_layout=layout, new_k=nk, new_v=nv, return_lse=True, impl=impl, **kw))(p, nk, nv)
+  want = run("xla")
+  got = run("pallas", interpret=True)
+  out_x, lse_x, *caches_x = want
+  out_t, lse_t, *caches_t = got
+  np.testing.assert_allclose(np.asarray(out_t), np.asarray(out_x), atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(np.asarray(lse_t), np.asarray(lse_x), atol=2e-5, rtol=2e-5)
+  for x, t in zip(caches_x, caches_t):
+    np.testing.assert_array_equal(np.asarray(t), np.asarray(x))
+  # The draw is not vacuous: some rows are owned (and attend), some are not.
+  cu, *_, pos = row_positions(jnp.asarray(p["kv_lens"]), jnp.asarray(p["cu_q_lens"]), jnp.asarray(p["num_seqs"]),
+                              N, S)
+  owned = np.asarray(pos) >= 0
+  if owned.any():
+    assert np.isfinite(np.asarray(lse_x)[owned]).any() or (np.asarray(p["kv_lens"]) <= 0).any()
+  assert (np.asarray(lse_x)[~owned] == -np.inf).all() and (np.asarray(out_x)[~owned] == 0).all()
