@@ -353,6 +353,8 @@ CASES["ragged-nhd-contiguous"] = functools.partial(ragged_cases.ragged, layout="
 CASES["ragged-mla-fp8-write"] = ragged_cases.ragged_mla_write
 # A serving step at scale: 256 sequences, 2048 rows, Llama-3-8B heads: every program derives
 # its unit's geometry from 256 sequences (the prefill blocks' lengths over 288 blocks).
+# Qwen2.5-7B's heads, G = 7 (28 / 4): no power of two anywhere a Triton tensor holds G rows.
+CASES["ragged-g7-write"] = functools.partial(ragged_cases.ragged, layout="NHD", write=True, hkv=4, hq=28)
 CASES["ragged-m256-write"] = functools.partial(ragged_cases.ragged, layout="HND", write=True, m=256, n_rows=2048,
                                                hkv=8, hq=32)
 # Opt-in: both parts on the Hopper rows kernel (decode part T = 1, prefill blocks T = 64).

@@ -37,11 +37,15 @@ from jax.experimental.pallas import triton as plgpu
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.triton.combine import CombinePlan, merge_run, with_sinks
 from fdecode.kernels.triton.geometry import StepPart, load_seqs, owned_rows, unit_ends, unit_rows
-from fdecode.kernels.triton.plan import TritonPlan
+from fdecode.kernels.triton.plan import TritonPlan, pow2_at_least
 from fdecode.kernels.triton.schedule import sequence_items
 
 # Query rows (times G heads) a padding program stores: 64 (row, head) entries.
 PAD_ENTRIES = 64
+# float32 states a program merges a loop step: half the two-launch combine's
+# (`fdecode.kernels.triton.plan.COMBINE_ELEMENTS`): the step's combine holds two parts'
+# merges and the padding stores in one kernel.
+STEP_ELEMENTS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +108,9 @@ def _padding(g: _Geometry, p, k, step, out_refs):
   cu_ref, _, ns_ref = step
   lo, hi = owned_rows(cu_ref, ns_ref, g.parts[0], load_seqs(*step, g.parts[0]))
   per = max(PAD_ENTRIES // g.group, 1)
-  e = lax.iota(jnp.int32, per * g.group)
+  e = lax.iota(jnp.int32, pow2_at_least(per * g.group))  # Triton tensors: a power of two (G = 5: 60 of 64)
   row = p * per + e // g.group
-  valid = (h < g.hq // g.group) & (row < g.num_rows) & ((row < lo) | (row >= hi))
+  valid = (e < per * g.group) & (h < g.hq // g.group) & (row < g.num_rows) & ((row < lo) | (row >= hi))
   dst = jnp.where(valid, row * g.hq + h * g.group + e % g.group, g.num_rows * g.hq)
   col = chunk * w + lax.iota(jnp.int32, w)
   out_ref, out_lse_ref = out_refs
@@ -145,7 +149,9 @@ def combine_step(decode: TritonPlan, prefill: TritonPlan, decode_states, prefill
   ``(cu, kv_lens, num_seqs)``, the step's arrays the units derive from; ``sinks`` f32
   ``[Hq]`` or None."""
   parts = (decode.step, prefill.step)
-  decode, prefill = decode.combine_plan, prefill.combine_plan
+  # Each part's tiling, its loop step at most STEP_ELEMENTS (items x rows x columns).
+  fit = lambda p: dataclasses.replace(p, chunk=max(1, min(p.chunk, STEP_ELEMENTS // (p.rows * p.width))))
+  decode, prefill = fit(decode.combine_plan), fit(prefill.combine_plan)
   hq, group, dv, num_rows = decode.hq, decode.group, decode.dv, parts[0].rows
   hkv = hq // group
   g = _Geometry(decode=decode, prefill=prefill, parts=parts, num_rows=num_rows, hq=hq, group=group)
@@ -171,8 +177,9 @@ def combine_step(decode: TritonPlan, prefill: TritonPlan, decode_states, prefill
                  pl.BlockSpec((num_rows * hq,), lambda i, k, c: (0,))],
       out_shape=[blk.out_struct((num_rows * hq, dv), jnp.dtype(decode.out_dtype), *operands),
                  blk.out_struct((num_rows * hq,), jnp.float32, *operands)],
-      # 8 warps: at 4, A100 spilled (80 registers, 8 B) holding both parts' merges; 8 hold them in 64-78.
-      compiler_params=None if decode.interpret else plgpu.CompilerParams(num_warps=8, num_stages=1),
+      # 4 warps and STEP_ELEMENTS: A100's ptxas held this kernel at 64-80 registers and spilled
+      # 4-20 B at 8 or 16 warps (G = 7, 256 sequences) and at 4 warps with the 4096-state step.
+      compiler_params=None if decode.interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
       interpret=decode.interpret,
       name="fdecode_combine_triton",
   )(*operands)
