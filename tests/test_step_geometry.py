@@ -19,7 +19,7 @@ M, N, HQ, HKV, D, PS, PAGES_PER_SEQ = 5, 24, 4, 2, 16, 4, 6
 S = PS * PAGES_PER_SEQ
 
 
-def _step(seed, paged, layout):
+def _step(seed, paged, layout, hq=HQ, hkv=HKV):
   rng = np.random.default_rng(seed)
   cu = np.sort(rng.integers(-3, N + 4, M + 1)).astype(np.int32)
   swaps = rng.choice(M + 1, 2, replace=False)
@@ -28,20 +28,23 @@ def _step(seed, paged, layout):
   ns = np.array([rng.integers(0, M + 2)], np.int32)
   pool = M * PAGES_PER_SEQ + 2
   tables = rng.permutation(pool)[:M * PAGES_PER_SEQ].reshape(M, PAGES_PER_SEQ).astype(np.int32)
-  shape = (HKV, pool, PS, D) if paged else (M, HKV, S, D)
+  shape = (hkv, pool, PS, D) if paged else (M, hkv, S, D)
   k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
   if layout == "NHD":
     k, v = (x.transpose(1, 2, 0, 3) if paged else x.swapaxes(1, 2) for x in (k, v))
-  q = rng.standard_normal((N, HQ, D)).astype(np.float32)
-  new_k, new_v = (rng.standard_normal((N, HKV, D)).astype(np.float32) for _ in range(2))
+  q = rng.standard_normal((N, hq, D)).astype(np.float32)
+  new_k, new_v = (rng.standard_normal((N, hkv, D)).astype(np.float32) for _ in range(2))
   return dict(q=q, k=k, v=v, kv_lens=kv, block_tables=tables if paged else None, cu_q_lens=cu, num_seqs=ns), \
       (new_k, new_v)
 
 
-@pytest.mark.parametrize("paged,layout", [(True, "HND"), (True, "NHD"), (False, "HND")])
+@pytest.mark.parametrize("paged,layout,hq,hkv", [(True, "HND", 4, 2), (True, "NHD", 4, 2), (False, "HND", 4, 2),
+                                                 (True, "NHD", 6, 2), (False, "NHD", 5, 1)],
+                         ids=["paged-HND", "paged-NHD", "contiguous-HND", "paged-NHD-g3", "contiguous-NHD-g5"])
 @pytest.mark.parametrize("seed", range(4))
-def test_kernels_derive_the_geometry_xla_computes(seed, paged, layout):
-  p, (nk, nv) = _step(seed, paged, layout)
+def test_kernels_derive_the_geometry_xla_computes(seed, paged, layout, hq, hkv):
+  """(G = 3 and 5 too: the combine's row tiles and padding entries are powers of two, G not.)"""
+  p, (nk, nv) = _step(seed, paged, layout, hq, hkv)
   run = lambda impl, **kw: jax.jit(lambda p, nk, nv: fdecode.ragged_decode(
       **p, kv_layout=layout, new_k=nk, new_v=nv, return_lse=True, impl=impl, **kw))(p, nk, nv)
   want = run("xla")
