@@ -133,24 +133,15 @@ def _batched(st: Step, triton_tiles: bool):
   conditional there would cost more (XLA:GPU's runs on the host, copying its predicate
   and waiting for the stream, once per call). Elsewhere (TPU: control flow on the chip;
   CPU, interpreted) a step with no block skips the call (lax.cond)."""
-  q, caches, view, opts = st.q, st.caches, st.view, st.opts
+  q, opts = st.q, st.opts
   tb, num_blocks, hq = st.block, st.num_blocks, q.shape[1]
   nb, ends = _blocks(st)
 
   def run():
-    s, idx, length, _, first = block_geometry(st, jnp.arange(num_blocks, dtype=jnp.int32))
     # num_splits "balance": the Triton kernel deals the real blocks' keys over a grid that
     # fills the GPU, whichever blocks are real (`fdecode.kernels.triton`).
-    if view.paged:
-      block_caches, source = caches, RowSource(q, first, view.block_tables, s)
-    else:  # each block's rows of the caches (also at M = 1: the call's batch is the blocks')
-      block_caches = _sequence_cache(caches, s, False)
-      source = RowSource(q, first, caches=CacheView.of(
-          caches["k"], caches["v"], kv_layout=view.layout, caller=CALLER, **_cache_opts(caches)), cache_rows=s)
-    return _call(st)(q[idx], block_caches["k"], block_caches["v"], length,
-                     block_tables=view.block_tables[s] if view.paged else None, source=source,
-                     num_splits=opts.get("num_splits") or "balance", **_cache_opts(block_caches), **_shared(st),
-                     **_per_row(st, idx, idx.shape))
+    call, idx = _prefill_call(st)
+    return _call(st)(**call, num_splits=opts.get("num_splits") or "balance", **_per_row(st, idx, idx.shape))
   none = lambda: (jnp.zeros((num_blocks, tb, hq, st.dv), q.dtype), jnp.full((num_blocks, tb, hq), -jnp.inf,
                                                                           jnp.float32))
   skip_empty = lambda: lax.cond(ends[-1] > 0, run, none)
@@ -165,12 +156,10 @@ def two_parts(st: Step, triton_tiles: bool):
   """The step's ``(out [N, Hq, Dv], lse [N, Hq])``: the decode part's call, the prefill
   blocks' (looped or batched, as the backend reads them), the rows gathered from both.
   ``triton_tiles``: the GPU's Triton kernels take these head dims."""
-  q, caches, view, arrays, opts = st.q, st.caches, st.view, st.arrays, st.opts
+  q, view, arrays, opts = st.q, st.view, st.arrays, st.opts
   n_rows, hq = q.shape[:2]
-  last, dec_ends = _last_rows(st)
-  dec_o, dec_l = _call(st)(q[last][:, None], caches["k"], caches["v"], dec_ends, block_tables=view.block_tables,
-                           source=RowSource(q, last), **_cache_opts(caches), **_shared(st),
-                           **_per_row(st, last, (last.shape[0], 1)))
+  call, last = _decode_call(st)
+  dec_o, dec_l = _call(st)(**call, **_per_row(st, last, (last.shape[0], 1)))
   impl, interp = opts.get("impl"), opts.get("interpret")
   looped, batched = (lambda: _looped(st)), (lambda: _batched(st, triton_tiles))
   if n_rows < 2:  # no sequence has a row before its last: no prefill block
@@ -195,26 +184,46 @@ def two_parts(st: Step, triton_tiles: bool):
   return _gather_rows(cu, seq, pos, (dec_o[:, 0], dec_l[:, 0]), (pre_o, pre_l))
 
 
+def _whole_caches(st: Step):
+  """The step's contiguous caches as the `RowSource` the kernels read their rows through."""
+  caches = st.caches
+  return CacheView.of(caches["k"], caches["v"], kv_layout=st.view.layout, caller=CALLER, **_cache_opts(caches))
+
+
+def _decode_call(st: Step, step=None):
+  """The decode part's call (`flash_decode_with_source`'s arguments: each sequence's last
+  row, its q a gather the Triton kernels read in place) and the rows ``[M]``. ``step``:
+  the step's arrays, for the Triton step (a contiguous cache then read through the whole
+  caches, so that the part takes the balanced schedule)."""
+  q, caches, view = st.q, st.caches, st.view
+  last, lengths = _last_rows(st)
+  whole = _whole_caches(st) if step is not None and not view.paged else None
+  return dict(q=q[last][:, None], k=caches["k"], v=caches["v"], lengths=lengths, block_tables=view.block_tables,
+              source=RowSource(q, last, caches=whole, step=step), **_cache_opts(caches), **_shared(st)), last
+
+
+def _prefill_call(st: Step, step=None):
+  """Every prefill block in one call (`flash_decode_with_source`'s arguments: q, tables and a
+  contiguous cache's rows gathers the Triton kernels read in place through the source) and
+  the rows ``[NB, tb]``. ``step``: the step's arrays, for the Triton step (its kernels then
+  derive the source's rows themselves)."""
+  q, caches, view = st.q, st.caches, st.view
+  s, idx, lengths, _, first = block_geometry(st, jnp.arange(st.num_blocks, dtype=jnp.int32))
+  if view.paged:
+    call = dict(caches, block_tables=view.block_tables[s], source=RowSource(q, first, view.block_tables, s, step=step))
+  else:  # each block's rows of the caches (also at M = 1: the call's batch is the blocks')
+    call = dict(_sequence_cache(caches, s, False),
+                source=RowSource(q, first, caches=_whole_caches(st), cache_rows=s, step=step))
+  return dict(call, q=q[idx], lengths=lengths, **_shared(st)), idx
+
+
 def triton_calls(st: Step):
   """The two parts' calls as the Triton step takes them (`fdecode.ragged.triton_step`):
-  each a dict of `flash_decode_with_source`'s arguments, ``q`` and ``ends`` for their
-  shapes only, the rows read through a `RowSource` whose ``step`` holds the arrays every
-  unit's geometry derives from (the caches in place: a pool through the whole table, a
-  contiguous cache through the whole caches)."""
-  q, caches, view = st.q, st.caches, st.view
-  last, dec_ends = _last_rows(st)
-  s, idx, length, _, first = block_geometry(st, jnp.arange(st.num_blocks, dtype=jnp.int32))  # (shapes: not read)
-  dec = dict(q=q[last][:, None], ends=dec_ends, **_shared(st))
-  pre = dict(q=q[idx], ends=length, **_shared(st))
-  if view.paged:
-    tables = view.block_tables
-    dec.update(caches, block_tables=tables, source=RowSource(q, last, tables, step=st.given))
-    pre.update(caches, block_tables=tables[s], source=RowSource(q, first, tables, step=st.given))
-  else:
-    whole = CacheView.of(caches["k"], caches["v"], kv_layout=view.layout, caller=CALLER, **_cache_opts(caches))
-    dec.update(caches, source=RowSource(q, last, caches=whole, step=st.given))
-    pre.update(_sequence_cache(caches, s, False), source=RowSource(q, first, caches=whole, step=st.given))
-  return dec, pre
+  each a dict of `flash_decode_with_source`'s arguments (``q``, ``lengths`` and the
+  sources' index arrays for their shapes only), the rows read through a `RowSource` whose
+  ``step`` holds the arrays every unit's geometry derives from (the caches in place: a
+  pool through the whole table, a contiguous cache through the whole caches)."""
+  return _decode_call(st, st.given)[0], _prefill_call(st, st.given)[0]
 
 
 def _block_rows(cu, seq, first_block, tb: int, num_blocks: int):

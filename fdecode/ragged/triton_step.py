@@ -26,8 +26,7 @@ from fdecode.ragged.checks import CALLER
 
 def _part(call: dict, step: StepPart, *, interpret: bool, options: dict):
   """One part's balanced split: ``(plan, its split_states arguments, canonical sinks)``."""
-  call = dict(call)
-  c = canonical_call(call.pop("q"), call.pop("k"), call.pop("v"), call.pop("ends"), **call, **options)
+  c = canonical_call(**call, **options)
   cd = compute_dtype(c.q4.dtype, *(None if x is None else x.dtype for x in (c.view.k, c.view.v, c.view.k_rope)))
   p, rv = triton_plan_view(c.q4, c.view, compute=cd, mods=c.mods, v_head_dim=c.v_head_dim, cfg=c.cfg,
                            interpret=interpret, has_sinks=c.sinks is not None, source=c.source, balance=True,
@@ -44,7 +43,7 @@ def triton_step(decode: dict, prefill: dict, step, *, block: int, capacity: int,
 
   ``decode`` / ``prefill``: each part's call as `fdecode.api.flash_decode_with_source`
   takes it: ``q`` ``[B, T, Hq, Dk]`` (for its shape: a gather of the part's rows, never
-  read), ``k``, ``v``, ``ends`` int32 ``[B]`` (likewise), ``block_tables`` (paged), the
+  read), ``k``, ``v``, ``lengths`` int32 ``[B]`` (likewise), ``block_tables`` (paged), the
   cache's scales / offsets / ``k_rope``, and ``source``: the `RowSource` its rows are read
   through, with ``step``: ``(cu, kv_lens, num_seqs)`` (int32 ``[M + 1]`` clipped
   non-decreasing, ``[M]``, ``[1]``), the arrays every unit's geometry derives from. The

@@ -24,12 +24,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plgpu
 
+from fdecode.kernels.triton.launch import pow2_at_least
+from fdecode.kernels.triton.schedule import cdiv, vector_at
+
 # Elements of the blocks x sequences comparison one loop step holds (prefill lengths).
 PAIR_ELEMENTS = 4096
-
-
-def _pow2(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +46,11 @@ class StepPart:
 
   @property
   def seqs_padded(self) -> int:
-    return _pow2(self.seqs)
+    return pow2_at_least(self.seqs)
 
   @property
   def units_padded(self) -> int:
-    return _pow2(self.units)
+    return pow2_at_least(self.units)
 
 
 class Seqs(NamedTuple):
@@ -65,15 +64,6 @@ class Seqs(NamedTuple):
   q_len: object
   kv: object
   after: object
-
-
-def _at(x, i):
-  """``x[i]`` of a register vector at a traced scalar index (a masked sum); 0 past it."""
-  return jnp.sum(jnp.where(lax.iota(jnp.int32, x.shape[0]) == i, x, 0))
-
-
-def _cdiv(a, b: int):
-  return (a + b - 1) // b
 
 
 def _load(ref, start, size: int, limit: int):
@@ -120,7 +110,7 @@ def owned_rows(cu_ref, ns_ref, part: StepPart, seqs: Seqs):
 
 def _blocks(q_len, part: StepPart):
   """Prefill blocks per sequence: its rows but the last, ``block`` a block."""
-  return _cdiv(jnp.maximum(q_len - 1, 0), part.block)
+  return cdiv(jnp.maximum(q_len - 1, 0), part.block)
 
 
 def unit_ends(cu_ref, lens_ref, ns_ref, part: StepPart):
@@ -130,7 +120,7 @@ def unit_ends(cu_ref, lens_ref, ns_ref, part: StepPart):
     s = load_seqs(cu_ref, lens_ref, ns_ref, part)
     return jnp.where(s.q_len > 0, s.kv, 0)
   bp, mp = part.units_padded, part.seqs_padded
-  chunk = min(mp, max(1, _pow2(PAIR_ELEMENTS // bp + 1) // 2))
+  chunk = min(mp, max(1, pow2_at_least(PAIR_ELEMENTS // bp + 1) // 2))
   j = lax.iota(jnp.int32, bp)[:, None]
 
   def step(c, carry):  # sequences [c * chunk, (c + 1) * chunk): their blocks' lengths
@@ -156,15 +146,15 @@ def unit_rows(cu_ref, lens_ref, ns_ref, part: StepPart, b):
   n = part.rows
   end = s.first + s.q_len  # each sequence's rows end
   if part.part == "decode":
-    last = _at(end, b) - 1
-    return b, last, jnp.where(_at(s.q_len, b) > 0, last, n)
+    last = vector_at(end, b) - 1
+    return b, last, jnp.where(vector_at(s.q_len, b) > 0, last, n)
   nb = _blocks(s.q_len, part)
   ends = jnp.cumsum(nb)
   seq = jnp.minimum(jnp.sum(jnp.where(ends <= b, 1, 0)), part.seqs - 1)
-  jj = b - (_at(ends, seq) - _at(nb, seq))
-  hi = _at(end, seq) - 1 - jj * part.block  # rows [hi - block, hi)
+  jj = b - (vector_at(ends, seq) - vector_at(nb, seq))
+  hi = vector_at(end, seq) - 1 - jj * part.block  # rows [hi - block, hi)
   live = b < jnp.sum(nb)
-  return seq, hi - part.block, jnp.where(live, _at(s.first, seq), n)
+  return seq, hi - part.block, jnp.where(live, vector_at(s.first, seq), n)
 
 
 def row_position(cu_ref, lens_ref, ns_ref, part: StepPart, r):
@@ -173,5 +163,5 @@ def row_position(cu_ref, lens_ref, ns_ref, part: StepPart, r):
   s = load_seqs(cu_ref, lens_ref, ns_ref, part)
   seq = jnp.minimum(jnp.sum(jnp.where(s.end <= r, 1, 0)), part.seqs - 1)
   lo, hi = owned_rows(cu_ref, ns_ref, part, s)
-  pos = _at(s.kv, seq) - _at(s.q_len, seq) + r - _at(s.first, seq)
+  pos = vector_at(s.kv, seq) - vector_at(s.q_len, seq) + r - vector_at(s.first, seq)
   return seq, jnp.where((r >= lo) & (r < hi), pos, -1)

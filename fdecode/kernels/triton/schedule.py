@@ -84,15 +84,15 @@ def _splits(ends, sched: Schedule):
   real = lax.iota(jnp.int32, ends.shape[0]) < sched.batch
   blocks = jnp.where(real, last - first, 0)
   live = jnp.sum(jnp.where(blocks > 0, 1, 0))
-  per_item = jnp.maximum(1, _cdiv(jnp.sum(blocks), jnp.maximum(sched.items - live, 1)))
-  return _cdiv(blocks, per_item)
+  per_item = jnp.maximum(1, cdiv(jnp.sum(blocks), jnp.maximum(sched.items - live, 1)))
+  return cdiv(blocks, per_item)
 
 
-def _cdiv(a, b):  # a >= 0, b >= 1
+def cdiv(a, b):  # a >= 0, b >= 1
   return (a + b - 1) // b
 
 
-def _at(x, i):
+def vector_at(x, i):
   """``x[i]`` of a vector at a traced scalar index (a masked sum: Triton has no gather of
   a register vector); 0 for an index past it."""
   return jnp.sum(jnp.where(lax.iota(jnp.int32, x.shape[0]) == i, x, 0))
@@ -107,9 +107,9 @@ def item_work(ends, item, sched: Schedule):
   seq = jnp.sum(jnp.where(bounds <= item, 1, 0))
   used = item < jnp.sum(splits)
   seq = jnp.where(used, seq, 0)
-  split = jnp.where(used, item - (_at(bounds, seq) - _at(splits, seq)), 0)
-  count = jnp.where(used, jnp.maximum(_at(splits, seq), 1), 1)
-  return seq, split, count, jnp.where(used, _at(ends, seq), 0)
+  split = jnp.where(used, item - (vector_at(bounds, seq) - vector_at(splits, seq)), 0)
+  count = jnp.where(used, jnp.maximum(vector_at(splits, seq), 1), 1)
+  return seq, split, count, jnp.where(used, vector_at(ends, seq), 0)
 
 
 def sequence_items(ends, seq, sched: Schedule):
@@ -117,4 +117,4 @@ def sequence_items(ends, seq, sched: Schedule):
   sequence with no live block), from ``ends`` (`load_ends`)."""
   splits = _splits(ends, sched)
   last = jnp.sum(jnp.where(lax.iota(jnp.int32, splits.shape[0]) <= seq, splits, 0))  # bounds[seq]
-  return last - _at(splits, seq), last
+  return last - vector_at(splits, seq), last
