@@ -312,6 +312,30 @@ def test_ragged_decode(mix, cache, layout, dtype):
   assert np.isneginf(np.asarray(lse[live:])).all()
 
 
+@pytest.mark.parametrize("cache,layout", [("paged16", "HND"), ("contiguous", "NHD")])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_ragged_per_row_modifiers(cache, layout, dtype):
+  """The compiled Triton step with a per-row, per-head mask and a per-row bias
+  (`ragged_decode`'s ``[N, Hq, S]`` / ``[N, S]``), each program reading them at its rows'
+  packed rows (tests/test_ragged_modifiers.py, here compiled)."""
+  from test_ragged import batch, per_sequence  # pylint: disable=g-import-not-at-top
+  q_lens, kv_lens = RAGGED_MIXES["mixed"]
+  p = batch(1, q_lens, kv_lens, max_seqs=8, d=128, paged=cache != "contiguous", layout=layout, dtype=dtype)
+  n_rows, hq = p["q"].shape[:2]
+  s = p["block_tables"].shape[1] * 16 if cache != "contiguous" else p["k"].shape[2 if layout == "HND" else 1]
+  rng = np.random.default_rng(8)
+  mods = dict(mask=jnp.asarray(rng.random((n_rows, hq, s)) > 0.25),
+              bias=jnp.asarray(rng.standard_normal((n_rows, s)), jnp.float32))
+  out, lse = fdecode.ragged_decode(**p, kv_layout=layout, impl="pallas", return_lse=True, **mods)
+  live = int(p["cu_q_lens"][p["num_seqs"]])
+  ref, ref_lse = per_sequence(dict(p, q=p["q"].astype(jnp.float32), k=p["k"].astype(jnp.float32),
+                                   v=p["v"].astype(jnp.float32)), layout, per_row=mods)
+  tl = gpu_tol(dtype)
+  assert_close(out[:live], ref, atol=tl["atol"], rtol=tl["rtol"])
+  assert_close(lse[:live], ref_lse, atol=tl["lse"], rtol=tl["lse"], what="lse")
+  np.testing.assert_array_equal(np.asarray(out[live:], np.float32), 0)
+
+
 @pytest.mark.parametrize("paged,layout", [(True, "HND"), (True, "NHD"), (False, "HND")])
 @pytest.mark.parametrize("seed", range(3))
 def test_step_geometry_compiled(seed, paged, layout):

@@ -113,14 +113,15 @@ def test_window_soft_cap_and_modifiers(dtype):
 
 def test_triton_reads_rows_in_place_per_sequence_grid():
   """The interpreted Triton kernels read each part's q rows and each prefill block's table
-  row through their indices (`fdecode.kernels.triton.RowSource`), not gathers. A per-row
-  bias turns the balanced schedule off, so this runs the per-sequence grid's reads
-  (`test_matches_reference` runs the balanced one); rows before a sequence's own in a
-  block (its first, partial block) read other sequences' rows, which must not reach it."""
+  row through their indices (`fdecode.kernels.triton.RowSource`), not gathers. A fixed
+  split count turns the balanced schedule off, so this runs the per-sequence grid's reads
+  with a per-row bias gathered per part (`test_matches_reference` runs the balanced one);
+  rows before a sequence's own in a block (its first, partial block) read other sequences'
+  rows, which must not reach it."""
   p = batch(6, [1, 9, 70, 2], [50, 9, 90, 2], max_seqs=5)
   n = p["q"].shape[0]
   bias = jnp.asarray(np.random.default_rng(4).standard_normal((n, p["block_tables"].shape[1] * 16)), jnp.float32)
-  out, lse = fdecode.ragged_decode(**p, bias=bias, impl="pallas", interpret=True, return_lse=True)
+  out, lse = fdecode.ragged_decode(**p, bias=bias, impl="pallas", interpret=True, return_lse=True, num_splits=2)
   check(p, out, lse, per_sequence(p, per_row=dict(bias=bias)))
 
 
@@ -131,7 +132,8 @@ def test_triton_reads_contiguous_cache_rows_in_place(layout, case, monkeypatch):
   each block reading its sequence's cache row (and per-token scales) through the
   RowSource's cache rows, not a loop over the blocks: on the balanced schedule (the Triton
   step, `fdecode.ragged.triton_step`: its decode part reads its sequences so too), and on
-  the per-sequence grid (a per-row bias turns the schedule off: the two-part path). Other
+  the per-sequence grid (a fixed split count turns the schedule off: the two-part path,
+  with a per-row bias gathered per part). Other
   sequences' rows hold NaN past their lengths and in the rows no sequence owns, which no
   block may reach."""
   import fdecode.ragged.parts as ragged_module
@@ -158,6 +160,7 @@ def test_triton_reads_contiguous_cache_rows_in_place(layout, case, monkeypatch):
   if case == "per-sequence-grid":
     n_rows, s = p["q"].shape[0], k.shape[ax]
     opts["bias"] = jnp.asarray(np.random.default_rng(5).standard_normal((n_rows, s)), jnp.float32)
+    opts["num_splits"] = 2
   if case == "int8-per-token":
     kq, ks = quantize(p["k"], jnp.int8)
     vq, vs = quantize(p["v"], jnp.int8)

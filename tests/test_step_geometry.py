@@ -44,9 +44,25 @@ def _step(seed, paged, layout, hq=HQ, hkv=HKV):
 @pytest.mark.parametrize("seed", range(4))
 def test_kernels_derive_the_geometry_xla_computes(seed, paged, layout, hq, hkv):
   """(G = 3 and 5 too: the combine's row tiles and padding entries are powers of two, G not.)"""
+  _compare(seed, paged, layout, hq, hkv)
+
+
+@pytest.mark.parametrize("paged,layout", [(True, "HND"), (False, "NHD")], ids=["paged-HND", "contiguous-NHD"])
+@pytest.mark.parametrize("seed", range(3))
+def test_kernels_read_per_row_modifiers_at_the_derived_rows(seed, paged, layout):
+  """A per-row, per-head mask and a per-row bias (`ragged_decode`'s ``[N, Hq, S]`` /
+  ``[N, S]``), read by each Triton program at its rows' packed rows (derived from the same
+  garbage offsets); XLA's step gathers them per part."""
+  rng = np.random.default_rng(100 + seed)
+  mods = dict(mask=jnp.asarray(rng.random((N, HQ, S)) > 0.25),
+              bias=jnp.asarray(rng.standard_normal((N, S)), jnp.float32))
+  _compare(seed, paged, layout, HQ, HKV, mods)
+
+
+def _compare(seed, paged, layout, hq, hkv, mods=None):
   p, (nk, nv) = _step(seed, paged, layout, hq, hkv)
-  run = lambda impl, **kw: jax.jit(lambda p, nk, nv: fdecode.ragged_decode(
-      **p, kv_layout=layout, new_k=nk, new_v=nv, return_lse=True, impl=impl, **kw))(p, nk, nv)
+  run = lambda impl, **kw: jax.jit(lambda p, nk, nv, mods: fdecode.ragged_decode(
+      **p, kv_layout=layout, new_k=nk, new_v=nv, return_lse=True, impl=impl, **mods, **kw))(p, nk, nv, mods or {})
   want = run("xla")
   got = run("pallas", interpret=True)
   out_x, lse_x, *caches_x = want

@@ -21,11 +21,12 @@ Where they run:
   then *one* combine launch that stores the packed rows, padding rows included. Every
   program derives its unit's geometry from the step's ``cu_q_lens``, ``kv_lens`` and
   ``num_seqs`` (`fdecode.kernels.triton.geometry`) and reads q rows, table rows and a
-  contiguous cache's rows in place: nothing else launches (on A100 the parts take a split
-  launch each: ptxas spilled the merged kernel there). It takes every call but per-row
-  masks / biases and index lists (no balanced schedule), a fixed ``num_splits``, and
-  contiguous MLA latents (whose decode part goes to the Hopper MLA kernel on sm_90), and
-  head dims Triton cannot tile (the GPU's flash_decode runs XLA for those).
+  contiguous cache's rows in place, and a per-row mask / bias at each row's packed row:
+  nothing else launches (on A100 the parts take a split launch each: ptxas spilled the
+  merged kernel there). It takes every call but index lists (no balanced schedule), a
+  fixed ``num_splits``, and contiguous MLA latents (whose decode part goes to the Hopper
+  MLA kernel on sm_90), and head dims Triton cannot tile (the GPU's flash_decode runs XLA
+  for those).
 * **The two-part path** (every other case): a `flash_decode` call per part, the rows
   gathered from both outputs. The decode part is one batched call (a step of pure
   decodes costs what `flash_decode` costs). On the XLA path (and for contiguous caches off
@@ -204,10 +205,10 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   two = lambda: two_parts(st, triton_tiles)
   step = lambda interpret: (lambda: triton_step(*triton_calls(st), given, block=st.block, capacity=view.capacity,
                                                 interpret=interpret, options=dict(opts, kv_layout=view.layout)))
-  # The Triton step takes every call but index lists, per-row masks / biases (no balanced
-  # schedule), fixed split counts, and contiguous MLA latents (whose decode part goes to the
-  # Hopper MLA kernel on an sm_90 GPU).
-  if (impl not in (None, "pallas") or isinstance(interp, pltpu.InterpretParams) or {"indices", "mask", "bias"} & set(arrays)
+  # The Triton step takes every call but index lists (no balanced schedule), fixed split
+  # counts, and contiguous MLA latents (whose decode part goes to the Hopper MLA kernel on
+  # an sm_90 GPU).
+  if (impl not in (None, "pallas") or isinstance(interp, pltpu.InterpretParams) or "indices" in arrays
       or opts.get("num_splits") not in (None, "balance") or (v is None and not paged)):
     out, lse = two()
   elif impl == "pallas" and interp:  # the Triton interpreter, on any host

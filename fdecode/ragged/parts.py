@@ -222,8 +222,14 @@ def triton_calls(st: Step):
   each a dict of `flash_decode_with_source`'s arguments (``q``, ``lengths`` and the
   sources' index arrays for their shapes only), the rows read through a `RowSource` whose
   ``step`` holds the arrays every unit's geometry derives from (the caches in place: a
-  pool through the whole table, a contiguous cache through the whole caches)."""
-  return _decode_call(st, st.given)[0], _prefill_call(st, st.given)[0]
+  pool through the whole table, a contiguous cache through the whole caches) and whose
+  ``mask`` / ``bias`` are the step's per-row ones (the calls' own are their gathers, for
+  their form only)."""
+  calls = []
+  for (call, idx), t in ((_decode_call(st, st.given), 1), (_prefill_call(st, st.given), st.block)):
+    rows = {n: st.arrays[n] for n in ("mask", "bias") if n in st.arrays}  # read at the packed rows
+    calls.append(dict(call, source=call["source"]._replace(**rows), **_per_row(st, idx, (idx.shape[0], t))))
+  return tuple(calls)
 
 
 def _block_rows(cu, seq, first_block, tb: int, num_blocks: int):

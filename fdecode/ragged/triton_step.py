@@ -30,6 +30,7 @@ def _part(call: dict, step: StepPart, *, interpret: bool, options: dict):
   cd = compute_dtype(c.q4.dtype, *(None if x is None else x.dtype for x in (c.view.k, c.view.v, c.view.k_rope)))
   p, rv = triton_plan_view(c.q4, c.view, compute=cd, mods=c.mods, v_head_dim=c.v_head_dim, cfg=c.cfg,
                            interpret=interpret, has_sinks=c.sinks is not None, source=c.source, balance=True,
+                           has_mask_or_bias=c.mod_arrays["mask"] is not None or c.mod_arrays["bias"] is not None,
                            step=step)
   if not p.balanced:  # `ragged_decode` sends only calls the schedule takes
     raise AssertionError(f"{CALLER}: the Triton step's plan is not balanced: {p}")
@@ -44,12 +45,13 @@ def triton_step(decode: dict, prefill: dict, step, *, block: int, capacity: int,
   ``decode`` / ``prefill``: each part's call as `fdecode.api.flash_decode_with_source`
   takes it: ``q`` ``[B, T, Hq, Dk]`` (for its shape: a gather of the part's rows, never
   read), ``k``, ``v``, ``lengths`` int32 ``[B]`` (likewise), ``block_tables`` (paged), the
-  cache's scales / offsets / ``k_rope``, and ``source``: the `RowSource` its rows are read
-  through, with ``step``: ``(cu, kv_lens, num_seqs)`` (int32 ``[M + 1]`` clipped
-  non-decreasing, ``[M]``, ``[1]``), the arrays every unit's geometry derives from. The
-  decode part's B is M sequences, the prefill part's the NB blocks of ``block`` rows;
-  ``capacity``: S. ``options``: the step's other `flash_decode` keywords (modifiers but a
-  mask or bias, sinks, ``v_head_dim``, ``block_k``, ``kv_layout``, ...)."""
+  cache's scales / offsets / ``k_rope``, a per-row ``mask`` / ``bias`` (gathers, for
+  their form) and ``source``: the `RowSource` its rows are read through, with ``step``:
+  ``(cu, kv_lens, num_seqs)`` (int32 ``[M + 1]`` clipped non-decreasing, ``[M]``,
+  ``[1]``), the arrays every unit's geometry derives from, and the step's own per-row
+  mask / bias. The decode part's B is M sequences, the prefill part's the NB blocks of
+  ``block`` rows; ``capacity``: S. ``options``: the step's other `flash_decode` keywords
+  (modifiers, sinks, ``v_head_dim``, ``block_k``, ``kv_layout``, ...)."""
   options = {n: x for n, x in options.items() if n not in ("num_splits", "interpret")}
   n_rows, m = decode["source"].q.shape[0], decode["q"].shape[0]
   parts = [StepPart(part=name, rows=n_rows, seqs=m, units=call["q"].shape[0], block=tb, seq_len=capacity)

@@ -357,6 +357,10 @@ CASES["ragged-mla-fp8-write"] = ragged_cases.ragged_mla_write
 CASES["ragged-g7-write"] = functools.partial(ragged_cases.ragged, layout="NHD", write=True, hkv=4, hq=28)
 CASES["ragged-m256-write"] = functools.partial(ragged_cases.ragged, layout="HND", write=True, m=256, n_rows=2048,
                                                hkv=8, hq=32)
+# Per-row modifiers, read in place by each program at its rows' packed rows: a bool mask a
+# row ([N, S]) and a float32 bias a row and query head ([N, Hq, S], 32 MB).
+CASES["ragged-mask-write"] = functools.partial(ragged_cases.ragged, layout="HND", write=True, row_mods="mask")
+CASES["ragged-bias-heads"] = functools.partial(ragged_cases.ragged, layout="NHD", write=False, row_mods="bias")
 # Opt-in: both parts on the Hopper rows kernel (decode part T = 1, prefill blocks T = 64).
 CASES["ragged-paged16-mosaic-gpu"] = functools.partial(ragged_cases.ragged, layout="HND", write=False,
                                                       impl="mosaic_gpu")

@@ -11,11 +11,12 @@ import fdecode
 S = 4096  # tokens a sequence may hold (cases.py's S)
 
 
-def ragged(target, layout, write, paged=True, m=16, n_rows=256, hkv=2, hq=8, **opts):
+def ragged(target, layout, write, paged=True, m=16, n_rows=256, hkv=2, hq=8, row_mods=None, **opts):
   """ragged_decode over a paged pool (or ``paged=False`` a contiguous cache of M rows): N
   packed rows of M sequences (decodes beside prefill chunks; default 256 of 16), the fused
   write of their keys and values into the caches, donated as the Engine's step donates
-  them (updated in place, no copy); ``opts``: ragged_decode's."""
+  them (updated in place, no copy); ``row_mods``: ``"mask"`` (bool ``[N, S]``) or
+  ``"bias"`` (float32 ``[N, Hq, S]``), the last argument; ``opts``: ragged_decode's."""
   sd = target.spec
   d, ps = 128, 16
   pages = m * (S // ps) + 3
@@ -24,12 +25,16 @@ def ragged(target, layout, write, paged=True, m=16, n_rows=256, hkv=2, hq=8, **o
     pool = (m, hkv, S, d) if layout == "HND" else (m, S, hkv, d)
   args = (sd((n_rows, hq, d), jnp.bfloat16), sd(pool, jnp.bfloat16), sd(pool, jnp.bfloat16), sd((m,), jnp.int32),
           sd((m, S // ps), jnp.int32) if paged else None, sd((m + 1,), jnp.int32), sd((1,), jnp.int32))
-  if not write:
-    return (lambda *a: fdecode.ragged_decode(*a, kv_layout=layout, **opts)), args
   new = sd((n_rows, hkv, d), jnp.bfloat16)
-  fn = lambda q, k, v, lens, t, cu, ns, nk, nv: fdecode.ragged_decode(q, k, v, lens, t, cu, ns, kv_layout=layout,
-                                                                       new_k=nk, new_v=nv, **opts)
-  return fn, args + (new, new), (1, 2)
+  args += (new, new) if write else ()
+  extra = {"mask": ((n_rows, S), jnp.bool_), "bias": ((n_rows, hq, S), jnp.float32)}.get(row_mods)
+  args += (sd(*extra),) if extra else ()
+
+  def fn(q, k, v, lens, t, cu, ns, *rest):
+    new_kv = dict(new_k=rest[0], new_v=rest[1]) if write else {}
+    mods = {row_mods: rest[-1]} if extra else {}
+    return fdecode.ragged_decode(q, k, v, lens, t, cu, ns, kv_layout=layout, **new_kv, **mods, **opts)
+  return (fn, args, (1, 2)) if write else (fn, args)
 
 
 def ragged_mla_write(target):

@@ -203,7 +203,10 @@ def test_gpu_ragged_step_split_launches(reports, target, name):
 # own cu_q_lens, kv_lens and num_seqs (`fdecode.kernels.triton.geometry`), and reads its
 # q rows, table rows and contiguous cache rows in place. ragged-chunk40-g4 does not
 # donate: two copies of the caches before the write. ragged-mla-fp8-write: one latent
-# cache; ragged-m256-write: 256 sequences, 2048 rows; ragged-g7-write: G = 7 (28 / 4 heads).
+# cache; ragged-m256-write: 256 sequences, 2048 rows; ragged-g7-write: G = 7 (28 / 4 heads);
+# ragged-mask-write / ragged-bias-heads: a per-row mask / per-row, per-head bias, read by
+# the split kernel at each row's packed row (before: the two-part path, 13 launches with
+# the write, the per-row arrays gathered per part).
 # Before (same compiler, same target config): 34 / 30 / 29, where XLA merged the balanced
 # items, scattered the rows into zeroed outputs and gathered q per item; then 25 / 20-21 /
 # 19-20 with the schedule computed in XLA (6 fusions) and cu's running maximum a
@@ -218,10 +221,11 @@ def test_gpu_ragged_step_split_launches(reports, target, name):
 # from both parts' outputs); ragged-m256-write was 13.
 RAGGED_LAUNCHES = {"h100": {"ragged-paged16-write": 3, "ragged-nhd-paged16": 2, "ragged-chunk40-g4": 5,
                             "ragged-contiguous-write": 3, "ragged-nhd-contiguous": 2, "ragged-mla-fp8-write": 3,
-                            "ragged-m256-write": 3, "ragged-g7-write": 3}}
+                            "ragged-m256-write": 3, "ragged-g7-write": 3, "ragged-mask-write": 3,
+                            "ragged-bias-heads": 2}}
 RAGGED_LAUNCHES["a100"] = {name: n + 1 for name, n in RAGGED_LAUNCHES["h100"].items()}  # two split launches
 RAGGED_WRITES = {"ragged-paged16-write", "ragged-chunk40-g4", "ragged-contiguous-write", "ragged-mla-fp8-write",
-                 "ragged-m256-write", "ragged-g7-write"}
+                 "ragged-m256-write", "ragged-g7-write", "ragged-mask-write"}
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])

@@ -137,6 +137,11 @@ def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_array
   for a in quant_arrays:
     if a is not None:
       add(*_quant_spec(p, a))
+  if p.step is not None:  # a step's per-row arrays, whole: [Nm * Hm, S] (`kernel.step_mod_rows`)
+    for x, form in zip((source.mask, source.bias), p.step_mods):
+      if form is not None:
+        whole(x.reshape(form[0] * form[1], x.shape[-1]))
+    mask = bias = None
   for x in (mask, bias):  # read in place (a bool mask as it is)
     if x is not None:
       bm, hm, tm, gm, s = x.shape

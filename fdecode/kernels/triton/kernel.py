@@ -155,6 +155,20 @@ def mod_rows(plan: TritonPlan, tm: int, per_head: bool, h, first_row):
   return t * plan.hq + h * plan.group + r % plan.group if per_head else t
 
 
+def step_mod_rows(plan: TritonPlan, form, r, h, first_row):
+  """int32 ``[R_p, 1]``: for a ragged step's unit, the row of a per-row mask / bias
+  operand (`fdecode.kernels.triton._operands`: the step's ``[Nm * Hm, S]``, ``form`` ``(Nm,
+  Hm)``) that each of the program's rows r = t * G + g of kv head ``h`` reads: its packed
+  row ``q_first + t`` (clipped into the array; 0 when Nm = 1), times Hm plus its query
+  head when per head. Rows the unit's sequence does not own (a prefill block's rows
+  before it) and padding rows read a real row and are never stored."""
+  nm, hm = form
+  rows = first_row + lax.broadcasted_iota(jnp.int32, (plan.block_r, 1), 0)
+  t = jnp.minimum(rows // plan.group, plan.num_tokens - 1)
+  packed = jnp.clip(r.q_first + t, 0, nm - 1) if nm > 1 else jnp.zeros_like(t)
+  return packed * hm + (h * plan.group + rows % plan.group if hm > 1 else 0)
+
+
 def _cols(offset: int, width: int):
   return offset + lax.broadcasted_iota(jnp.int32, (1, width), 1)
 
@@ -257,11 +271,13 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float, ids=None):
   else:
     first, last = blk.split_range(end, r.split, r.count, plan.num_tokens, plan.seq_len, bk, mods)
 
-  def by_rows(ref, form, load_start):
-    """A mask / bias block for the rows: ``[R_p | 1, bk]``, gathered by row (`mod_rows`);
-    columns past the array (a tail block's positions past S, never visible) read its last
-    column."""
+  def by_rows(ref, form, load_start, step_form):
+    """A mask / bias block for the rows: ``[R_p | 1, bk]``, gathered by row (`mod_rows`; a
+    step's at packed rows, `step_mod_rows`); columns past the array (a tail block's
+    positions past S, never visible) read its last column."""
     cols = jnp.minimum(load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1), ref.shape[-1] - 1)
+    if step_form is not None and ref.shape[0] > 1:
+      return ref[step_mod_rows(plan, step_form, r, h, first_row), cols]
     if ref.shape[0] == 1:  # one row for every program row (a per-head one of MHA is form (1, 1) too)
       return ref[jnp.zeros((1, 1), jnp.int32), cols]
     return ref[mod_rows(plan, form[0], ref.shape[0] == form[0] * plan.hq, h, first_row), cols]
@@ -279,9 +295,9 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float, ids=None):
       visible, live = blk.sorted_slot_masks(rows, pos[None, :], live_end, first_visible, bk)
       return blk.online_update(state, s, visible, live, v_pieces, guard=guard)
     pos_row = load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    bias = None if r.bias is None else by_rows(r.bias, mods.bias, load_start).astype(jnp.float32)
+    bias = None if r.bias is None else by_rows(r.bias, mods.bias, load_start, plan.step_mods[1]).astype(jnp.float32)
     s = blk.modify_scores(s, mods, rows, pos_row, slopes, bias)
-    mask = None if r.mask is None else by_rows(r.mask, mods.mask, load_start) != 0
+    mask = None if r.mask is None else by_rows(r.mask, mods.mask, load_start, plan.step_mods[0]) != 0
     visible, live = blk.block_masks(rows, load_start, start, live_end, bk, first_visible=first_visible, mask=mask)
     return blk.online_update(state, s, visible, live, v_pieces, guard=guard)
 

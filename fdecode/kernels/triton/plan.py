@@ -108,7 +108,10 @@ class RowSource(NamedTuple):
   clipped non-decreasing, ``[M]``, ``[1]``), whose part (`make_plan`'s ``step``) the call
   is: each work unit's sequence, first q row, table / cache row and kv length are derived
   in the kernels from them (`fdecode.kernels.triton.geometry`), and ``q_start``,
-  ``table_rows``, ``cache_rows`` and the call's ends are not read."""
+  ``table_rows``, ``cache_rows`` and the call's ends are not read. ``mask`` / ``bias``
+  (with ``step``): the step's per-row arrays as `fdecode.ragged_decode` takes them,
+  ``[N|1, S]`` or ``[N|1, Hq, S]``, read by each program at its rows' packed rows (the
+  call's own mask / bias are gathers, read only for their form)."""
   q: object
   q_start: object
   tables: object = None
@@ -116,6 +119,8 @@ class RowSource(NamedTuple):
   caches: object = None
   cache_rows: object = None
   step: object = None
+  mask: object = None
+  bias: object = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +140,9 @@ class TritonPlan:
   ``num_splits`` partial states, ``combine_tiling`` ``(rows, width, chunk)`` a program
   (one row and ``width`` columns, all splits at once; balanced: `segment_combine_tiling`).
   ``step``: the ragged step's part the call is (`fdecode.kernels.triton.geometry.StepPart`;
-  the source's ``step`` arrays then give every unit's geometry). ``q_source`` /
+  the source's ``step`` arrays then give every unit's geometry); ``step_mods``: its
+  source's per-row mask and bias forms, each None or ``(Nm, Hm)`` (rows: 1 or N; heads:
+  1 or Hq). ``q_source`` /
   ``table_source``: q rows / table rows are read through a `RowSource`'s indices;
   ``cache_batch`` > 0: a contiguous cache's rows too (``M`` rows: ``cache_source``; read from
   the source's list with ``cache_row_list``, else sequence b's is row b), its
@@ -181,6 +188,7 @@ class TritonPlan:
   cache_batch: int = 0
   cache_row_list: bool = False
   step: StepPart | None = None
+  step_mods: tuple = (None, None)
 
   @property
   def cache_source(self) -> bool:
@@ -289,8 +297,13 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   if not paged:
     cache_rows = max(cache_rows, bk)  # a cache shorter than one block is padded to it
   cache_batch = 0 if source is None or source.caches is None else source.caches.k.shape[0]
+  # A mask / bias is read per sequence of the call's batch, which a work item of the
+  # balanced schedule does not own as a grid index; a step's per-row ones are read at the
+  # unit's packed rows (`step_mods`).
+  step_mods = (None, None) if step is None else tuple(
+      None if x is None else (x.shape[0], x.shape[1] if x.ndim == 3 else 1) for x in (source.mask, source.bias))
   balanced = (balance and num_splits is None and (paged or cache_batch > 0) and index_slots is None
-              and not has_mask_or_bias)
+              and (not has_mask_or_bias or step is not None))
   items = b
   if balanced:
     extra = INTERPRET_EXTRA_ITEMS if interpret else -(-gpu.sms * launch.residency(gpu)[1] // (hkv * row_blocks))
@@ -321,7 +334,8 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
                       else (1, combine_width(int(num_splits), dv), COMBINE_CHUNK)),
       sparse_fold=sparse_fold, has_sinks=bool(has_sinks), q_source=source is not None,
       table_source=source is not None and source.table_rows is not None, cache_batch=cache_batch,
-      cache_row_list=step is None and source is not None and source.cache_rows is not None, step=step)
+      cache_row_list=step is None and source is not None and source.cache_rows is not None, step=step,
+      step_mods=step_mods)
 
 
 # A ragged step's two split launches run as one (`fdecode.kernels.triton.split_states_merged`)
