@@ -219,7 +219,7 @@ def _triton(q, view, ends, *, num_tokens, softmax_scale, cfg, interpret, compute
   and q / table rows through ``source`` (not with index lists)."""
   del num_tokens  # q's shape carries it
   rv = view.read(view.read_layout)
-  if not interpret and _hopper_mla_takes(q, rv, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg):
+  if not interpret and hopper_mla_takes(q, rv, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg):
     return _hopper_mla(q, rv.k, ends, softmax_scale=softmax_scale, num_splits=cfg.num_splits)
   indices = lists.get("indices")
   p, rv = triton_plan_view(q, view, compute=compute, mods=mods, v_head_dim=v_head_dim, cfg=cfg, interpret=interpret,
@@ -251,7 +251,7 @@ def triton_plan_view(q, view, *, compute, mods, v_head_dim, cfg, interpret, has_
   return p, rv
 
 
-def _hopper_mla_takes(q, view, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg) -> bool:
+def hopper_mla_takes(q, view, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg) -> bool:
   """Whether the call goes to the Hopper MLA kernel (`fdecode.kernels.mosaic_gpu`): an
   sm_90 GPU lowered for, and a call it takes (bf16 MLA latents 576 / 512, one contiguous kv
   head, T = 1, G a multiple of 16, no scales, modifiers, sinks or index lists; the kernel's

@@ -24,9 +24,9 @@ Where they run:
   contiguous cache's rows in place, and a per-row mask / bias at each row's packed row:
   nothing else launches (on A100 the parts take a split launch each: ptxas spilled the
   merged kernel there). It takes every call but index lists (no balanced schedule), a
-  fixed ``num_splits``, and contiguous MLA latents (whose decode part goes to the Hopper
-  MLA kernel on sm_90), and head dims Triton cannot tile (the GPU's flash_decode runs XLA
-  for those).
+  fixed ``num_splits``, contiguous MLA latents whose decode part `flash_decode` would send
+  to the Hopper MLA kernel (compiled for sm_90: bf16, G a multiple of 16), and head dims
+  Triton cannot tile (the GPU's flash_decode runs XLA for those).
 * **The two-part path** (every other case): a `flash_decode` call per part, the rows
   gathered from both outputs. The decode part is one batched call (a step of pure
   decodes costs what `flash_decode` costs). On the XLA path (and for contiguous caches off
@@ -67,7 +67,7 @@ from fdecode.cache.layout import CacheView, check_layout
 from fdecode.dispatch import forced_tpu_interpret, triton_supports
 from fdecode.ragged.checks import CALLER, check_shapes, check_values
 from fdecode.ragged.parts import Step, searchsorted, triton_calls, two_parts
-from fdecode.ragged.triton_step import triton_step
+from fdecode.ragged.triton_step import hopper_takes_decode_part, triton_step
 from fdecode.ragged.write import write_new_tokens
 from fdecode.validation import as_arrays, to_int32
 # flash_decode's keywords ragged_decode forwards; the per-row ones are indexed by row.
@@ -205,16 +205,18 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   two = lambda: two_parts(st, triton_tiles)
   step = lambda interpret: (lambda: triton_step(*triton_calls(st), given, block=st.block, capacity=view.capacity,
                                                 interpret=interpret, options=dict(opts, kv_layout=view.layout)))
-  # The Triton step takes every call but index lists (no balanced schedule), fixed split
-  # counts, and contiguous MLA latents (whose decode part goes to the Hopper MLA kernel on
-  # an sm_90 GPU).
+  # The Triton step takes every call but index lists (no balanced schedule) and fixed split
+  # counts; compiled for a GPU, not contiguous MLA latents whose decode part the Hopper MLA
+  # kernel takes (sm_90, bf16, G a multiple of 16: `triton_step.hopper_takes_decode_part`).
   if (impl not in (None, "pallas") or isinstance(interp, pltpu.InterpretParams) or "indices" in arrays
-      or opts.get("num_splits") not in (None, "balance") or (v is None and not paged)):
+      or opts.get("num_splits") not in (None, "balance")):
     out, lse = two()
   elif impl == "pallas" and interp:  # the Triton interpreter, on any host
     out, lse = step(True)()
   else:  # GPU: Triton where it tiles these head dims; impl="pallas" on CPU: the Triton interpreter
-    gpu = step(False) if triton_tiles else two
+    hopper = v is None and not paged and hopper_takes_decode_part(
+        triton_calls(st)[0] | dict(source=None), dict(opts, kv_layout=view.layout))
+    gpu = step(False) if triton_tiles and not hopper else two
     out, lse = lax.platform_dependent(cpu=step(True) if impl == "pallas" else two, cuda=gpu, rocm=gpu, default=two)
   return out, lse, k, v
 

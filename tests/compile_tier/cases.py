@@ -357,6 +357,15 @@ CASES["ragged-mla-fp8-write"] = ragged_cases.ragged_mla_write
 CASES["ragged-g7-write"] = functools.partial(ragged_cases.ragged, layout="NHD", write=True, hkv=4, hq=28)
 CASES["ragged-m256-write"] = functools.partial(ragged_cases.ragged, layout="HND", write=True, m=256, n_rows=2048,
                                                hkv=8, hq=32)
+# bf16 MLA latents on the Triton step (paged; contiguous at G = 8, which the Hopper MLA
+# kernel does not take), and contiguous at G = 16, whose decode part goes to the Hopper MLA
+# kernel on sm_90 (the two-part path there). A balanced work item whose rows differ keeps
+# registers back (`launch.BALANCED_ROWS_RESERVE`): at bk = 64 these spilled 16-48 B.
+CASES["ragged-mla-bf16-paged16"] = functools.partial(ragged_cases.ragged_mla, dtype=jnp.bfloat16, write=False)
+CASES["ragged-mla-bf16-contiguous-g8"] = functools.partial(ragged_cases.ragged_mla, dtype=jnp.bfloat16, g=8,
+                                                           paged=False, write=False)
+CASES["ragged-mla-bf16-contiguous-g16"] = functools.partial(ragged_cases.ragged_mla, dtype=jnp.bfloat16,
+                                                            paged=False, write=False)
 # Per-row modifiers, read in place by each program at its rows' packed rows: a bool mask a
 # row ([N, S]) and a float32 bias a row and query head ([N, Hq, S], 32 MB).
 CASES["ragged-mask-write"] = functools.partial(ragged_cases.ragged, layout="HND", write=True, row_mods="mask")

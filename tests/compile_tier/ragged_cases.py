@@ -37,14 +37,24 @@ def ragged(target, layout, write, paged=True, m=16, n_rows=256, hkv=2, hq=8, row
   return (fn, args, (1, 2)) if write else (fn, args)
 
 
+def ragged_mla(target, dtype=jnp.float8_e4m3fn, g=16, paged=True, write=True):
+  """ragged_decode over MLA latents (one latent head, D = 576, v = None): 64 rows of 8
+  sequences over a paged pool (``paged``) or a contiguous cache; ``write``: the fused write
+  of the new latents (already quantized for an 8-bit cache), donated. 8-bit latents take
+  one scale (0.5)."""
+  sd = target.spec
+  m, n_rows, ps = 8, 64, 16
+  cache = sd((1, m * (S // ps) + 3, ps, 576) if paged else (m, 1, S, 576), dtype)
+  args = (sd((n_rows, g, 576), jnp.bfloat16), cache, sd((m,), jnp.int32), sd((m, S // ps), jnp.int32) if paged else None,
+          sd((m + 1,), jnp.int32), sd((1,), jnp.int32))
+  opts = dict(v_head_dim=512, **({} if dtype == jnp.bfloat16 else dict(k_scale=0.5)))
+  if not write:
+    return (lambda q, k, lens, t, cu, ns: fdecode.ragged_decode(q, k, None, lens, t, cu, ns, **opts)), args
+  fn = lambda q, k, lens, t, cu, ns, nk: fdecode.ragged_decode(q, k, None, lens, t, cu, ns, new_k=nk, **opts)
+  return fn, args + (sd((n_rows, 1, 576), dtype),), (1,)
+
+
 def ragged_mla_write(target):
   """ragged_decode over float8 MLA latents in a paged pool (one latent head, D = 576,
   v = None), with the fused write of the new latents (already quantized), donated."""
-  sd = target.spec
-  m, n_rows, g, ps = 8, 64, 16, 16
-  pool = sd((1, m * (S // ps) + 3, ps, 576), jnp.float8_e4m3fn)
-  args = (sd((n_rows, g, 576), jnp.bfloat16), pool, sd((m,), jnp.int32), sd((m, S // ps), jnp.int32),
-          sd((m + 1,), jnp.int32), sd((1,), jnp.int32), sd((n_rows, 1, 576), jnp.float8_e4m3fn))
-  fn = lambda q, k, lens, t, cu, ns, nk: fdecode.ragged_decode(q, k, None, lens, t, cu, ns, new_k=nk, v_head_dim=512,
-                                                              k_scale=0.5)
-  return fn, args, (1,)
+  return ragged_mla(target)

@@ -222,7 +222,7 @@ def test_gpu_ragged_step_split_launches(reports, target, name):
 RAGGED_LAUNCHES = {"h100": {"ragged-paged16-write": 3, "ragged-nhd-paged16": 2, "ragged-chunk40-g4": 5,
                             "ragged-contiguous-write": 3, "ragged-nhd-contiguous": 2, "ragged-mla-fp8-write": 3,
                             "ragged-m256-write": 3, "ragged-g7-write": 3, "ragged-mask-write": 3,
-                            "ragged-bias-heads": 2}}
+                            "ragged-bias-heads": 2, "ragged-mla-bf16-paged16": 2, "ragged-mla-bf16-contiguous-g8": 2}}
 RAGGED_LAUNCHES["a100"] = {name: n + 1 for name, n in RAGGED_LAUNCHES["h100"].items()}  # two split launches
 RAGGED_WRITES = {"ragged-paged16-write", "ragged-chunk40-g4", "ragged-contiguous-write", "ragged-mla-fp8-write",
                  "ragged-m256-write", "ragged-g7-write", "ragged-mask-write"}
@@ -253,6 +253,24 @@ def test_gpu_ragged_step_launches(reports, target, name):
   splits = ["fdecode_split_kv_triton"] * (1 if merges_parts(chips.GPUS[target]) else 2)
   assert names == ["fdecode_combine_triton"] + splits + writes, report["kernels"]
   assert report["launches"] == RAGGED_LAUNCHES[target][name], f"{name} on {target}: {report['launches']} launches"
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])
+def test_ragged_contiguous_mla_keeps_the_hopper_decode(reports, target):
+  """Contiguous bf16 MLA latents at G = 16: on sm_90 the step keeps the two-part path, its
+  decode part on the Hopper MLA kernel (as `flash_decode` dispatches it: 2-8x the Triton
+  kernel on an H200) beside the prefill blocks' Triton call; elsewhere (A100) the Triton
+  step, launches as the other ragged cases'."""
+  report = reports[target]["ragged-mla-bf16-contiguous-g16"]
+  assert report["ok"], report.get("error")
+  names = sorted(k["name"].split("__")[0] for k in report["kernels"])
+  if chips.GPUS[target].capability == (9, 0):
+    assert report["mosaic_gpu_kernels"] == ["fdecode_mla_mosaic_gpu"], report["mosaic_gpu_kernels"]
+    assert names == ["fdecode_combine_triton"] * 2 + ["fdecode_split_kv_triton"], report["kernels"]
+  else:
+    assert not report["mosaic_gpu_kernels"], report["mosaic_gpu_kernels"]
+    assert names == ["fdecode_combine_triton"] + ["fdecode_split_kv_triton"] * 2, report["kernels"]
+    assert report["launches"] == 3, report["launches"]
 
 
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])

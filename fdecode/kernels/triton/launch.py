@@ -20,6 +20,13 @@ MIN_DOT = 16
 THREAD_BYTES = 540
 STAGES = 2                      # Triton software-pipeline stages (one block in flight)
 WARPS = (4, 8)
+# Bytes a thread keeps back for a balanced work item whose rows may see different slots
+# (T > 1 or a mask: its schedule's item, the rows' own bounds and the value guard live
+# through the loop). Calibrated on ptxas -v (compile report, 2026-11-27): bf16 MLA (576 /
+# 512, 16 rows) at bk = 64 on 8 warps models 520 bytes; balanced at T = 4 ptxas spilled
+# 28 B on H100 and 16 B on A100 at 255 registers (ragged steps: 16-48 B), where per
+# sequence (or T = 1) it compiled without; at bk = 32 (360 bytes) 188-217 registers.
+BALANCED_ROWS_RESERVE = 64
 # Shared memory the compiler really allocates came to about 0.8 of `Launch.smem`
 # (measured): the upper residency estimate counts 0.75 of it.
 SMEM_MEASURED = 0.75
@@ -58,7 +65,8 @@ class Launch:
 
 
 def launch_plan(gpu: chips.Gpu, *, block_r: int, dq: int, dv: int, cols: int, raw_bytes: int,
-                compute_bytes: int, block_k: int, convert_bytes: int = 0, row_state: int = 1) -> Launch:
+                compute_bytes: int, block_k: int, convert_bytes: int = 0, row_state: int = 1,
+                reserve: int = 0) -> Launch:
   """Warps and block for ``gpu``: the largest power-of-two ``bk <= block_size(block_k)``
   whose tiles fit `THREAD_BYTES` a thread and whose pipelined loads fit the chip's shared
   memory per block, on 4 warps if that keeps ``bk >= 64`` (or the cap), else on 8.
@@ -68,7 +76,8 @@ def launch_plan(gpu: chips.Gpu, *, block_r: int, dq: int, dv: int, cols: int, ra
   ``convert_bytes``: what a loaded element holds on the way there (its raw bytes for a
   cast or a dequantization, plus 4 for the int32 of a float8 bit decode; 0 when loads feed
   the dots as they are); ``row_state``: how many times the rows' q and accumulator count
-  (`row_state_factor`).
+  (`row_state_factor`); ``reserve``: bytes a thread keeps back from `THREAD_BYTES`
+  (`BALANCED_ROWS_RESERVE`).
   """
   cap = block_size(block_k)
 
@@ -77,7 +86,7 @@ def launch_plan(gpu: chips.Gpu, *, block_r: int, dq: int, dv: int, cols: int, ra
              + 2 * block_r * bk * 4)
     smem = bk * cols * (raw_bytes * (STAGES - 1) + compute_bytes) + block_r * bk * compute_bytes
     per_thread = tiles / (32 * warps)
-    ok = per_thread <= THREAD_BYTES and smem <= gpu.smem_per_block
+    ok = per_thread <= THREAD_BYTES - reserve and smem <= gpu.smem_per_block
     return ok, Launch(bk, warps, STAGES, smem, math.ceil(per_thread / 4) + 64)
 
   best = None

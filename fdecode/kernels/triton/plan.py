@@ -37,7 +37,7 @@ from fdecode.cache.layout import kv_heads, token_axis
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.modifiers import Modifiers, window_tokens
 from fdecode.kernels.triton.geometry import StepPart
-from fdecode.kernels.triton.launch import MIN_DOT, launch_plan, load_convert_bytes, pow2_at_least, row_state_factor
+from fdecode.kernels.triton.launch import BALANCED_ROWS_RESERVE, MIN_DOT, launch_plan, load_convert_bytes, pow2_at_least, row_state_factor
 
 # Elements of q (and of the float32 accumulator) one program holds: with 4 warps about
 # 64-128 registers a thread. Wider rows (MLA's 576 / 512) get fewer rows per program
@@ -290,12 +290,6 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   seq_len, cache_rows, page_size, num_pages, table_len = _cache_geometry(k, block_tables, kv_layout)
   convert = load_convert_bytes(raw_bytes, compute_bytes, k_scale is not None or v_scale is not None, fp8_bits,
                                (paged and page_size < MIN_DOT) or (index_slots is not None and compute_bytes == 4))
-  launch = launch_plan(gpu, block_r=block_r, dq=dq, dv=dv, cols=cols, raw_bytes=raw_bytes,
-                       compute_bytes=compute_bytes, block_k=block_k or config_lib.DEFAULT_BLOCK_K, convert_bytes=convert,
-                       row_state=row_state_factor(block_r, k_pieces + v_pieces))
-  bk = launch.block
-  if not paged:
-    cache_rows = max(cache_rows, bk)  # a cache shorter than one block is padded to it
   cache_batch = 0 if source is None or source.caches is None else source.caches.k.shape[0]
   # A mask / bias is read per sequence of the call's batch, which a work item of the
   # balanced schedule does not own as a grid index; a step's per-row ones are read at the
@@ -304,6 +298,13 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
       None if x is None else (x.shape[0], x.shape[1] if x.ndim == 3 else 1) for x in (source.mask, source.bias))
   balanced = (balance and num_splits is None and (paged or cache_batch > 0) and index_slots is None
               and (not has_mask_or_bias or step is not None))
+  launch = launch_plan(gpu, block_r=block_r, dq=dq, dv=dv, cols=cols, raw_bytes=raw_bytes,
+                       compute_bytes=compute_bytes, block_k=block_k or config_lib.DEFAULT_BLOCK_K, convert_bytes=convert,
+                       row_state=row_state_factor(block_r, k_pieces + v_pieces),
+                       reserve=BALANCED_ROWS_RESERVE if balanced and blk.rows_may_differ(t, mods) else 0)
+  bk = launch.block
+  if not paged:
+    cache_rows = max(cache_rows, bk)  # a cache shorter than one block is padded to it
   items = b
   if balanced:
     extra = INTERPRET_EXTRA_ITEMS if interpret else -(-gpu.sms * launch.residency(gpu)[1] // (hkv * row_blocks))
