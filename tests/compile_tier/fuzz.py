@@ -7,8 +7,10 @@ A name is ``fuzz:kind=decode,t=5,g=7,hkv=2,d=128,dtype=bfloat16,...``; kinds:
   every head dim fdecode tiles on GPU, float32 / bfloat16 / int8 / float8 caches with
   each scale granularity (and offsets), contiguous or paged (page size 1..128), HND / NHD;
 * ``mla``: 576 / 512 latents, G up to 128, bf16 or FlashMLA's fp8 layout, T 1..4;
-* ``ragged``: ragged_decode over a paged pool, N packed rows of decodes and chunks
-  (1..1024 rows), the fused write or not.
+* ``ragged``: ragged_decode over a paged pool (page size 1..64) or a contiguous cache
+  (``ps=0``), N packed rows of decodes and chunks (1..1024 rows), the fused write or not;
+  GQA heads of D = 128 or bf16 MLA latents (``mla=1``: one 576 / 512 head), and a per-row
+  mask or bias (``mods``).
 """
 
 from __future__ import annotations
@@ -51,10 +53,14 @@ def specs(draw, kind="decode"):
                 dtype=draw(st.sampled_from(["bfloat16", "float8_e4m3fn"])), paged=draw(st.sampled_from([0, 16, 64])),
                 s=draw(st.sampled_from([129, 1000, 4096])))
   if kind == "ragged":
-    return dict(kind=kind, m=draw(st.sampled_from([1, 3, 8, 16])), n=draw(st.integers(1, 1024)),
+    spec = dict(kind=kind, m=draw(st.sampled_from([1, 3, 8, 16])), n=draw(st.integers(1, 1024)),
                 g=draw(st.sampled_from([1, 3, 4, 7, 8, 12])), hkv=draw(st.sampled_from([1, 2, 8])),
-                layout=draw(st.sampled_from(["HND", "NHD"])), ps=draw(st.sampled_from([1, 16, 64])),
-                write=draw(st.integers(0, 1)))
+                layout=draw(st.sampled_from(["HND", "NHD"])), ps=draw(st.sampled_from([0, 1, 16, 16, 64])),
+                write=draw(st.integers(0, 1)), mla=draw(st.sampled_from([0, 0, 0, 1])),
+                mods=draw(st.sampled_from(["none", "none", "mask", "bias"])))
+    if spec["mla"]:  # one latent head, G query heads on it
+      spec.update(hkv=1, g=draw(st.sampled_from([8, 16, 24, 64, 128])))
+    return spec
   dtype = draw(st.sampled_from(list(DTYPES)))
   spec = dict(kind=kind, t=draw(st.sampled_from([1, 1, 2, 3, 5, 9, 12, 16, 33, 64])),
               g=draw(st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 12, 16])),
@@ -95,15 +101,19 @@ def _mla(target, *, g, t, dtype, paged, s):
   return fn, (sd((b, t, g, 576), jnp.bfloat16), k, sd((b,), jnp.int32), opts)
 
 
-def _ragged(target, *, m, n, g, hkv, layout, ps, write, d=128, s=2048):
+def _ragged(target, *, m, n, g, hkv, layout, ps, write, mla=0, mods="none", d=128, s=2048):
   sd = target.spec
-  pages = m * (s // ps) + 3
-  pool = (hkv, pages, ps, d) if layout == "HND" else (pages, ps, hkv, d)
-  args = (sd((n, hkv * g, d), jnp.bfloat16), sd(pool, jnp.bfloat16), sd(pool, jnp.bfloat16), sd((m,), jnp.int32),
-          sd((m, s // ps), jnp.int32), sd((m + 1,), jnp.int32), sd((1,), jnp.int32))
-  if not write:
-    return (lambda *a: fdecode.ragged_decode(*a, kv_layout=layout)), args
+  d, dv = (576, 512) if mla else (d, d)
+  pages = m * (s // max(ps, 1)) + 3
+  cache = ((hkv, pages, ps, d) if layout == "HND" else (pages, ps, hkv, d)) if ps else (
+      (m, hkv, s, d) if layout == "HND" else (m, s, hkv, d))
+  args = [sd((n, hkv * g, d), jnp.bfloat16), sd(cache, jnp.bfloat16), None if mla else sd(cache, jnp.bfloat16),
+          sd((m,), jnp.int32), sd((m, s // ps), jnp.int32) if ps else None, sd((m + 1,), jnp.int32),
+          sd((1,), jnp.int32)]
   new = sd((n, hkv, d), jnp.bfloat16)
-  fn = lambda q, k, v, lens, t, cu, ns, nk, nv: fdecode.ragged_decode(q, k, v, lens, t, cu, ns, kv_layout=layout,
-                                                                       new_k=nk, new_v=nv)
-  return fn, args + (new, new)
+  extra = dict(new_k=new, new_v=None if mla else new) if write else {}
+  if mods != "none":
+    extra[mods] = sd((n, s), jnp.bool_) if mods == "mask" else sd((n, hkv * g, s), jnp.float32)
+  opts = dict(kv_layout=layout, **({"v_head_dim": dv} if mla else {}))
+  fn = lambda q, k, v, lens, t, cu, ns, extra: fdecode.ragged_decode(q, k, v, lens, t, cu, ns, **extra, **opts)
+  return fn, tuple(args) + (extra,)
