@@ -45,8 +45,9 @@ def ragged_mla(target, dtype=jnp.float8_e4m3fn, g=16, paged=True, write=True):
   sd = target.spec
   m, n_rows, ps = 8, 64, 16
   cache = sd((1, m * (S // ps) + 3, ps, 576) if paged else (m, 1, S, 576), dtype)
-  args = (sd((n_rows, g, 576), jnp.bfloat16), cache, sd((m,), jnp.int32), sd((m, S // ps), jnp.int32) if paged else None,
-          sd((m + 1,), jnp.int32), sd((1,), jnp.int32))
+  tables = sd((m, S // ps), jnp.int32) if paged else None
+  args = (sd((n_rows, g, 576), jnp.bfloat16), cache, sd((m,), jnp.int32), tables, sd((m + 1,), jnp.int32),
+          sd((1,), jnp.int32))
   opts = dict(v_head_dim=512, **({} if dtype == jnp.bfloat16 else dict(k_scale=0.5)))
   if not write:
     return (lambda q, k, lens, t, cu, ns: fdecode.ragged_decode(q, k, None, lens, t, cu, ns, **opts)), args

@@ -37,7 +37,8 @@ from fdecode.cache.layout import kv_heads, token_axis
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.modifiers import Modifiers, window_tokens
 from fdecode.kernels.triton.geometry import StepPart
-from fdecode.kernels.triton.launch import BALANCED_ROWS_RESERVE, MIN_DOT, launch_plan, load_convert_bytes, pow2_at_least, row_state_factor
+from fdecode.kernels.triton.launch import (BALANCED_ROWS_RESERVE, MIN_DOT, launch_plan, load_convert_bytes,
+                                          pow2_at_least, row_state_factor)
 
 # Elements of q (and of the float32 accumulator) one program holds: with 4 warps about
 # 64-128 registers a thread. Wider rows (MLA's 576 / 512) get fewer rows per program
