@@ -284,6 +284,29 @@ def test_any_row_count(shape, form, splits):
   check(got, reference(q, kr, vr, lengths), "8bit" if form == "int8" else dtype)
 
 
+@pytest.mark.parametrize("form", ["[B,K]", "[B,T,K]", "[B,T,Hkv,K]"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_sparse_index_lists(form, dtype):
+  """Sparse index lists on the compiled Triton kernel, which counts each sorted list's
+  live slots itself (`kernel._index_bounds`): lengths 0, 1, block±1 and past a block
+  multiple, -1 and out-of-cache entries, duplicates, a window; 3 splits
+  (tests/test_sparse.py, here compiled)."""
+  from test_sparse import index_mask, random_indices  # pylint: disable=g-import-not-at-top
+  q, k, v = make_problem(0, b=5, t=3, hq=8, hkv=2, s=S_TAIL, dk=128, dtype=dtype)
+  shape = {"[B,K]": (5, 70), "[B,T,K]": (5, 3, 70), "[B,T,Hkv,K]": (5, 3, 2, 70)}[form]
+  idx = random_indices(1, shape, S_TAIL)
+  lengths = jnp.array(LENGTHS)
+  out, lse = fdecode.flash_decode(q, k, v, lengths, indices=idx, impl="pallas", return_lse=True, block_k=BLOCK,
+                                  num_splits=3, window=40)
+  mask = index_mask(idx, q.shape, 2, S_TAIL)
+  with jax.default_matmul_precision("highest"):
+    ref, ref_lse = reference_decode(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), lengths,
+                                    mask=jnp.asarray(mask), window=40)
+  tl = gpu_tol(dtype)
+  assert_close(out, ref, atol=tl["atol"], rtol=tl["rtol"])
+  assert_close(lse, ref_lse, atol=tl["lse"], rtol=tl["lse"], what="lse")
+
+
 RAGGED_MIXES = {"mixed": ([1, 7, 64, 1, 0, 30], [5, 40, 100, 128, 3, 30]),
                 "chunk40": ([40, 1, 1], [40, 90, 7]),
                 "long": ([300, 1, 2], [333, 17, 2]),

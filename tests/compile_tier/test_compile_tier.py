@@ -325,6 +325,28 @@ def test_gpu_decode_is_at_most_two_launches(reports, target, name):
   assert report["launches"] <= 2, f"{name} on {target}: {report['launches']} launches ({report['kernels']})"
 
 
+# Sparse index lists on GPU: the split kernel and the combine, after XLA's canonical lists
+# (`fdecode.kernels.common.sparse.canonicalize`): a select of the dropped entries, a sort,
+# a select of the duplicates and a sort again (with a copy before it), as the Triton kernel
+# reads a sorted list of distinct positions; Pallas' Triton lowering has no sort. Per-token
+# and per-head lists add their fold (8); e4m3 tile scales theirs (9). Before: 9-11, with
+# each list's live-slot bounds counted and stacked in XLA (now by the kernel,
+# `kernel._index_bounds`). The same on H100 and A100.
+SPARSE_LAUNCHES = {"sparse-shared1": 7, "sparse-shared": 7, "sparse-per_token": 8, "sparse-per_head": 8,
+                   "sparse-shared-paged16": 7, "sparse-mla": 7, "sparse-f32": 7, "sparse-int8-token": 7,
+                   "sparse-e4m3-tiles-paged16": 9}
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])
+@pytest.mark.parametrize("name", list(SPARSE_LAUNCHES))
+def test_gpu_sparse_launches(reports, target, name):
+  report = reports[target][name]
+  assert report["ok"], report.get("error")
+  names = sorted(k["name"].split("__")[0] for k in report["kernels"])
+  assert names == ["fdecode_combine_triton", "fdecode_split_kv_triton"], report["kernels"]
+  assert report["launches"] == SPARSE_LAUNCHES[name], f"{name} on {target}: {report['launches']} launches"
+
+
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.TPUS])
 @pytest.mark.parametrize("name", list(TPU_LAUNCHES))
 def test_tpu_decode_launches(reports, target, name):

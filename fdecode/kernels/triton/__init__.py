@@ -92,7 +92,7 @@ def _quant_spec(p: TritonPlan, x):
 
 
 def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_arrays, mask, bias, alibi, sinks,
-              indices, index_bounds, source):
+              indices, source):
   """Every operand of the split kernel and its BlockSpec over grid ``(i, h, j)`` (h the kv
   head; the row block is folded in by `run`), in `fdecode.kernels.triton.kernel._take`'s order."""
   operands, specs = [], []
@@ -120,7 +120,7 @@ def _operands(p: TritonPlan, q, ends, k, v, *, block_tables, k_rope, quant_array
     idx = pad_slots(indices, p.block, p.seq_len)
     per_head = lambda h: h if idx.shape[1] > 1 else 0
     add(idx, pl.BlockSpec((None, None, idx.shape[2]), lambda i, h, j: (i, per_head(h), 0)))
-    add(index_bounds.astype(jnp.int32), pl.BlockSpec((None, None, 2), lambda i, h, j: (i, per_head(h), 0)))
+    # (index_bounds: counted by the kernel from the sorted list, `kernel._index_bounds`)
   tq = p.num_tokens * p.hq
   if p.q_source:  # the packed rows, read from the RowSource's first rows
     whole(source.q.reshape(-1, source.q.shape[-1]))
@@ -170,12 +170,12 @@ class _SplitCall(NamedTuple):
 def _split_call(p: TritonPlan, q, ends, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offset=None,
                 v_offset=None, mask=None, bias=None, alibi=None, sinks=None, k_rope=None, indices=None,
                 index_bounds=None, source: RowSource | None = None, **unused) -> _SplitCall:
-  del unused  # softmax_scale, sparse: the kernel's
+  del unused, index_bounds  # softmax_scale, sparse: the kernel's; the bounds it counts itself
   b, t, hq, _ = q.shape
   operands, specs, caches = _operands(
       p, q, ends, k, v, block_tables=block_tables, k_rope=k_rope,
       quant_arrays=(k_scale, k_offset, v_scale, v_offset), mask=mask, bias=bias, alibi=alibi, sinks=sinks,
-      indices=indices, index_bounds=index_bounds, source=source)
+      indices=indices, source=source)
   n, hkv, rb, dv = p.items, hq // p.group, p.row_blocks, p.dv
   specs = [pl.BlockSpec(s.block_shape, lambda i, hr, j, f=s.index_map: f(i, hr // rb, j)) for s in specs]
   if p.final:
@@ -264,7 +264,8 @@ def run(p: TritonPlan, q, ends, k, v, *, sinks=None, **arrays):
   int32 ``[B]`` (each sequence's end relative to the cache's first token), the caches and
   their canonical scales / modifier arrays (`fdecode.dispatch`: ``softmax_scale``,
   ``block_tables``, ``k_scale``, ``v_scale``, ``k_offset``, ``v_offset``, ``mask``, ``bias``,
-  ``alibi``, ``sinks``, ``k_rope``, ``indices``, ``index_bounds``) -> ``(out [B, T, Hq, Dv] in
+  ``alibi``, ``sinks``, ``k_rope``, ``indices``, ``index_bounds`` (not read: the kernel counts
+  them from the sorted lists)) -> ``(out [B, T, Hq, Dv] in
   p.out_dtype, lse f32 [B, T, Hq])``. ``sparse``: a sparse call's fold (q row b' reads
   cache row ``b' // fold``). ``source``: the `RowSource` of a plan made with it (q is then
   its gather, read only for its shape; so is block_tables where the source has table rows)."""

@@ -68,7 +68,7 @@ def _take(refs, plan: TritonPlan, ids):
   r.end = pop(step is None)
   r.table, r.table_rows = pop(plan.paged), pop(plan.table_source and step is None)
   r.cache_rows = pop(plan.cache_row_list)
-  r.idx, r.bounds = pop(plan.sparse), pop(plan.sparse)
+  r.idx = pop(plan.sparse)
   r.q, r.q_start = pop(), pop(plan.q_source and step is None)
   r.k, r.v, r.rope = pop(), pop(not plan.v_from_k), pop(bool(plan.r_pieces))
   r.quant = [pop(dims is not None) for dims in plan.quant]
@@ -169,6 +169,19 @@ def step_mod_rows(plan: TritonPlan, form, r, h, first_row):
   return packed * hm + (h * plan.group + rows % plan.group if hm > 1 else 0)
 
 
+def _index_bounds(idx_ref, bk: int, first_visible, live_end):
+  """``(lo, hi)``: the slots of a canonical (sorted) index list ``[Kp]`` (Kp a multiple
+  of ``bk``) that some row may see, ``#(pos < first_visible)`` and ``#(pos < live_end)``
+  (`fdecode.kernels.common.sparse.canonicalize`'s ``bounds``, counted here in ``bk``-slot
+  steps: no XLA reduction launched before the kernel)."""
+  def count(j, acc):
+    pos = idx_ref[pl.ds(j * bk, bk)]
+    return (acc[0] + jnp.sum((pos < first_visible).astype(jnp.int32)),
+            acc[1] + jnp.sum((pos < live_end).astype(jnp.int32)))
+  lo, hi = lax.fori_loop(0, idx_ref.shape[0] // bk, count, (jnp.int32(0), jnp.int32(0)))
+  return jnp.minimum(lo, hi), hi
+
+
 def _cols(offset: int, width: int):
   return offset + lax.broadcasted_iota(jnp.int32, (1, width), 1)
 
@@ -267,7 +280,7 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float, ids=None):
               + [r.q[q_src, _cols(dk_own + p.offset, p.width)].astype(dtype) for p in plan.r_pieces])
   slopes = None if r.alibi is None else r.alibi[head].astype(jnp.float32)
   if plan.sparse:
-    first, last = slot_range((r.bounds[0], r.bounds[1]), ids[2], plan.num_splits, bk)
+    first, last = slot_range(_index_bounds(r.idx, bk, first_visible, live_end), ids[2], plan.num_splits, bk)
   else:
     first, last = blk.split_range(end, r.split, r.count, plan.num_tokens, plan.seq_len, bk, mods)
 
