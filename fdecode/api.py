@@ -370,11 +370,11 @@ def plan(q, k, v, lengths, *, platform: str | None = None, **kwargs) -> tuple:
 
 def _sparse_setup(q4, ends, indices, view, kv_offset, mods):
   """Canonical index lists into the cache (`fdecode.kernels.common.sparse.canonicalize`): returns
-  (q4, ends, sparse, lists: indices / index_bounds, view). Per-token lists fold the T new tokens
+  (q4, ends, sparse, lists: indices / index_bounds / index_runs, view). Per-token lists fold the T new tokens
   into the batch: q ``[B*T, 1, Hq, Dk]``, one end per token, a paged table repeated per token
   (contiguous caches are read at row ``b' // fold``)."""
   lists = {}
-  sparse, lists["indices"], lists["index_bounds"], ends = sparse_lib.canonicalize(
+  sparse, lists["indices"], lists["index_bounds"], ends, lists["index_runs"] = sparse_lib.canonicalize(
       indices, ends, 0 if kv_offset is None else kv_offset, view.capacity, q4.shape[1], mods)
   if sparse.fold > 1:
     b, t = q4.shape[:2]

@@ -104,8 +104,8 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   cases); the other Mosaic cases and the reference read its head-major view (a transpose
   in this program, dropped when no lowered branch uses it).
   ``v`` None: the values are ``k[..., :v_head_dim]`` (MLA). ``sparse`` (`fdecode.kernels.common.sparse.Sparse`):
-  ``lists`` holds canonical ``indices`` / ``index_bounds`` (else empty) and q row b' reads cache row
-  ``b' // sparse.fold``.
+  ``lists`` holds canonical ``indices`` / ``index_bounds`` and ``index_runs`` (the Triton
+  kernel's: sorted, repeats kept) (else empty) and q row b' reads cache row ``b' // sparse.fold``.
   ``mods`` / ``mod_arrays``: the score modifiers (`fdecode.kernels.common.modifiers.canonicalize`);
   ``sinks`` (f32 ``[Hq]`` or None) join the softmax once, after the merge.
   ``source``: a `fdecode.kernels.triton.RowSource` of which q (and the view's block tables,
@@ -144,6 +144,8 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
     return _mosaic_gpu(q, view, ends, softmax_scale=softmax_scale, cfg=cfg, interpret=interpret, mods=mods,
                        v_head_dim=v_head_dim, sinks=sinks, sparse=sparse, **mod_arrays)
   cd = compute_dtype(q.dtype, *(None if x is None else x.dtype for x in (view.k, view.v, view.k_rope)))
+  lists = dict(lists)
+  runs = lists.pop("index_runs", None)  # the Triton kernel's lists: it drops the repeats itself
   kw = dict(num_tokens=t, softmax_scale=softmax_scale, cfg=cfg, mods=mods, v_head_dim=v_head_dim,
             **lists, **mod_arrays)
   if sparse is not None:
@@ -166,7 +168,8 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
 
   xla = lambda platform: finish(_xla(q_rows(), view, ends, platform=platform, **kw))
   # The Triton kernels finish the output themselves (split kernel, then combine).
-  triton = lambda interp: _triton(q, view, ends, interpret=interp, compute=cd, sinks=sinks, source=source, **kw)
+  triton = lambda interp: _triton(q, view, ends, interpret=interp, compute=cd, sinks=sinks, source=source,
+                                  **dict(kw, **({} if runs is None else dict(indices=runs))))
   mosaic = lambda interp: finish(_mosaic(q_rows(), view, ends, interpret=interp, **kw))
   if impl == "xla":  # explicitly asked for, on whatever host traces it
     return xla(jax.default_backend())

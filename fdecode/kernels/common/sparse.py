@@ -25,7 +25,10 @@ each row sorted ascending, holding cache-relative positions, every dropped entry
 from the first window start to the sequence's end; sorting makes them contiguous). Per
 token index lists (a T axis) are *folded*: each (sequence, token) pair becomes its own
 pseudo-sequence with one new token (``B' = B * T``), since its keys differ from its
-neighbours'; shared lists keep the T tokens as rows of one pass (``B' = B``).
+neighbours'; shared lists keep the T tokens as rows of one pass (``B' = B``). The Triton
+kernel reads the lists sorted once, repeats kept (``runs``): it counts the bounds and
+selects a repeat's later slots away itself, so its program sorts once and counts nothing
+in XLA.
 """
 
 from __future__ import annotations
@@ -101,18 +104,21 @@ def canonicalize(idx, ends, kv_offset, seq_capacity: int, num_tokens: int, mods:
     mods: the call's modifiers (window).
 
   Returns:
-    ``(sparse, idx [B', Hi, K], bounds [B', Hi, 2], ends' [B'])``: with a per-token list
-    (fold T) ``ends'`` is each token's own causal end ``ends - T + t + 1`` (non-causal:
-    ``ends``) and the call proceeds with one new token per pseudo-sequence.
+    ``(sparse, idx [B', Hi, K], bounds [B', Hi, 2], ends' [B'], runs [B', Hi, K])``: with a
+    per-token list (fold T) ``ends'`` is each token's own causal end ``ends - T + t + 1``
+    (non-causal: ``ends``) and the call proceeds with one new token per pseudo-sequence.
+    ``runs``: the lists sorted before the repeats are dropped (a repeated position in
+    adjacent slots), for a kernel that selects repeats away itself (the Triton kernel: one
+    sort, not two; XLA drops whichever form no lowered path reads).
   """
   b, tf, hi, kk = idx.shape
   s = seq_capacity
   local = idx - jnp.reshape(jnp.asarray(kv_offset, jnp.int32), (-1, 1, 1, 1))
   local = jnp.where((idx >= 0) & (local >= 0) & (local < s), local, s)
-  local = jnp.sort(local.reshape(b * tf, hi, kk), axis=-1)
+  runs = jnp.sort(local.reshape(b * tf, hi, kk), axis=-1)
   # A repeated position counts once: drop every copy after the first, then re-sort.
-  dup = jnp.concatenate([jnp.zeros_like(local[..., :1], bool), local[..., 1:] == local[..., :-1]], -1)
-  local = jnp.sort(jnp.where(dup, s, local), axis=-1)
+  dup = jnp.concatenate([jnp.zeros_like(runs[..., :1], bool), runs[..., 1:] == runs[..., :-1]], -1)
+  local = jnp.sort(jnp.where(dup, s, runs), axis=-1)
   if tf > 1:  # fold: each (sequence, token) pair is its own pseudo-sequence
     t = jnp.arange(tf, dtype=jnp.int32)
     row_end = ends[:, None] - tf + 1 + t[None, :] if mods.causal else jnp.repeat(ends[:, None], tf, 1)
@@ -121,7 +127,7 @@ def canonicalize(idx, ends, kv_offset, seq_capacity: int, num_tokens: int, mods:
   count = lambda limit: jnp.sum(local < limit[:, None, None], axis=-1, dtype=jnp.int32)
   hi_slot = count(jnp.clip(ends, 0, s))
   lo_slot = jnp.minimum(count(first), hi_slot)
-  return Sparse(fold=tf, heads=hi), local, jnp.stack([lo_slot, hi_slot], -1), ends
+  return Sparse(fold=tf, heads=hi), local, jnp.stack([lo_slot, hi_slot], -1), ends, runs
 
 
 def dense_mask(idx, seq_capacity: int):

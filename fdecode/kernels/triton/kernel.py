@@ -170,16 +170,27 @@ def step_mod_rows(plan: TritonPlan, form, r, h, first_row):
 
 
 def _index_bounds(idx_ref, bk: int, first_visible, live_end):
-  """``(lo, hi)``: the slots of a canonical (sorted) index list ``[Kp]`` (Kp a multiple
-  of ``bk``) that some row may see, ``#(pos < first_visible)`` and ``#(pos < live_end)``
-  (`fdecode.kernels.common.sparse.canonicalize`'s ``bounds``, counted here in ``bk``-slot
-  steps: no XLA reduction launched before the kernel)."""
+  """``(lo, hi)``: the slots of a sorted index list ``[Kp]`` (`fdecode.kernels.common.sparse.canonicalize`'s
+  ``runs``, padded: Kp a multiple of ``bk``) that some row may see, ``#(pos <
+  first_visible)`` and ``#(pos < live_end)`` (repeats counted: they are slots; the same
+  bounds XLA counts for the other paths), in ``bk``-slot steps: no XLA reduction
+  launched before the kernel."""
   def count(j, acc):
     pos = idx_ref[pl.ds(j * bk, bk)]
     return (acc[0] + jnp.sum((pos < first_visible).astype(jnp.int32)),
             acc[1] + jnp.sum((pos < live_end).astype(jnp.int32)))
   lo, hi = lax.fori_loop(0, idx_ref.shape[0] // bk, count, (jnp.int32(0), jnp.int32(0)))
   return jnp.minimum(lo, hi), hi
+
+
+def _firsts(idx_ref, start, shape):
+  """bool of ``shape`` (``[1, bk]`` for the scores, ``[bk, 1]`` for the value rows): slot
+  ``start + j`` of a sorted index list holds its position's first slot (a repeat of the
+  slot before it is selected away: a position counts once). Each layout is loaded and
+  compared in place: a boolean made from loaded values cannot change layout (through
+  shared memory, which holds no 1-bit elements; Triton refused the kernel that did)."""
+  j = start + lax.broadcasted_iota(jnp.int32, shape, 0 if shape[1] == 1 else 1)
+  return (j == 0) | (idx_ref[jnp.maximum(j - 1, 0)] != idx_ref[j])
 
 
 def _cols(offset: int, width: int):
@@ -306,6 +317,8 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float, ids=None):
     if plan.sparse:
       s = blk.modify_scores(s, mods, rows, pos[None, :], slopes)
       visible, live = blk.sorted_slot_masks(rows, pos[None, :], live_end, first_visible, bk)
+      # A repeated position attends once: its first slot only.
+      visible, live = visible & _firsts(r.idx, start, (1, bk)), live & _firsts(r.idx, start, (bk, 1))
       return blk.online_update(state, s, visible, live, v_pieces, guard=guard)
     pos_row = load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     bias = None if r.bias is None else by_rows(r.bias, mods.bias, load_start, plan.step_mods[1]).astype(jnp.float32)
