@@ -264,9 +264,10 @@ def run(p: TritonPlan, q, ends, k, v, *, sinks=None, **arrays):
   int32 ``[B]`` (each sequence's end relative to the cache's first token), the caches and
   their canonical scales / modifier arrays (`fdecode.dispatch`: ``softmax_scale``,
   ``block_tables``, ``k_scale``, ``v_scale``, ``k_offset``, ``v_offset``, ``mask``, ``bias``,
-  ``alibi``, ``sinks``, ``k_rope``, ``indices``, ``index_bounds`` (not read: the kernel counts
-  them from the sorted lists)) -> ``(out [B, T, Hq, Dv] in
-  p.out_dtype, lse f32 [B, T, Hq])``. ``sparse``: a sparse call's fold (q row b' reads
+  ``alibi``, ``sinks``, ``k_rope``, ``indices`` (sorted index lists, repeats kept:
+  `fdecode.kernels.common.sparse.canonicalize`'s ``runs``), ``index_bounds`` (not read: the
+  kernel counts its own from the lists)) -> ``(out [B, T, Hq, Dv] in p.out_dtype, lse f32
+  [B, T, Hq])``. ``sparse``: a sparse call's fold (q row b' reads
   cache row ``b' // fold``). ``source``: the `RowSource` of a plan made with it (q is then
   its gather, read only for its shape; so is block_tables where the source has table rows)."""
   b, t, hq, _ = q.shape

@@ -172,9 +172,11 @@ def step_mod_rows(plan: TritonPlan, form, r, h, first_row):
 def _index_bounds(idx_ref, bk: int, first_visible, live_end):
   """``(lo, hi)``: the slots of a sorted index list ``[Kp]`` (`fdecode.kernels.common.sparse.canonicalize`'s
   ``runs``, padded: Kp a multiple of ``bk``) that some row may see, ``#(pos <
-  first_visible)`` and ``#(pos < live_end)`` (repeats counted: they are slots; the same
-  bounds XLA counts for the other paths), in ``bk``-slot steps: no XLA reduction
-  launched before the kernel."""
+  first_visible)`` and ``#(pos < live_end)`` (repeats counted, as slots of this list: the
+  positions they span are those of the bounds XLA counts on the deduplicated lists for the
+  other paths), in ``bk``-slot steps: no XLA reduction launched before the kernel. Each
+  program reads its whole list here (splits x K reads in all, against K for a count in
+  XLA: a few KB, beside the K cache rows the lists select)."""
   def count(j, acc):
     pos = idx_ref[pl.ds(j * bk, bk)]
     return (acc[0] + jnp.sum((pos < first_visible).astype(jnp.int32)),

@@ -254,7 +254,9 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   sparse call's index lists (None: dense), ``sparse_fold`` its `fdecode.kernels.common.sparse.Sparse` fold. ``num_splits`` None: compiled, the least
   predicted time among counts that fill a wave of ``gpu`` (`fdecode.config.gpu_num_splits`);
   interpreted, `fdecode.config.default_num_splits` (see the module doc). ``balance`` with
-  ``num_splits`` None on a paged cache with no mask, bias or index list: the balanced schedule.
+  ``num_splits`` None on a paged cache (or a contiguous one read through a source's cache
+  rows) with no index list, and no mask or bias but a ragged step's per-row ones: the
+  balanced schedule.
   ``block_k`` None: `fdecode.config.DEFAULT_BLOCK_K`.
   ``gpu``: the target (None: `fdecode.kernels.common.chips.lowering_gpu`). ``source``: a
   `RowSource` the kernels read q (and table rows or cache rows, if it has them) through; not
