@@ -360,7 +360,7 @@ CASES["ragged-m256-write"] = functools.partial(ragged_cases.ragged, layout="HND"
 # bf16 MLA latents on the Triton step (paged; contiguous at G = 8, which the Hopper MLA
 # kernel does not take), and contiguous at G = 16, whose decode part goes to the Hopper MLA
 # kernel on sm_90 (the two-part path there). A balanced work item whose rows differ keeps
-# registers back (`launch.BALANCED_ROWS_RESERVE`): at bk = 64 these spilled 16-48 B.
+# registers back (`launch.DIFFERING_ROWS_RESERVE`): at bk = 64 these spilled 16-48 B.
 CASES["ragged-mla-bf16-paged16"] = functools.partial(ragged_cases.ragged_mla, dtype=jnp.bfloat16, write=False)
 CASES["ragged-mla-bf16-contiguous-g8"] = functools.partial(ragged_cases.ragged_mla, dtype=jnp.bfloat16, g=8,
                                                            paged=False, write=False)

@@ -20,13 +20,20 @@ MIN_DOT = 16
 THREAD_BYTES = 540
 STAGES = 2                      # Triton software-pipeline stages (one block in flight)
 WARPS = (4, 8)
-# Bytes a thread keeps back for a balanced work item whose rows may see different slots
-# (T > 1 or a mask: its schedule's item, the rows' own bounds and the value guard live
-# through the loop). Calibrated on ptxas -v (compile report, 2026-11-27): bf16 MLA (576 /
-# 512, 16 rows) at bk = 64 on 8 warps models 520 bytes; balanced at T = 4 ptxas spilled
-# 28 B on H100 and 16 B on A100 at 255 registers (ragged steps: 16-48 B), where per
-# sequence (or T = 1) it compiled without; at bk = 32 (360 bytes) 188-217 registers.
-BALANCED_ROWS_RESERVE = 64
+# A float32 computation's key / value tiles count this many times (their dot operands are
+# held again in the dots' register layouts). Calibrated on ptxas -v (randomized compile
+# leg, 2026-11-27): at 1x, 9 of 95 drawn float32 decodes spilled 72-568 B on H100 (T = 1,
+# G = 2, D = 128 pages of 16 among them).
+F32_TILE_FACTOR = 2
+# Bytes a thread keeps back where the rows may see different slots (T > 1 or a mask: the
+# rows' own bounds and the value guard live through the loop) in a balanced work item
+# (its schedule's item too) or a float32 computation. Calibrated on ptxas -v (compile
+# report, 2026-11-27): bf16 MLA (576 / 512, 16 rows) at bk = 64 on 8 warps models 520
+# bytes; balanced at T = 4 ptxas spilled 28 B on H100 and 16 B on A100 at 255 registers
+# (ragged steps: 16-48 B), where per sequence (or T = 1) it compiled without; at bk = 32
+# (360 bytes) 188-217 registers. Float32, 64 rows of D = 64 at T = 9-64: 512 bytes
+# modelled, 8-24 B spilled on H100; none at bk = 32.
+DIFFERING_ROWS_RESERVE = 64
 # Shared memory the compiler really allocates came to about 0.8 of `Launch.smem`
 # (measured): the upper residency estimate counts 0.75 of it.
 SMEM_MEASURED = 0.75
@@ -77,12 +84,13 @@ def launch_plan(gpu: chips.Gpu, *, block_r: int, dq: int, dv: int, cols: int, ra
   cast or a dequantization, plus 4 for the int32 of a float8 bit decode; 0 when loads feed
   the dots as they are); ``row_state``: how many times the rows' q and accumulator count
   (`row_state_factor`); ``reserve``: bytes a thread keeps back from `THREAD_BYTES`
-  (`BALANCED_ROWS_RESERVE`).
+  (`DIFFERING_ROWS_RESERVE`).
   """
   cap = block_size(block_k)
 
   def fits(bk, warps):
-    tiles = (bk * cols * (compute_bytes + convert_bytes) + row_state * block_r * (dq * compute_bytes + dv * 4)
+    tile_bytes = (compute_bytes + convert_bytes) * (F32_TILE_FACTOR if compute_bytes == 4 else 1)
+    tiles = (bk * cols * tile_bytes + row_state * block_r * (dq * compute_bytes + dv * 4)
              + 2 * block_r * bk * 4)
     smem = bk * cols * (raw_bytes * (STAGES - 1) + compute_bytes) + block_r * bk * compute_bytes
     per_thread = tiles / (32 * warps)

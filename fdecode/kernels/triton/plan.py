@@ -37,7 +37,7 @@ from fdecode.cache.layout import kv_heads, token_axis
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.modifiers import Modifiers, window_tokens
 from fdecode.kernels.triton.geometry import StepPart
-from fdecode.kernels.triton.launch import (BALANCED_ROWS_RESERVE, MIN_DOT, launch_plan, load_convert_bytes,
+from fdecode.kernels.triton.launch import (DIFFERING_ROWS_RESERVE, MIN_DOT, launch_plan, load_convert_bytes,
                                           pow2_at_least, row_state_factor)
 
 # Elements of q (and of the float32 accumulator) one program holds: with 4 warps about
@@ -56,11 +56,14 @@ COMBINE_CHUNK = 4
 INTERPRET_EXTRA_ITEMS = 8
 
 
-def row_tiling(rows: int, dq: int, dv: int) -> tuple[int, int]:
+def row_tiling(rows: int, dq: int, dv: int, compute_bytes: int = 2) -> tuple[int, int]:
   """``(block_r, row_blocks)`` for R = ``rows`` query rows of widths ``dq`` / ``dv``: the
   rows rounded up to a power of two >= 16 while ``block_r * max(dq, dv)`` fits
-  `ROW_BUDGET`, else the largest power of two that fits; ``ceil(R / block_r)`` blocks."""
-  per = max(MIN_DOT, 1 << ((ROW_BUDGET // max(dq, dv, 1)).bit_length() - 1))
+  `ROW_BUDGET` (a quarter of it for a float32 computation: at half, 64 rows of D = 64
+  spilled 192-216 B on H100), else the largest power of two that fits; ``ceil(R /
+  block_r)`` blocks."""
+  budget = ROW_BUDGET // (4 if compute_bytes == 4 else 1)
+  per = max(MIN_DOT, 1 << ((budget // max(dq, dv, 1)).bit_length() - 1))
   block_r = min(max(MIN_DOT, pow2_at_least(rows)), per)
   return block_r, -(-max(rows, 1) // block_r)
 
@@ -283,8 +286,8 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   fp8_bits = tuple(jnp.dtype(x.dtype).name if x is not None and not gpu.native_fp8
                    and jnp.dtype(x.dtype).name.startswith("float8") else None for x in (k, v))
   rows = t * (hq // hkv)
-  block_r, row_blocks = row_tiling(rows, dq, dv)
   compute_bytes = jnp.dtype(compute_dtype).itemsize
+  block_r, row_blocks = row_tiling(rows, dq, dv, compute_bytes)
   k_pieces, v_pieces, r_pieces = column_pieces(dk, dv, k_tiles, v_tiles, v_from_k, rope_dim,
                                                F32_PIECE if compute_bytes == 4 else None)
   cols = sum(max(p.width, PIECE_COLS) for p in k_pieces + r_pieces + (() if v_from_k else v_pieces))
@@ -304,7 +307,8 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   launch = launch_plan(gpu, block_r=block_r, dq=dq, dv=dv, cols=cols, raw_bytes=raw_bytes,
                        compute_bytes=compute_bytes, block_k=block_k or config_lib.DEFAULT_BLOCK_K, convert_bytes=convert,
                        row_state=row_state_factor(block_r, k_pieces + v_pieces),
-                       reserve=BALANCED_ROWS_RESERVE if balanced and blk.rows_may_differ(t, mods) else 0)
+                       reserve=(DIFFERING_ROWS_RESERVE if blk.rows_may_differ(t, mods) and (balanced or compute_bytes == 4)
+                                else 0))
   bk = launch.block
   if not paged:
     cache_rows = max(cache_rows, bk)  # a cache shorter than one block is padded to it
