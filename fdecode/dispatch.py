@@ -169,7 +169,7 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   xla = lambda platform: finish(_xla(q_rows(), view, ends, platform=platform, **kw))
   # The Triton kernels finish the output themselves (split kernel, then combine).
   triton = lambda interp: _triton(q, view, ends, interpret=interp, compute=cd, sinks=sinks, source=source,
-                                  **dict(kw, **({} if runs is None else dict(indices=runs))))
+                                  **(kw if runs is None else dict(kw, indices=runs)))
   mosaic = lambda interp: finish(_mosaic(q_rows(), view, ends, interpret=interp, **kw))
   if impl == "xla":  # explicitly asked for, on whatever host traces it
     return xla(jax.default_backend())

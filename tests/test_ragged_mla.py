@@ -12,7 +12,7 @@ import fdecode
 from fdecode.kernels.common import chips
 from fdecode.kernels.common.quant import quantize
 from test_ragged import batch, check, per_sequence
-from test_ragged_modifiers import _spy_step
+from test_ragged_modifiers import spy_step
 
 
 @pytest.mark.parametrize("cache", ["paged16", "contiguous"])
@@ -21,7 +21,7 @@ def test_latents_on_the_triton_step(cache, dtype, monkeypatch):
   """(Contiguous latents took the two-part path everywhere before; the interpreter never
   runs the Hopper kernel, so they now take the step here, as on any GPU but sm_90 at bf16
   and G a multiple of 16.)"""
-  calls = _spy_step(monkeypatch)
+  calls = spy_step(monkeypatch)
   p = batch(5, [2, 1, 66, 1], [10, 20, 70, 33], max_seqs=5, hq=8, hkv=1, d=48, paged=cache != "contiguous")
   opts = {}
   if dtype == "float8_e4m3fn":

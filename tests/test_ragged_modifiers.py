@@ -27,7 +27,7 @@ def _per_row(name, per_row, per_head, n_rows, hq, s, seed):
   return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
 
-def _spy_step(monkeypatch):
+def spy_step(monkeypatch):
   """Counts the Triton step's part calls (`fdecode.ragged.triton_step.canonical_call`)."""
   import fdecode.ragged.triton_step as step_module
   calls = []
@@ -40,7 +40,7 @@ def _spy_step(monkeypatch):
 @pytest.mark.parametrize("cache,layout", [("paged16", "HND"), ("paged16", "NHD"), ("contiguous", "HND"),
                                           ("contiguous", "NHD")])
 def test_triton_step_reads_per_row_modifiers(form, cache, layout, monkeypatch):
-  calls = _spy_step(monkeypatch)
+  calls = spy_step(monkeypatch)
   name, per_row, per_head = FORMS[form]
   p = batch(6, [1, 9, 70, 2, 65], [50, 9, 90, 2, 70], max_seqs=6, paged=cache != "contiguous", layout=layout)
   n_rows, hq = p["q"].shape[:2]
@@ -58,7 +58,7 @@ def test_hidden_nan_slots_do_not_reach_any_row(dtype, monkeypatch):
   """A per-head mask hides whole columns (the same positions for every row of a head) whose
   keys and values are NaN: no row may see them, so every output stays finite and equals
   the reference's; one head hides nothing there and keeps its NaN (NaN in, NaN out)."""
-  calls = _spy_step(monkeypatch)
+  calls = spy_step(monkeypatch)
   p = batch(7, [1, 30, 3], [40, 80, 60], max_seqs=4, dtype=dtype)
   n_rows, hq = p["q"].shape[:2]
   s = p["block_tables"].shape[1] * 16

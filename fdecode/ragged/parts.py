@@ -225,9 +225,9 @@ def triton_calls(st: Step):
   pool through the whole table, a contiguous cache through the whole caches) and whose
   ``mask`` / ``bias`` are the step's per-row ones (the calls' own are their gathers, for
   their form only)."""
+  rows = {n: st.arrays[n] for n in ("mask", "bias") if n in st.arrays}  # read at the packed rows
   calls = []
   for (call, idx), t in ((_decode_call(st, st.given), 1), (_prefill_call(st, st.given), st.block)):
-    rows = {n: st.arrays[n] for n in ("mask", "bias") if n in st.arrays}  # read at the packed rows
     calls.append(dict(call, source=call["source"]._replace(**rows), **_per_row(st, idx, (idx.shape[0], t))))
   return tuple(calls)
 
