@@ -244,11 +244,12 @@ def test_loader_errors(tmp_path):
   bad = {"blk.1.attn_q.weight": np.zeros((48, 32), np.float32)}
   with pytest.raises(ValueError, match=r"'blk\.1\.attn_q\.weight' has shape \(48, 32\), expected \(64, 32\)"):
     load_gemma3(_errors_file(tmp_path, replace=bad))
-  q4_1 = gguf.GGMLQuantizationType.Q4_1
-  data = np.zeros(gguf.quants.quant_shape_to_byte_shape((64, 32), q4_1), np.uint8)
-  with pytest.raises(ValueError, match=r"'blk\.3\.ffn_gate\.weight' .* unsupported quantization type Q4_1"):
+  q8_1 = gguf.GGMLQuantizationType.Q8_1  # llama.cpp's dot-product type, which gguf cannot dequantize
+  data = np.zeros(gguf.quants.quant_shape_to_byte_shape((64, 32), q8_1), np.uint8)
+  with pytest.raises(ValueError, match=r"'blk\.3\.ffn_gate\.weight' \(64, 32\) .* has ggml type Q8_1, which "
+                                       r"the installed gguf \S+ cannot dequantize; supported: F32, F16, Q4_0"):
     load_gemma3(_errors_file(tmp_path, drop=["blk.3.ffn_gate.weight"],
-                             raw={"blk.3.ffn_gate.weight": (data, q4_1)}))
+                             raw={"blk.3.ffn_gate.weight": (data, q8_1)}))
   with pytest.raises(ValueError, match="holds a 'llama' model, not 'gemma3'"):
     load_gemma3(_errors_file(tmp_path, arch="llama"))
   with pytest.raises(FileNotFoundError, match="no file"):

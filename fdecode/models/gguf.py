@@ -3,7 +3,7 @@
 Legend: V vocabulary, E model width, F MLP width, Hq / Hkv query / kv heads, D head dim.
 
 GGUF stores each tensor with its llama.cpp shape ``ne`` (fastest axis first) and a
-``ggml`` type (F32, F16, BF16 or a block quantization such as Q8_0 / Q4_K). `GGUFFile`
+``ggml`` type (F32, F16, BF16 or a block quantization such as Q4_0 / Q8_0 / Q4_K). `GGUFFile`
 returns tensors in numpy order (``ne`` reversed: a linear layer ``E -> F`` is ``[F, E]``)
 dequantized to float32 by ``gguf.quants.dequantize`` (the reference numpy dequantizers of
 the ``gguf`` package that ships with llama.cpp), checking names, shapes and types first:
@@ -12,11 +12,17 @@ the ``gguf`` package that ships with llama.cpp), checking names, shapes and type
   f.metadata["gemma3.block_count"]                 # 18
   w = f.tensor("blk.0.attn_q.weight", (1024, 640))  # float32 [Hq*D, E]
 
-Needs the ``gguf`` package (``pip install 'fdecode[demo]'``).
+Which types load is asked of the installed ``gguf`` (`supported_types`), not kept in a list
+here, so a newer ``gguf`` that decodes more quantizations loads them too.
+
+Needs the ``gguf`` package: ``pip install gguf sentencepiece protobuf`` (the packages of
+fdecode's ``gguf`` extra; the tokenizer needs the other two).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import os
 from typing import Any, Sequence
 
@@ -24,11 +30,12 @@ import numpy as np
 
 from fdecode.validation import F32_MAX, INT32_MAX, describe
 
-__all__ = ["GGUFFile", "SUPPORTED_TYPES"]
+__all__ = ["GGUFFile", "supported_types"]
 
-# ggml types this loader dequantizes: what the Gemma 3 Q4_K_M file holds, plus plain floats.
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
-
+# ggml types the reader hands over as plain numpy arrays and ``gguf.quants.dequantize`` leaves
+# out; cast to float32 here where float32 holds the values (checked per tensor in `_to_float32`).
+_NUMPY_TYPES = ("F64", "I8", "I16", "I32", "I64")
+_INT_EXACT = 2**24  # float32 holds every integer in [-2**24, 2**24]
 
 _REQUIRED = object()
 
@@ -37,28 +44,42 @@ def _gguf():
   try:
     import gguf  # pylint: disable=import-outside-toplevel
   except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("fdecode.models needs the 'gguf' package: pip install 'fdecode[demo]' "
-                      "(or pip install gguf)") from e
+    raise ImportError("fdecode.models needs the 'gguf' package to read GGUF files: pip install gguf "
+                      "sentencepiece protobuf (the packages of fdecode's 'gguf' extra)") from e
   return gguf
 
 
-def _field_value(field) -> Any:
-  """One GGUF key/value field as a Python value (str, int, float, bool or list)."""
+def _gguf_version() -> str:
+  try:
+    return importlib.metadata.version("gguf")
+  except importlib.metadata.PackageNotFoundError:  # pragma: no cover - gguf from a source tree
+    return "(version unknown)"
+
+
+@functools.cache
+def supported_types() -> tuple[str, ...]:
+  """Names of the ggml tensor types `GGUFFile.tensor` loads with the installed ``gguf``.
+
+  Every type ``gguf.quants.dequantize`` decodes (asked of the package by dequantizing one
+  zero block of each type it knows: F32, F16, BF16, the Q*, K-quant, IQ*, TQ* and FP4
+  families, whatever this version implements), plus the plain numeric types the reader returns
+  as numpy arrays (F64, I8, I16, I32, I64), cast to float32 where float32 holds their values.
+  """
   gguf = _gguf()
-  types = field.types
-  if not types:
-    return None
-  def scalar(part, kind):
-    if kind == gguf.GGUFValueType.STRING:
-      return bytes(part).decode("utf-8", errors="replace")
-    value = part[0]
-    return bool(value) if kind == gguf.GGUFValueType.BOOL else value.item()
-  if types[0] == gguf.GGUFValueType.ARRAY:
-    kind = types[-1]
-    if kind == gguf.GGUFValueType.STRING:
-      return [scalar(field.parts[i], kind) for i in field.data]
-    return np.concatenate([field.parts[i] for i in field.data]) if field.data else np.zeros(0)
-  return scalar(field.parts[field.data[0]], types[0])
+  names = []
+  for kind in gguf.GGMLQuantizationType:
+    sizes = gguf.GGML_QUANT_SIZES.get(kind)
+    if sizes is None:
+      continue
+    if kind.name in _NUMPY_TYPES:
+      names.append(kind.name)
+      continue
+    try:  # NotImplementedError where this gguf has no dequantizer for the type
+      gguf.quants.dequantize(np.zeros((1, sizes[1]), np.uint8), kind)
+    except Exception:  # pylint: disable=broad-exception-caught
+      continue
+    names.append(kind.name)
+  return tuple(names)
 
 
 class GGUFFile:
@@ -66,15 +87,16 @@ class GGUFFile:
 
   Attributes:
     path: the file.
-    metadata: ``{key: value}`` of every key/value field (``general.architecture``,
-      ``gemma3.block_count``, ``tokenizer.ggml.tokens`` as a list of str, ``scores`` /
-      ``token_type`` as numpy arrays...).
+    metadata: ``{key: value}`` of every key/value field as gguf's ``ReaderField.contents()``
+      reads it: str, int, float or bool (``general.architecture``, ``gemma3.block_count``),
+      a list of them for arrays (``tokenizer.ggml.tokens`` a list of str, ``scores`` of float).
     tensor_types: ``{name: ggml type name}`` of every tensor, e.g. ``"Q4_K"``.
     tensor_shapes: ``{name: shape}`` of every tensor in numpy order (``ne`` reversed).
 
   Raises (constructor):
     FileNotFoundError: no file at ``path``.
-    ValueError: the file is not a readable GGUF file (bad magic, truncated).
+    ValueError: the file is not a readable GGUF file (bad magic, truncated, an unknown
+      ggml type id), or a metadata string is not UTF-8.
   """
 
   def __init__(self, path: str | os.PathLike):
@@ -86,12 +108,21 @@ class GGUFFile:
       self._reader = gguf.GGUFReader(self.path)
     except Exception as e:  # the reader raises ValueError / struct errors / IndexError
       raise ValueError(f"GGUFFile: {self.path!r} is not a readable GGUF file ({type(e).__name__}: {e})") from e
-    self.metadata = {name: _field_value(f) for name, f in self._reader.fields.items()
+    self.metadata = {name: self._field(name, f) for name, f in self._reader.fields.items()
                      if not name.startswith("GGUF.")}
     self._tensors = {t.name: t for t in self._reader.tensors}
     self.tensor_types = {name: t.tensor_type.name for name, t in self._tensors.items()}
     self.tensor_shapes = {name: tuple(int(n) for n in reversed(t.shape.tolist()))
                           for name, t in self._tensors.items()}
+
+  def _field(self, key: str, field) -> Any:
+    """One key/value field as gguf's ``ReaderField.contents()`` reads it: a str, int, float
+    or bool, or a list of them for a GGUF array."""
+    try:
+      return field.contents()
+    except UnicodeDecodeError as e:
+      raise ValueError(f"GGUFFile: metadata {key!r} holds a string that is not UTF-8 ({e}) in "
+                       f"{self.path!r}; GGUF strings are UTF-8") from None
 
   def require(self, key: str, kind: type | tuple[type, ...] | None = None) -> Any:
     """The metadata value under ``key``; ValueError naming the key if it is missing (or,
@@ -154,8 +185,9 @@ class GGUFFile:
       float32 ``np.ndarray`` of ``shape``.
 
     Raises:
-      ValueError: the tensor is missing, has another shape, or a ggml type not in
-        `SUPPORTED_TYPES`; each message names the tensor, the file and the shapes.
+      ValueError: the tensor is missing, has another shape, has a ggml type not in
+        `supported_types` (or values float32 cannot hold); each message names the tensor,
+        the file, and the shapes or the type and the supported ones.
     """
     shape = tuple(int(n) for n in shape)
     if name not in self._tensors:
@@ -168,9 +200,27 @@ class GGUFFile:
       raise ValueError(f"GGUFFile: tensor {name!r} has shape {got}, expected {shape} "
                        f"(numpy order, i.e. GGUF ne reversed) in {self.path!r}")
     kind = self.tensor_types[name]
-    if kind not in SUPPORTED_TYPES:
-      raise ValueError(f"GGUFFile: tensor {name!r} {got} has unsupported quantization type "
-                       f"{kind}; supported: {', '.join(SUPPORTED_TYPES)}")
+    if kind not in supported_types():
+      raise ValueError(f"GGUFFile: tensor {name!r} {got} in {self.path!r} has ggml type {kind}, which the "
+                       f"installed gguf {_gguf_version()} cannot dequantize; supported: "
+                       f"{', '.join(supported_types())}")
     t = self._tensors[name]
-    data = _gguf().quants.dequantize(np.asarray(t.data), t.tensor_type)
-    return np.asarray(data, np.float32).reshape(shape)
+    data = np.asarray(t.data)
+    if kind in _NUMPY_TYPES:
+      return self._to_float32(name, kind, data).reshape(shape)
+    return np.asarray(_gguf().quants.dequantize(data, t.tensor_type), np.float32).reshape(shape)
+
+  def _to_float32(self, name: str, kind: str, data: np.ndarray) -> np.ndarray:
+    """An F64 / I8 / I16 / I32 / I64 tensor as float32; ValueError where float32 cannot hold
+    a value (an F64 beyond float32's range, an integer beyond +-2**24 that it would round)."""
+    with np.errstate(over="ignore"):  # an F64 beyond float32's range: reported below
+      out = data.astype(np.float32)
+    if data.dtype.kind == "f":
+      bad, limit = np.isfinite(data) & ~np.isfinite(out), f"float32's range (+-{F32_MAX:.4g})"
+    else:
+      bad, limit = (data < -_INT_EXACT) | (data > _INT_EXACT), "+-2**24 (float32 holds integers exactly up to there)"
+    if bad.any():
+      where = np.unravel_index(int(np.argmax(bad)), data.shape)
+      raise ValueError(f"GGUFFile: tensor {name!r} ({kind}) in {self.path!r} holds {data[where].item()!r} at "
+                       f"{tuple(int(i) for i in where)} (numpy order), beyond {limit}; it cannot load as float32")
+    return out

