@@ -18,8 +18,8 @@ from fdecode.kernels import mosaic_gpu
 from fdecode.cache.layout import CacheView
 from fdecode.dispatch import decode, forced_tpu_interpret, recording, recording_plans
 from fdecode.cache.tables import check_concrete_page_ids
-from fdecode.validation import (as_arrays, check_concrete_lengths, check_kv_offset, describe,
-                                static_scale, to_int32, validate_args, validate_quant)
+from fdecode.validation import (ARRAY_ARGS, as_arrays, check_concrete_lengths, check_kv_offset, describe,
+                                static_options, static_scalar, static_scale, to_int32, validate_args, validate_quant)
 
 IMPLS = ("pallas", "mosaic_gpu", "xla", "reference")
 
@@ -68,8 +68,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       parallelism, chunked caches). ``lengths`` then count the whole sequence (they may
       exceed S) and query t sees the chunk's tokens at positions
       ``< lengths - T + t + 1``; a sequence that ends before the chunk sees none of it.
-    softmax_scale: scores multiplier, default ``1/sqrt(Dk)``. Static: a Python or numpy
-      real number, compiled into the kernel (a traced value raises ValueError); as a
+    softmax_scale: scores multiplier, default ``1/sqrt(Dk)``. Static: a Python, numpy or
+      concrete jax real number, compiled into the kernel (a traced value raises ValueError); as a
       float32, 0 or of magnitude in ``[2**-126, float32 max]``.
     num_splits: chunks of the token axis processed in parallel, each yielding a partial
       state merged by `merge_states`. ``None``: compiled Triton gives every SM of the GPU two
@@ -184,7 +184,10 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       is not a finite float32, slopes or sinks not ``[Hq]``), concrete lengths / page ids
       / integers out of range (int32 included); with ``impl="pallas"`` compiled for GPU,
       for head dims the Triton kernel cannot tile; with ``impl="mosaic_gpu"``, for a call
-      its kernels do not take or a trace not for an sm_90 GPU (see ``impl``).
+      its kernels do not take or a trace not for an sm_90 GPU (see ``impl``); a static
+      option (`fdecode.validation.STATIC_ARGS`: softmax_scale, num_splits, block_k, causal,
+      window, logits_soft_cap, v_head_dim, interpret, return_lse) given traced: under ``jit``
+      pass it with ``static_argnames`` or close over it with ``functools.partial``.
     TypeError: an array argument that is neither an array nor a rectangular list of
       numbers.
   """
@@ -233,6 +236,9 @@ def canonical_call(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale
                    kv_layout="HND", source=None) -> Call:
   """`flash_decode`'s arguments (and a `RowSource`, as `flash_decode_with_source` takes it),
   checked (every `flash_decode` error) and put in the form the backends take: a `Call`."""
+  statics = static_options(softmax_scale=softmax_scale, num_splits=num_splits, block_k=block_k, causal=causal,
+                           window=window, logits_soft_cap=logits_soft_cap, v_head_dim=v_head_dim, interpret=interpret)
+  softmax_scale, num_splits, block_k, causal, window, logits_soft_cap, v_head_dim, interpret = statics.values()
   (q, k, v, lengths, block_tables, k_scale, v_scale, k_offset, v_offset, kv_offset, mask, bias,
    alibi_slopes, sinks, k_rope, indices) = as_arrays(
        q=q, k=k, v=v, lengths=lengths, block_tables=block_tables, k_scale=k_scale, v_scale=v_scale,
@@ -266,8 +272,6 @@ def canonical_call(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale
                      "whole sequence's cache)")
   if impl == "pallas" and interpret is None:
     interpret = forced_tpu_interpret()
-  if isinstance(interpret, np.bool_):
-    interpret = bool(interpret)
   cfg = config_lib.Config.from_args(num_splits, block_k).bounded(
       max(view.capacity, 0 if indices is None else np.shape(indices)[-1]))
   scale = static_scale(softmax_scale, q.shape[-1])
@@ -305,6 +309,7 @@ def flash_decode_with_source(q, k, v, lengths, *, return_lse=False, source=None,
   per-sequence scales, where it has cache rows) are gathers (`fdecode.ragged`), which the
   Triton kernels read through (the gathers then run only on paths that read them).
   ``options``: `flash_decode`'s other keywords."""
+  return_lse = static_scalar("return_lse", return_lse)
   c = canonical_call(q, k, v, lengths, source=source, **options)
   q4, view, ends, mods = c.q4, c.view, c.ends, c.mods
   if q4.shape[0] == 0 or q4.shape[1] == 0:  # no sequence or no new token: nothing to attend
@@ -346,6 +351,9 @@ def _check_interpret(impl, interpret):
                      f"or a fdecode.kernels.mosaic_gpu.InterpretGPUParams (interpreted), got {describe(interpret)}")
 
 
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
 def plan(q, k, v, lengths, *, platform: str | None = None, **kwargs) -> tuple:
   """The frozen plans a `flash_decode` call with these arguments hands its kernels when
   lowered for ``platform`` (``"cpu"``, ``"gpu"`` or ``"tpu"``; None: `jax.default_backend()`),
@@ -354,18 +362,47 @@ def plan(q, k, v, lengths, *, platform: str | None = None, **kwargs) -> tuple:
   an `fdecode.kernels.mosaic_tpu.plan.CallPlan` (followed by the XlaPlan of a call it gives
   the XLA path), or the Hopper MLA / rows kernel's plan (`fdecode.kernels.mosaic_gpu.MlaPlan` /
   ``RowsPlan``: sm_90, or ``impl="mosaic_gpu"``). ``q``, ``k``, ``v``, ``lengths`` and the
-  array keyword arguments: arrays or `jax.ShapeDtypeStruct`s; the other keyword arguments
-  as `flash_decode` takes them. Nothing runs or compiles: the call is traced. Empty for
-  ``impl="reference"`` and for a call with no sequence or no new token."""
-  platform = platform or jax.default_backend()
-  if platform not in ("cpu", "gpu", "tpu"):
-    raise ValueError(f"plan: platform must be 'cpu', 'gpu', 'tpu' or None, got {describe(platform)}")
-  arrays = {n: x for n, x in kwargs.items() if hasattr(x, "shape") and hasattr(x, "dtype")}
-  static = {n: x for n, x in kwargs.items() if n not in arrays}
+  array keyword arguments (`fdecode.validation.ARRAY_ARGS`): arrays or `jax.ShapeDtypeStruct`s
+  (or lists); every other keyword argument as `flash_decode` takes it. Nothing runs or
+  compiles: the call is traced. Empty for ``impl="reference"`` and for a call with no
+  sequence or no new token.
+
+  Raises:
+    ValueError / TypeError: what `flash_decode` raises for these arguments, value checks
+      of the concrete ones (lengths, page ids, kv_offset) included; a ``platform`` that is
+      not None or one of ``"cpu"``, ``"gpu"``, ``"tpu"``.
+  """
+  if platform is None:
+    platform = jax.default_backend()
+  elif not (isinstance(platform, str) and platform in PLATFORMS):
+    raise ValueError(f"plan: platform must be 'cpu', 'gpu', 'tpu' or None (the host's, jax.default_backend()), "
+                     f"got {describe(platform)}")
+  named = dict(q=q, k=k, v=v, lengths=lengths, **kwargs)
+  # The arrays are traced (the plan depends on their shapes and dtypes only); the rest goes in
+  # as given: statics as flash_decode takes them (numpy scalars included), lists to be converted.
+  traced = {n: x for n, x in named.items() if n in ARRAY_ARGS and hasattr(x, "shape") and hasattr(x, "dtype")}
+  given = {n: x for n, x in named.items() if n not in traced}
+  _check_values(traced, given)
   with recording_plans() as log, chips.tracing_for(platform):
-    jax.eval_shape(lambda q, k, v, lengths, arrays: flash_decode(q, k, v, lengths, **arrays, **static),
-                   q, k, v, lengths, arrays)
+    jax.eval_shape(lambda traced: flash_decode(**traced, **given), traced)
   return tuple(p for where, p in log if where in (None, platform))
+
+
+def _check_values(traced, given) -> None:
+  """`canonical_call` (every `flash_decode` check, no backend) with the concrete arrays among
+  ``traced`` as values, so the value checks a call makes (lengths in range, page ids of
+  live tokens in the pool, kv_offset) raise here as they would there. Inside `jax.eval_shape`:
+  nothing runs."""
+  concrete = {n: x for n, x in traced.items() if not isinstance(x, (jax.ShapeDtypeStruct, jax.core.Tracer))}
+  if not concrete:
+    return
+  abstract = {n: x for n, x in traced.items() if n not in concrete}
+  options = {n: x for n, x in given.items() if n != "return_lse"}
+
+  def check(abstract):
+    canonical_call(**abstract, **concrete, **options)
+
+  jax.eval_shape(check, abstract)
 
 
 def _sparse_setup(q4, ends, indices, view, kv_offset, mods):

@@ -35,7 +35,7 @@ from fdecode.api import flash_decode
 from fdecode.cache.tables import check_concrete_page_ids
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels.common.quant import is_quantized
-from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, validate_quant
+from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, static_options, validate_quant
 
 # Position-dependent options that row packing cannot express: a packed row would need its
 # own sequence's positions inside the prefix call, which sees every row at once.
@@ -111,6 +111,9 @@ def cascade_decode(q, prefix_k, prefix_v, prefix_lengths, k, v, lengths, *, pref
   for name in ("return_lse", "v", "lengths"):
     if name in opts:
       raise ValueError(f"cascade_decode: unexpected option {name!r}")
+  # Python values, checked as flash_decode checks them (``causal`` is read here too).
+  opts = static_options("cascade_decode", return_lse=return_lse, **opts)
+  return_lse = opts.pop("return_lse")
   sinks = opts.pop("sinks", None)
   (q, prefix_k, prefix_v, prefix_lengths, k, v, lengths, prefix_ids, prefix_block_tables, prefix_k_scale,
    prefix_v_scale, prefix_k_offset, prefix_v_offset, prefix_k_rope, sinks) = as_arrays(

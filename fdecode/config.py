@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
 
 import jax
-import numpy as np
 
-from fdecode.validation import describe
+from fdecode.validation import tuning_knob
 
 # Split the cache only while batch*kv_heads leaves the machine idle: the Ascend
 # IncreFlashAttention rule (split when B*Hkv < 0.4 * cores).
@@ -38,10 +36,6 @@ XLA_TOKEN_MAJOR_CHUNK_TOKENS = 512
 # Parallel units assumed when lowering for a platform with no device here: an H100's
 # 132 SMs; one TensorCore per TPU chip (v5e / v6e).
 _DEFAULT_UNITS = {"gpu": 132, "tpu": 1}
-
-
-# Largest knobs: int32, and a block_k rounded up to a power of two must stay in int32.
-_STATIC_INT_MAX = {"num_splits": 2 ** 31 - 1, "block_k": 2 ** 30}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,18 +64,8 @@ class Config:
     return cls(num_splits=num_splits, block_k=block_k)
 
   def __post_init__(self):
-    for name in ("num_splits", "block_k"):
-      value = getattr(self, name)
-      if value is None:
-        continue
-      if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        allowed = "a positive int, None or 'balance'" if name == "num_splits" else "a positive int or None"
-        raise ValueError(f"{name} must be {allowed}, got {describe(value)}")
-      if not 1 <= value <= _STATIC_INT_MAX[name]:
-        why = "int32; a block is rounded up to a power of two" if name == "block_k" else "int32"
-        raise ValueError(f"{name} must be a positive int or None, at most {_STATIC_INT_MAX[name]} "
-                         f"({why}), got {name}={int(value)}")
-      object.__setattr__(self, name, int(value))  # numpy integers become plain ints
+    for name in ("num_splits", "block_k"):  # numpy / jax integers become plain ints
+      object.__setattr__(self, name, tuning_knob(name, getattr(self, name)))
 
   def bounded(self, tokens: int) -> "Config":
     """These knobs lowered to what a call over ``tokens`` tokens (S, or K index slots) can

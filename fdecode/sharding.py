@@ -34,7 +34,7 @@ from fdecode.cache.layout import CacheView, kv_head_axis
 from fdecode.combine import apply_sinks, combine_across
 from fdecode.cache.meshes import host_values
 from fdecode.kernels.common.quant import canonical_scale
-from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, short_repr
+from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, short_repr, static_options
 
 # Options laid out like the cache ([B|1, Hkv|1, S|1, n_tiles]): split with it.
 _CACHE_SHAPED = ("k_scale", "v_scale", "k_offset", "v_offset")
@@ -114,7 +114,10 @@ def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=Non
   """
   _check_roles(mesh, head_axis=head_axis, seq_axis=seq_axis, batch_axis=batch_axis,
                kv_offset=flash_decode_kwargs.get("kv_offset"))
-  # Lists and Python numbers become numpy arrays, as flash_decode takes them (same errors).
+  # Static options as Python values (a concrete jax scalar is not an operand to shard), lists
+  # and Python numbers numpy arrays, as flash_decode takes them (same errors).
+  flash_decode_kwargs = static_options(return_lse=return_lse, **flash_decode_kwargs)
+  return_lse = flash_decode_kwargs.pop("return_lse")
   q, k, v, lengths = as_arrays(q=q, k=k, v=v, lengths=lengths)
   flash_decode_kwargs = {n: as_array(n, x) if n in ARRAY_ARGS else x
                          for n, x in flash_decode_kwargs.items()}

@@ -27,6 +27,11 @@ SOFT_CAP_MAX = 2.0 ** 100
 # flash_decode's array arguments: Python lists / tuples of them are converted with numpy.
 ARRAY_ARGS = ("q", "k", "v", "lengths", "block_tables", "k_scale", "v_scale", "k_offset", "v_offset",
               "kv_offset", "mask", "bias", "alibi_slopes", "sinks", "k_rope", "indices")
+# Largest tuning knobs: int32, and a block_k rounded up to a power of two must stay in int32.
+TUNING_KNOB_MAX = {"num_splits": 2 ** 31 - 1, "block_k": 2 ** 30}
+# A traced softmax_scale has a way around the kernel: scale q instead.
+_TRACED_ALTERNATIVE = {"softmax_scale": "; or fold a traced scale into q: flash_decode(q * scale, ..., "
+                                        "softmax_scale=1.0)"}
 
 
 def describe(x) -> str:
@@ -80,15 +85,33 @@ def as_arrays(caller: str = "flash_decode", **named):
   return tuple(as_array(name, x, caller) for name, x in named.items())
 
 
-def _static_real(name, x, caller, hint) -> float:
-  """A static real number (Python / numpy scalar, not bool), as a Python float."""
+def traced_static(name, x, caller: str | None = "flash_decode") -> ValueError:
+  """The error for a static option given traced (an argument of a ``jax.jit``-ed function,
+  say): it names the option and the two ways to pass it as a Python value."""
+  prefix = f"{caller}: " if caller else ""
+  return ValueError(f"{prefix}{name} is compiled into the kernel, so it must be a static Python value, not "
+                    f"traced; got {describe(x)}. Mark it static, jax.jit(f, static_argnames=({name!r},)), or "
+                    f"close over it, jax.jit(functools.partial(f, {name}=...)){_TRACED_ALTERNATIVE.get(name, '')}")
+
+
+def static_scalar(name, x, caller: str | None = "flash_decode"):
+  """A static option's value as the Python value it holds: a concrete zero-dimensional
+  numpy or jax bool / int / float (``np.int32(8)``, ``jnp.float32(0.2)``) becomes a Python
+  bool / int / float; anything else comes back as given, for the option's own check. A
+  traced value raises `traced_static`."""
   if isinstance(x, jax.core.Tracer):
-    raise ValueError(f"{caller}: {name} must be a static real number (it is compiled into the "
-                     f"kernel), got a traced value{hint}")
-  real = isinstance(x, numbers.Real) or (hasattr(x, "dtype") and np.ndim(x) == 0 and (
-      jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer)))
-  if isinstance(x, (bool, np.bool_)) or not real or np.ndim(x) != 0:
-    raise ValueError(f"{caller}: {name} must be a real number (a static Python or numpy scalar), "
+    raise traced_static(name, x, caller)
+  if hasattr(x, "dtype") and not isinstance(x, jax.ShapeDtypeStruct) and np.ndim(x) == 0 and any(
+      jnp.issubdtype(x.dtype, kind) for kind in (jnp.bool_, jnp.integer, jnp.floating)):
+    return x.item()
+  return x
+
+
+def _static_real(name, x, caller) -> float:
+  """A static real number (Python / numpy / concrete jax scalar, not bool), as a Python float."""
+  x = static_scalar(name, x, caller)
+  if isinstance(x, bool) or not isinstance(x, numbers.Real):
+    raise ValueError(f"{caller}: {name} must be a real number (a static Python, numpy or jax scalar), "
                      f"got {describe(x)}")
   return float(x)
 
@@ -97,7 +120,7 @@ def static_float(name, x, *, low: float, high: float, caller: str = "flash_decod
                  zero_ok: bool = False, signed: bool = False, hint: str = "") -> float:
   """A static float used as float32: its float32 value must be finite with magnitude in
   ``[low, high]`` (``zero_ok``: or 0; ``signed``: negative values too). Returns the float."""
-  value = _static_real(name, x, caller, hint)
+  value = _static_real(name, x, caller)
   f32 = float(np.float32(value)) if abs(value) <= F32_MAX else math.inf
   magnitude = abs(f32) if signed else f32
   if not (math.isfinite(f32) and (low <= magnitude <= high or (zero_ok and f32 == 0))):
@@ -113,10 +136,11 @@ def static_float(name, x, *, low: float, high: float, caller: str = "flash_decod
 
 def static_int(name, x, *, low: int = 1, high: int = INT32_MAX, caller: str = "flash_decode",
                what: str = "", integral_floats: bool = False) -> int:
-  """A static Python / numpy int (not bool; with ``integral_floats`` also a float such as
-  4.0) in ``[low, high]`` (int32 by default)."""
-  if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Real):
-    raise ValueError(f"{caller}: {name} must be a static int{what} (a Python or numpy integer), "
+  """A static Python / numpy / concrete jax int (not bool; with ``integral_floats`` also a
+  float such as 4.0) in ``[low, high]`` (int32 by default)."""
+  x = static_scalar(name, x, caller)
+  if isinstance(x, bool) or not isinstance(x, numbers.Real):
+    raise ValueError(f"{caller}: {name} must be a static int{what} (a Python, numpy or jax integer), "
                      f"got {describe(x)}")
   if not isinstance(x, numbers.Integral) and not (integral_floats and float(x).is_integer()):
     raise ValueError(f"{caller}: {name} must be an integer{what}, got {name}={x!r}")
@@ -128,12 +152,13 @@ def static_int(name, x, *, low: int = 1, high: int = INT32_MAX, caller: str = "f
 
 
 def static_scale(softmax_scale, dk, caller: str = "flash_decode") -> float:
-  """softmax_scale is static (a Python / numpy real number): it is baked into the kernel,
-  which multiplies float32 scores by it: 0, or a normal float32 of either sign."""
+  """softmax_scale is static (a Python / numpy / concrete jax real number): it is baked into
+  the kernel, which multiplies float32 scores by it: 0, or a normal float32 of either sign.
+  None: ``1 / sqrt(dk)``."""
   if softmax_scale is None:
     return 1.0 / math.sqrt(dk)
   return static_float("softmax_scale", softmax_scale, low=F32_TINY, high=F32_MAX, zero_ok=True,
-                      signed=True, caller=caller, hint="; a traced scale can be folded into q")
+                      signed=True, caller=caller)
 
 
 def static_soft_cap(cap, caller: str = "flash_decode"):
@@ -151,6 +176,67 @@ def static_window(window, caller: str = "flash_decode"):
     return None
   return static_int("window", window, caller=caller, what=" (the sliding window, in tokens)",
                     integral_floats=True)
+
+
+def static_bool(name, x, caller: str = "flash_decode") -> bool:
+  """A static Python / numpy / concrete jax bool (``causal``)."""
+  x = static_scalar(name, x, caller)
+  if not isinstance(x, bool):
+    raise ValueError(f"{caller}: {name} must be a bool, got {describe(x)}")
+  return x
+
+
+def tuning_knob(name, value, caller: str | None = None):
+  """``num_splits`` / ``block_k`` (`fdecode.config.Config`): None or a positive static int, at
+  most `TUNING_KNOB_MAX` (int32; a block_k is rounded up to a power of two)."""
+  value = static_scalar(name, value, caller)
+  if value is None:
+    return None
+  prefix = f"{caller}: " if caller else ""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    allowed = "a positive int, None or 'balance'" if name == "num_splits" else "a positive int or None"
+    raise ValueError(f"{prefix}{name} must be {allowed}, got {describe(value)}")
+  if not 1 <= value <= TUNING_KNOB_MAX[name]:
+    why = "int32; a block is rounded up to a power of two" if name == "block_k" else "int32"
+    raise ValueError(f"{prefix}{name} must be a positive int or None, at most {TUNING_KNOB_MAX[name]} "
+                     f"({why}), got {name}={int(value)}")
+  return int(value)
+
+
+def _num_splits(x, caller) -> int | str:
+  return x if isinstance(x, str) and x == "balance" else tuning_knob("num_splits", x, caller)
+
+
+def _v_head_dim(x, caller) -> int:
+  """v_head_dim's shape-free check (its range, ``[1, k.shape[-1]]``, is `validate_args`')."""
+  x = static_scalar("v_head_dim", x, caller)
+  if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+    raise ValueError(f"{caller}: v_head_dim must be a static int (Dv: the values are k's first v_head_dim "
+                     f"columns); got v_head_dim={describe(x)}")
+  return int(x)
+
+
+# flash_decode's static options and their checks that need no shape (None is always allowed);
+# return_lse and interpret are only never traced here (flash_decode checks interpret itself).
+_STATIC_CHECKS = {
+    "softmax_scale": lambda x, caller: static_scale(x, 1, caller), "num_splits": _num_splits,
+    "block_k": lambda x, caller: tuning_knob("block_k", x, caller),
+    "causal": lambda x, caller: static_bool("causal", x, caller), "window": static_window,
+    "logits_soft_cap": static_soft_cap, "v_head_dim": _v_head_dim,
+    "return_lse": lambda x, caller: static_scalar("return_lse", x, caller),
+    "interpret": lambda x, caller: static_scalar("interpret", x, caller),
+}
+STATIC_ARGS = tuple(_STATIC_CHECKS)
+
+
+def static_options(caller: str = "flash_decode", **options) -> dict:
+  """``options`` (`flash_decode` keywords) with each static one (`STATIC_ARGS`: compiled into
+  the kernels, so they key its jit) as the Python value it holds, checked as far as no shape
+  is needed; the others come back as given. A traced static raises ValueError naming it
+  and how to pass it static (`traced_static`); a concrete numpy / jax scalar is taken as
+  its value (`static_scalar`), in the domain flash_decode checks."""
+  return {n: _STATIC_CHECKS[n](x, caller) if n in _STATIC_CHECKS and x is not None else x
+          for n, x in options.items()}
 
 
 def check_int32(name, x, caller: str = "flash_decode", *, low: int = INT32_MIN, high: int = INT32_MAX) -> None:

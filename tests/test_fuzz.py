@@ -15,9 +15,11 @@ rows must come back NaN (every column, and the lse) on every impl and split coun
 "no data".
 
 Invalid calls mutate a small valid call once (shape, dtype, range, non-finite or
-float32-overflowing static, int64 beyond int32, a Python list) and accept only a
-ValueError / TypeError whose message names the argument (a list the library accepts must
-give the array's result).
+float32-overflowing static, int64 beyond int32, a Python list, a static option traced
+under ``jit``) and accept only a ValueError / TypeError whose message names the argument
+(a traced static: and ``static_argnames`` with its name). Some mutations are variants a
+call may take: a Python list for an array, a numpy / concrete jax scalar for a static
+option; accepted, they must give the plain call's result.
 
 tests/test_fuzz_ragged.py (`ragged_decode` steps) and tests/test_fuzz_engine.py (the
 serving `Engine`) use these profiles, this oracle and `assert_matches`.
@@ -562,15 +564,23 @@ def _base(paged=False, t=None):
 
 NONFINITE_STATICS = [float("nan"), float("inf"), -float("inf"), 1e39, -1e39, np.float64(1e39)]
 INT_OVER = [2 ** 31, 2 ** 32 + 3, 2 ** 63 - 1, np.int64(2 ** 40)]
+# Scalar types a static option may come as (tests/test_fuzz_ragged.py draws them too).
+FLOATS = (np.float32, np.float64, jnp.float32)
+INTS = (np.int32, np.int64, np.uint16, jnp.int32)
+BOOLS = (np.bool_, jnp.bool_)
+# flash_decode's static options: (name, a valid value for `_base`, the scalar types to try).
+STATIC_SCALARS = [("softmax_scale", 0.3, FLOATS), ("logits_soft_cap", 5.0, FLOATS), ("window", 5, INTS),
+                  ("num_splits", 2, INTS), ("block_k", 8, INTS), ("causal", True, BOOLS), ("v_head_dim", D, INTS)]
 
 
 def _mutations():
-  """(name, builder(draw, base) -> (base, names the message may give, list_ok))."""
+  """(name, builder(draw, base), names the message may give, variant_ok: a variant the call
+  may take, marked ``list`` or ``scalar`` in the base, which `_variant` applies)."""
   m = []
 
-  def add(name, names, list_ok=False):
+  def add(name, names, variant_ok=False):
     def deco(f):
-      m.append((name, f, names, list_ok))
+      m.append((name, f, names, variant_ok))
       return f
     return deco
 
@@ -744,6 +754,21 @@ def _mutations():
     a["kw"].update({"none": {}, "zero": dict(v_head_dim=0), "big": dict(v_head_dim=D + 1),
                     "float": dict(v_head_dim=4.0), "v_scale": dict(v_head_dim=4, v_scale=0.5)}[case])
 
+  # A static option as a numpy / concrete jax scalar: the Python value it holds (never refused).
+  @add("static as a scalar", tuple(n for n, _, _ in STATIC_SCALARS), variant_ok=True)
+  def _(d, a):
+    name, value, kinds = d(st.sampled_from(STATIC_SCALARS))
+    kind = d(st.sampled_from(kinds))
+    a["kw"][name] = kind(value).item()
+    a["scalar"] = (name, kind)
+
+  # ... traced (an argument of a jit-ed function): named, with the way to pass it static.
+  @add("static traced", ("static_argnames",))
+  def _(d, a):
+    name, value, _ = d(st.sampled_from(STATIC_SCALARS))
+    a["kw"][name] = value
+    a["traced"] = name
+
   # Python lists for array arguments: accepted (then the array call's result) or named.
   for name in ("q", "k", "v", "lengths", "mask", "bias", "alibi_slopes", "sinks", "block_tables",
                "indices", "k_rope", "kv_offset", "k_scale"):
@@ -769,8 +794,14 @@ def _mutations():
 MUTATIONS = _mutations()
 
 
-def _as_list(a):
+def _variant(a):
+  """The variant a mutation marked: an argument as a Python list (``list``), or a static
+  option as a numpy / jax scalar (``scalar``)."""
   a = dict(a, kw=dict(a["kw"]))
+  if "scalar" in a:
+    name, kind = a["scalar"]
+    a["kw"][name] = kind(a["kw"][name])
+    return a
   name = a["list"]
   if name in ("q", "k", "v", "lengths"):
     a[name] = a[name].tolist()
@@ -780,34 +811,41 @@ def _as_list(a):
 
 
 def _run(impl, a):
-  kw = {n: (jnp.asarray(x) if isinstance(x, np.ndarray) and x.dtype != np.int64 else x)
-        for n, x in a["kw"].items()}
   conv = lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) and x.dtype != np.int64 else x
-  return _call(impl, conv(a["q"]), conv(a["k"]), conv(a["v"]), conv(a["lengths"]), return_lse=True, **kw)
+  kw = {n: conv(x) for n, x in a["kw"].items()}
+  args = [conv(a[n]) for n in ("q", "k", "v", "lengths")]
+  traced = a.get("traced")
+  if traced:  # the static option as an argument of a jit-ed function
+    value = kw.pop(traced)
+    return jax.jit(lambda x: _call(impl, *args, return_lse=True, **kw, **{traced: x}))(value)
+  return _call(impl, *args, return_lse=True, **kw)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @settings(INVALID_PROFILE)
 @given(data=st.data())
 def test_invalid_calls_name_the_argument(impl, data):
-  name, build, names, list_ok = data.draw(st.sampled_from(MUTATIONS), label="mutation")
+  name, build, names, variant_ok = data.draw(st.sampled_from(MUTATIONS), label="mutation")
   a = _base(t=data.draw(st.sampled_from([None, 2]), label="T"))
   build(data.draw, a)
-  if list_ok:
-    arrays, a = a, _as_list(a)
+  if variant_ok:
+    plain, a = a, _variant(a)
   try:
     result = _run(impl, a)
   except (ValueError, TypeError) as e:
     msg = str(e)
+    assert "scalar" not in a, f"{name}: a valid static as a {a['scalar'][1].__name__} refused: {msg}"
+    if "traced" in a:  # the option, in the way to pass it static
+      names = (f"static_argnames=('{a['traced']}',)",)
     assert any(n in msg for n in names), f"{name}: message does not name {names}: {type(e).__name__}: {msg}"
     assert len(msg) < 1500, f"{name}: message prints a whole array ({len(msg)} chars): {msg[:300]}..."
     return
   except Exception as e:  # noqa: BLE001 - anything else is the failure being looked for
     raise AssertionError(f"{name}: {type(e).__name__} instead of ValueError/TypeError: {e}") from e
-  if not list_ok:
+  if not variant_ok:
     out, lse = result
     raise AssertionError(f"{name}: invalid call accepted; out has NaN: {bool(jnp.isnan(out).any())}, "
                          f"kw={ {n: x for n, x in a['kw'].items() if not isinstance(x, np.ndarray)} }")
-  want = _run(impl, arrays)  # a list the library accepts must mean the array
+  want = _run(impl, plain)  # a variant the library accepts must mean the plain call
   for x, y in zip(result, want):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{name}: list != array")
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{name}: variant != plain call")

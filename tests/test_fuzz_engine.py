@@ -8,10 +8,16 @@ The two are different compiled programs, so a greedy token may differ only where
 reference's top two logits are within float32 noise of each other (checked: then the
 rest of that request is not compared). Shapes are fixed, so the step and the reference
 compile once each. Profiles as tests/test_fuzz.py (CI: a fixed seed, a few examples).
+
+Refused calls: an Engine built with one bad argument (buckets, num_pages, a size, eos_id)
+raises ValueError naming it and leaves the model exactly as it was (its nnx state, leaf
+for leaf); ``bucket`` takes an int in ``[1, token_budget]`` and names ``tokens`` otherwise.
 """
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 from fdecode.decoding.generate import generate
@@ -100,3 +106,55 @@ def _check_schedule(engine, done, ids, reqs, num_pages):
     assert done[rid].admitted >= r["arrival"]
   assert all(s.running <= MAX_SEQS and s.pages_in_use <= num_pages for s in engine.history)
   assert engine.alloc.num_free == num_pages and not engine.running and not engine.waiting
+
+
+# --- refused calls -----------------------------------------------------------------------
+
+SIZES = dict(max_seqs=MAX_SEQS, token_budget=BUDGET, max_len=MAX_LEN, page_size=PAGE)
+# (argument, bad values): each makes the constructor raise ValueError naming the argument.
+BAD_ARGS = [
+    ("buckets", [(), (4, 2, BUDGET), (2, 2, BUDGET), (2, 4), (2, BUDGET, 2 * BUDGET), (0, BUDGET), (2.0, BUDGET),
+                 (True, BUDGET), str(BUDGET), BUDGET, [None]]),
+    ("num_pages", [0, -1, POOL + 1, True, 2.0, "4", np.int64(POOL + 5), np.bool_(True)]),
+    ("max_seqs", [0, True, 2.5]),
+    ("token_budget", [MAX_SEQS - 1, np.float32(BUDGET), None]),
+    ("page_size", [0, -PAGE, "4"]),
+    ("max_len", [0, False]),
+    ("eos_id", [-1, 10 ** 9, "x", True]),
+    ("max_seqs", [dict(max_seqs=2 ** 16, token_budget=2 ** 16, max_len=2 ** 20, page_size=1)]),  # pool past int32
+]
+BUCKET_TOKENS = [True, np.bool_(False), 2.5, 3.0, np.float32(2), 0, -1, BUDGET + 1, "3", None, [1], 1, np.int32(3),
+                 np.int64(BUDGET)]
+
+
+def _snapshot(model):
+  """The model's whole nnx state: its tree structure and every leaf's value."""
+  leaves, tree = jax.tree.flatten(nnx.state(model))
+  return tree, [np.asarray(x) for x in leaves]
+
+
+@settings(settings(PROFILE, max_examples=max(PROFILE.max_examples // 2, 10)))
+@given(bad=st.sampled_from(BAD_ARGS).flatmap(lambda b: st.tuples(st.just(b[0]), st.sampled_from(b[1]))),
+       tokens=st.sampled_from(BUCKET_TOKENS))
+def test_a_refused_engine_leaves_the_model_and_bucket_names_tokens(bad, tokens):
+  model = _model("refused")
+  model.init_cache(1, PAGE)  # a cache of its own, which a refused engine must keep
+  before = _snapshot(model)
+  name, value = bad
+  kw = dict(SIZES, **(value if isinstance(value, dict) else {name: value}))
+  with pytest.raises(ValueError, match=f"Engine: .*{name}"):
+    Engine(model, **kw)
+  tree, leaves = _snapshot(model)
+  assert tree == before[0], f"{bad}: the refused engine changed the model's state"
+  for x, y in zip(leaves, before[1]):
+    np.testing.assert_array_equal(x, y, err_msg=f"{bad}: the refused engine changed the model's state")
+
+  engine = Engine(model, **SIZES)
+  valid = isinstance(tokens, (int, np.integer)) and not isinstance(tokens, bool) and 1 <= tokens <= BUDGET
+  if valid:
+    n_rows, m = engine.bucket(tokens)
+    assert (n_rows, m) == engine.bucket(int(tokens)) and n_rows in engine.buckets and n_rows >= tokens
+    return
+  kind = ValueError if isinstance(tokens, (int, float, np.number, np.bool_)) else TypeError
+  with pytest.raises(kind, match=r"Engine.bucket: tokens must be an int in \[1, token_budget=8\]"):
+    engine.bucket(tokens)

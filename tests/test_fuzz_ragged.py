@@ -16,7 +16,10 @@ cached key or value, or a new token's), which must come back NaN in exactly the 
 that see it (every column and the lse).
 
 Invalid calls mutate a small valid call once and accept only a ValueError / TypeError
-naming the argument; a Python list for an array argument must give the array's result.
+naming the argument (a static option traced under ``jit``: with ``static_argnames`` and its
+name); a Python list for an array argument must give the array's result, and a static
+option given as a numpy / concrete jax scalar must be taken, as the step of the Python
+value it holds, bit for bit.
 
 CI (``fdecode-ci``): a fixed seed, three compiled configurations (each example changes
 only array values, so the step compiles once per configuration), impl="xla".
@@ -26,6 +29,7 @@ and the reference impl.
 
 import contextlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -33,7 +37,7 @@ from hypothesis import given, settings, strategies as st
 
 import fdecode
 from conftest import tpu_interpret
-from test_fuzz import GARBAGE, IMPLS, INVALID_PROFILE, LONG, PROFILE, Case, assert_matches, oracle
+from test_fuzz import BOOLS, FLOATS, GARBAGE, IMPLS, INTS, INVALID_PROFILE, LONG, PROFILE, Case, assert_matches, oracle
 
 M, N, HQ, HKV, D, S = 3, 80, 4, 2, 16, 96
 MODS = {"none": {}, "window+cap+sinks": dict(window=24, logits_soft_cap=5.0, softmax_scale=0.3,
@@ -238,13 +242,19 @@ def _base():
               num_seqs=2, kw=dict(new_k=np.zeros((6, 2, 8), np.float32), new_v=np.ones((6, 2, 8), np.float32)))
 
 
+# ragged_decode's static options: (name, a valid value for `_base`, the scalar types to try).
+STATIC_SCALARS = [("softmax_scale", 0.3, FLOATS), ("logits_soft_cap", 5.0, FLOATS), ("window", 3, INTS),
+                  ("num_splits", 2, INTS), ("block_k", 8, INTS), ("causal", True, BOOLS)]
+
+
 def _mutations():
-  """(name, builder(draw, base), names the message may give, list_ok)."""
+  """(name, builder(draw, base), names the message may give, variant_ok: a variant the call
+  may take, marked ``list`` or ``scalar`` in the base, which `_variant` applies)."""
   m = []
 
-  def add(name, names, choices=None, list_ok=False):
+  def add(name, names, variant_ok=False):
     def deco(f):
-      m.append((name, f, names, list_ok))
+      m.append((name, f, names, variant_ok))
       return f
     return deco
 
@@ -296,13 +306,32 @@ def _mutations():
       a["kw"]["v_head_dim"] = 8
 
   @add("options", ("kv_offset", "lengths", "window", "softmax_scale", "logits_soft_cap", "impl", "num_splits",
-                   "mask", "bias", "sinks", "k_rope", "causal"))
+                   "block_k", "mask", "bias", "sinks", "k_rope", "causal"))
   def _(d, a):
     a["kw"].update(d(st.sampled_from([
         dict(kv_offset=3), dict(lengths=[5, 2]), dict(window=0), dict(softmax_scale=float("nan")),
         dict(logits_soft_cap=-1.0), dict(impl="cuda"), dict(num_splits=0), dict(causal="yes"),
         dict(mask=np.ones((7, 8), bool)), dict(mask=np.ones((6, 8), np.int32)), dict(bias=np.ones((6, 9), np.float32)),
-        dict(sinks=np.ones(3, np.float32)), dict(k_rope=np.ones((2, 6, 4, 4), np.float32))])))
+        dict(sinks=np.ones(3, np.float32)), dict(k_rope=np.ones((2, 6, 4, 4), np.float32)),
+        # concrete jax scalars (and arrays) outside flash_decode's domain
+        dict(window=jnp.int32(0)), dict(window=jnp.array([3, 4])), dict(softmax_scale=jnp.float32(np.nan)),
+        dict(logits_soft_cap=jnp.float32(-1.0)), dict(num_splits=jnp.int32(0)), dict(block_k=jnp.float32(1.5)),
+        dict(causal=jnp.int32(1))])))
+
+  # A static option as a concrete jax / numpy scalar: the Python value it holds (never refused).
+  @add("static as a scalar", tuple(n for n, _, _ in STATIC_SCALARS), variant_ok=True)
+  def _(d, a):
+    name, value, kinds = d(st.sampled_from(STATIC_SCALARS))
+    kind = d(st.sampled_from(kinds))
+    a["kw"][name] = kind(value).item()
+    a["scalar"] = (name, kind)
+
+  # ... traced (an argument of a jit-ed function): named, with the way to pass it static.
+  @add("static traced", ("static_argnames",))
+  def _(d, a):
+    name, value, _ = d(st.sampled_from(STATIC_SCALARS))
+    a["kw"][name] = value
+    a["traced"] = name
 
   for name in ("q", "kv_lens", "block_tables", "cu_q_lens", "new_k"):
     def _list(d, a, name=name):
@@ -314,37 +343,54 @@ def _mutations():
 MUTATIONS = _mutations()
 
 
+def _variant(a):
+  """The variant a mutation marked: an argument as a Python list (``list``), or a static
+  option as a jax / numpy scalar (``scalar``)."""
+  a = dict(a, kw=dict(a["kw"]))
+  if "scalar" in a:
+    name, kind = a["scalar"]
+    a["kw"][name] = kind(a["kw"][name])
+  elif a["list"] in a:
+    a[a["list"]] = a[a["list"]].tolist()
+  else:
+    a["kw"][a["list"]] = a["kw"][a["list"]].tolist()
+  return a
+
+
 def _run_ragged(a):
   a = dict(a)
   kw = a.pop("kw")
-  a.pop("list", None)
+  for mark in ("list", "scalar"):
+    a.pop(mark, None)
+  traced = a.pop("traced", None)
   layout = a.pop("kv_layout", "HND")
+  if traced:  # the static option as an argument of a jit-ed function
+    value = kw.pop(traced)
+    return jax.jit(lambda x: fdecode.ragged_decode(**a, kv_layout=layout, return_lse=True, **kw, **{traced: x}))(value)
   return fdecode.ragged_decode(**a, kv_layout=layout, return_lse=True, **kw)
 
 
 @settings(INVALID_PROFILE)
 @given(data=st.data())
 def test_invalid_steps_name_the_argument(data):
-  name, build, names, list_ok = data.draw(st.sampled_from(MUTATIONS), label="mutation")
+  name, build, names, variant_ok = data.draw(st.sampled_from(MUTATIONS), label="mutation")
   a = _base()
   build(data.draw, a)
-  arrays = a
-  if list_ok:
-    a = dict(a, kw=dict(a["kw"]))
-    target = a["list"]
-    if target in a:
-      a[target] = a[target].tolist()
-    else:
-      a["kw"][target] = a["kw"][target].tolist()
+  plain = a
+  if variant_ok:
+    a = _variant(a)
   try:
     result = _run_ragged(a)
   except (ValueError, TypeError) as e:
     msg = str(e)
+    assert "scalar" not in a, f"{name}: a valid static as a {a['scalar'][1].__name__} refused: {msg}"
+    if "traced" in a:  # the option, in the way to pass it static
+      names = (f"static_argnames=('{a['traced']}',)",)
     assert any(n in msg for n in names), f"{name}: message does not name {names}: {type(e).__name__}: {msg}"
     assert msg.startswith("ragged_decode") and len(msg) < 1500, f"{name}: {msg[:300]}"
     return
   except Exception as e:  # noqa: BLE001 - anything else is the failure being looked for
     raise AssertionError(f"{name}: {type(e).__name__} instead of ValueError/TypeError: {e}") from e
-  assert list_ok, f"{name}: invalid call accepted"
-  for x, y in zip(result, _run_ragged(arrays)):  # a list means the array: one program, bit for bit
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{name}: list != array")
+  assert variant_ok, f"{name}: invalid call accepted"
+  for x, y in zip(result, _run_ragged(plain)):  # a variant means the plain call: one program, bit for bit
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{name}: variant != plain call")

@@ -128,7 +128,7 @@ def test_given_buckets_are_used():
   engine = Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=32, buckets=[3, np.int64(8)])
   assert engine.buckets == (3, 8) and engine.bucket(1) == (3, 2) and engine.bucket(4) == (8, 2)
   assert Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=32, buckets=(8,)).bucket(1) == (8, 2)
-  with pytest.raises(ValueError, match=r"tokens must lie in \[1, token_budget=8\]; got 9"):
+  with pytest.raises(ValueError, match=r"tokens must be an int in \[1, token_budget=8\]; got 9"):
     engine.bucket(9)
   assert token_buckets(1) == (1,) and token_buckets(12) == (1, 2, 4, 8, 12) and token_buckets(16)[-2:] == (8, 16)
   with pytest.raises(ValueError, match="token_budget must be an int >= 1"):

@@ -264,7 +264,7 @@ BAD = [
     (dict(window=0), r"window must be a positive int, at most 2147483647 \(int32; the sliding window, "
                      r"in tokens\); got window=0"),
     (dict(window=2.5), r"window must be an integer"),
-    (dict(window=jnp.int32(4)), r"window must be a static"),
+    (dict(window=jnp.int32(0)), r"window must be a positive int.*got window=0"),  # a jax scalar: the same domain
     (dict(logits_soft_cap=0.0), r"logits_soft_cap must be positive"),
     (dict(logits_soft_cap=-1.0), r"logits_soft_cap must be positive"),
     (dict(alibi_slopes=jnp.ones((HQ + 1,))), r"alibi_slopes must be \[Hq\]=\(8,\).*\(9,\)"),

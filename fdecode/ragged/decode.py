@@ -69,7 +69,7 @@ from fdecode.ragged.checks import CALLER, check_shapes, check_values
 from fdecode.ragged.parts import Step, searchsorted, triton_calls, two_parts
 from fdecode.ragged.triton_step import hopper_takes_decode_part, triton_step
 from fdecode.ragged.write import write_new_tokens
-from fdecode.validation import as_arrays, to_int32
+from fdecode.validation import as_arrays, static_options, to_int32
 # flash_decode's keywords ragged_decode forwards; the per-row ones are indexed by row.
 _OPTIONS = ("k_scale", "v_scale", "k_offset", "v_offset", "softmax_scale", "num_splits", "block_k",
             "impl", "interpret", "return_lse", "causal", "mask", "bias", "alibi_slopes", "window",
@@ -140,6 +140,8 @@ def ragged_decode(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *, kv_lay
     raise TypeError(f"{CALLER}: unexpected keyword(s) {unknown}; it takes kv_layout, new_k, new_v "
                     f"and flash_decode's {list(_OPTIONS)}")
   check_layout(kv_layout, CALLER)
+  # The static options key the compiled step: Python values, checked as flash_decode checks them.
+  options = static_options(CALLER, **options)
   arrays = {n: options.pop(n) for n in ("k_scale", "v_scale", "k_offset", "v_offset", "mask", "bias",
                                         "alibi_slopes", "sinks", "k_rope", "indices") if n in options}
   (q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, new_k, new_v, *rest) = as_arrays(

@@ -40,7 +40,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from fdecode.validation import describe, static_soft_cap, static_window
+from fdecode.validation import static_bool, static_soft_cap, static_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +120,7 @@ def canonicalize(q4_shape, hkv: int, seq_capacity: int, *, causal=True, mask=Non
     ``alibi`` of canonical arrays (None when absent); sinks float32 ``[Hq]`` or None.
   """
   b, t, hq, _ = q4_shape
-  if not isinstance(causal, (bool, np.bool_)):
-    raise ValueError(f"flash_decode: causal must be a bool, got {describe(causal)}")
+  causal = static_bool("causal", causal)
   window = static_window(window)
   soft_cap = static_soft_cap(logits_soft_cap)
   arrays = dict(mask=None, bias=None, alibi=None)
@@ -132,7 +131,7 @@ def canonicalize(q4_shape, hkv: int, seq_capacity: int, *, causal=True, mask=Non
   slopes = _per_head("alibi_slopes", alibi_slopes, hq)
   if slopes is not None:
     arrays["alibi"] = slopes.reshape(hkv, hq // hkv)
-  mods = Modifiers(causal=bool(causal), window=window, soft_cap=soft_cap, alibi=slopes is not None,
+  mods = Modifiers(causal=causal, window=window, soft_cap=soft_cap, alibi=slopes is not None,
                    mask=forms.get("mask"), bias=forms.get("bias"))
   return mods, arrays, _per_head("sinks", sinks, hq)
 
