@@ -37,6 +37,8 @@ from fdecode.cache import PageAllocator, copy_pages
 from fdecode.decoding.generate import check_prompt_ids
 from fdecode.models.base import Transformer
 
+__all__ = ["Branches", "beam_search", "sample_n"]
+
 
 @dataclasses.dataclass
 class Branches:
