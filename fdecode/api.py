@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, TypedDict, Union, Unpack, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import Array
 from jax.experimental.pallas import tpu as pltpu
+from jax.typing import ArrayLike
 
 from fdecode import config as config_lib
 from fdecode.kernels.common import chips, modifiers
@@ -21,15 +23,79 @@ from fdecode.cache.tables import check_concrete_page_ids
 from fdecode.validation import (ARRAY_ARGS, as_arrays, check_concrete_lengths, check_kv_offset, describe,
                                 static_options, static_scalar, static_scale, to_int32, validate_args, validate_quant)
 
+if TYPE_CHECKING:
+  from fdecode.kernels.mosaic_gpu import MlaPlan, RowsPlan
+  from fdecode.kernels.mosaic_tpu.plan import CallPlan
+  from fdecode.kernels.triton.plan import TritonPlan
+  from fdecode.kernels.xla.plan import XlaPlan
+
 IMPLS = ("pallas", "mosaic_gpu", "xla", "reference")
 
+# The types of the public signatures (flash_decode's, and what ragged_decode, cascade_decode
+# and sharded_flash_decode forward to it).
+Impl = Literal["pallas", "mosaic_gpu", "xla", "reference"]
+KvLayout = Literal["HND", "NHD"]
+Interpret = Union[bool, pltpu.InterpretParams, mosaic_gpu.InterpretGPUParams, None]
+Plan = Union["XlaPlan", "TritonPlan", "CallPlan", "MlaPlan", "RowsPlan"]
 
-def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=None,
-                 softmax_scale=None, num_splits=None, block_k=None, impl=None,
-                 interpret=None, return_lse=False, k_offset=None, v_offset=None, kv_offset=None,
-                 causal=True, mask=None, bias=None, alibi_slopes=None, window=None,
-                 logits_soft_cap=None, sinks=None, v_head_dim=None, k_rope=None, indices=None,
-                 kv_layout="HND"):
+
+class ScoreOptions(TypedDict, total=False):
+  """`flash_decode`'s keyword options that `ragged_decode` forwards (all but the cache's
+  layout and table, ``kv_offset`` and ``return_lse``), with their types."""
+  k_scale: ArrayLike | None
+  v_scale: ArrayLike | None
+  k_offset: ArrayLike | None
+  v_offset: ArrayLike | None
+  softmax_scale: float | None
+  num_splits: int | Literal["balance"] | None
+  block_k: int | None
+  impl: Impl | None
+  interpret: Interpret
+  causal: bool
+  mask: ArrayLike | None
+  bias: ArrayLike | None
+  alibi_slopes: ArrayLike | None
+  window: int | None
+  logits_soft_cap: float | None
+  sinks: ArrayLike | None
+  v_head_dim: int | None
+  k_rope: ArrayLike | None
+  indices: ArrayLike | None
+
+
+class DecodeOptions(ScoreOptions, total=False):
+  """Every keyword option of `flash_decode` but ``return_lse``, with its type."""
+  block_tables: ArrayLike | None
+  kv_offset: ArrayLike | None
+  kv_layout: KvLayout
+
+
+@overload
+def flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: ArrayLike, *,
+                 return_lse: Literal[False] = False, **options: Unpack[DecodeOptions]) -> Array: ...
+
+
+@overload
+def flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: ArrayLike, *,
+                 return_lse: Literal[True], **options: Unpack[DecodeOptions]) -> tuple[Array, Array]: ...
+
+
+@overload
+def flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: ArrayLike, *,
+                 return_lse: bool, **options: Unpack[DecodeOptions]) -> Array | tuple[Array, Array]: ...
+
+
+def flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: ArrayLike, *,
+                 block_tables: ArrayLike | None = None, k_scale: ArrayLike | None = None,
+                 v_scale: ArrayLike | None = None, softmax_scale: float | None = None,
+                 num_splits: int | Literal["balance"] | None = None, block_k: int | None = None,
+                 impl: Impl | None = None, interpret: Interpret = None, return_lse: bool = False,
+                 k_offset: ArrayLike | None = None, v_offset: ArrayLike | None = None,
+                 kv_offset: ArrayLike | None = None, causal: bool = True, mask: ArrayLike | None = None,
+                 bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None, window: int | None = None,
+                 logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
+                 v_head_dim: int | None = None, k_rope: ArrayLike | None = None, indices: ArrayLike | None = None,
+                 kv_layout: KvLayout = "HND") -> Array | tuple[Array, Array]:
   """FlashDecode attention of new tokens over a KV cache.
 
   Legend: B batch, T new tokens per sequence, Hq query heads, Hkv kv heads
@@ -115,7 +181,8 @@ def flash_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=N
       ``params``. With ``impl="mosaic_gpu"``: ``None`` / ``False`` compile the kernels for
       the sm_90 GPU lowered for (ValueError when the trace is for another platform or
       GPU; a CUDA export from a host without a GPU names its target with ``jax.set_mesh``
-      of a GPU abstract mesh, `fdecode.kernels.common.chips.lowering_platform`); a ``fdecode.kernels.mosaic_gpu.InterpretGPUParams`` runs the same kernels and
+      of a GPU abstract mesh, `fdecode.kernels.common.chips.lowering_platform`); a
+      ``fdecode.kernels.mosaic_gpu.InterpretGPUParams`` runs the same kernels and
       plans (an H100's) under jax's Mosaic GPU interpreter, on CPU.
     return_lse: also return the log-sum-exp of the scores.
     v_head_dim: static int Dv, required with ``v=None`` (``1 <= Dv <= k.shape[-1]``; DeepSeek
@@ -354,7 +421,9 @@ def _check_interpret(impl, interpret):
 PLATFORMS = ("cpu", "gpu", "tpu")
 
 
-def plan(q, k, v, lengths, *, platform: str | None = None, **kwargs) -> tuple:
+def plan(q: ArrayLike | jax.ShapeDtypeStruct, k: ArrayLike | jax.ShapeDtypeStruct,
+         v: ArrayLike | jax.ShapeDtypeStruct | None, lengths: ArrayLike | jax.ShapeDtypeStruct, *,
+         platform: Literal["cpu", "gpu", "tpu"] | None = None, **kwargs: object) -> tuple[Plan, ...]:
   """The frozen plans a `flash_decode` call with these arguments hands its kernels when
   lowered for ``platform`` (``"cpu"``, ``"gpu"`` or ``"tpu"``; None: `jax.default_backend()`),
   in the order they run: an `fdecode.kernels.xla.plan.XlaPlan`, an

@@ -26,12 +26,15 @@ N * B: with many distinct prefixes, group the batch by prefix and call once per 
 from __future__ import annotations
 
 import functools
+from typing import Literal, Unpack, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import Array
+from jax.typing import ArrayLike
 
-from fdecode.api import flash_decode
+from fdecode.api import DecodeOptions, flash_decode
 from fdecode.cache.tables import check_concrete_page_ids
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels.common.quant import is_quantized
@@ -45,10 +48,43 @@ _UNSUPPORTED = ("window", "alibi_slopes", "mask", "bias", "indices", "kv_offset"
 _SUFFIX_ONLY = ("block_tables", "k_scale", "v_scale", "k_offset", "v_offset", "k_rope")
 
 
-def cascade_decode(q, prefix_k, prefix_v, prefix_lengths, k, v, lengths, *, prefix_ids,
-                   return_lse=False, prefix_block_tables=None, prefix_k_scale=None,
-                   prefix_v_scale=None, prefix_k_offset=None, prefix_v_offset=None,
-                   prefix_k_rope=None, **flash_decode_options):
+@overload
+def cascade_decode(q: ArrayLike, prefix_k: ArrayLike, prefix_v: ArrayLike | None, prefix_lengths: ArrayLike,
+                   k: ArrayLike, v: ArrayLike | None, lengths: ArrayLike, *, prefix_ids: ArrayLike,
+                   return_lse: Literal[False] = False, prefix_block_tables: ArrayLike | None = None,
+                   prefix_k_scale: ArrayLike | None = None, prefix_v_scale: ArrayLike | None = None,
+                   prefix_k_offset: ArrayLike | None = None, prefix_v_offset: ArrayLike | None = None,
+                   prefix_k_rope: ArrayLike | None = None,
+                   **flash_decode_options: Unpack[DecodeOptions]) -> Array: ...
+
+
+@overload
+def cascade_decode(q: ArrayLike, prefix_k: ArrayLike, prefix_v: ArrayLike | None, prefix_lengths: ArrayLike,
+                   k: ArrayLike, v: ArrayLike | None, lengths: ArrayLike, *, prefix_ids: ArrayLike,
+                   return_lse: Literal[True], prefix_block_tables: ArrayLike | None = None,
+                   prefix_k_scale: ArrayLike | None = None, prefix_v_scale: ArrayLike | None = None,
+                   prefix_k_offset: ArrayLike | None = None, prefix_v_offset: ArrayLike | None = None,
+                   prefix_k_rope: ArrayLike | None = None,
+                   **flash_decode_options: Unpack[DecodeOptions]) -> tuple[Array, Array]: ...
+
+
+@overload
+def cascade_decode(q: ArrayLike, prefix_k: ArrayLike, prefix_v: ArrayLike | None, prefix_lengths: ArrayLike,
+                   k: ArrayLike, v: ArrayLike | None, lengths: ArrayLike, *, prefix_ids: ArrayLike,
+                   return_lse: bool, prefix_block_tables: ArrayLike | None = None,
+                   prefix_k_scale: ArrayLike | None = None, prefix_v_scale: ArrayLike | None = None,
+                   prefix_k_offset: ArrayLike | None = None, prefix_v_offset: ArrayLike | None = None,
+                   prefix_k_rope: ArrayLike | None = None,
+                   **flash_decode_options: Unpack[DecodeOptions]) -> Array | tuple[Array, Array]: ...
+
+
+def cascade_decode(q: ArrayLike, prefix_k: ArrayLike, prefix_v: ArrayLike | None, prefix_lengths: ArrayLike,
+                   k: ArrayLike, v: ArrayLike | None, lengths: ArrayLike, *, prefix_ids: ArrayLike,
+                   return_lse: bool = False, prefix_block_tables: ArrayLike | None = None,
+                   prefix_k_scale: ArrayLike | None = None, prefix_v_scale: ArrayLike | None = None,
+                   prefix_k_offset: ArrayLike | None = None, prefix_v_offset: ArrayLike | None = None,
+                   prefix_k_rope: ArrayLike | None = None,
+                   **flash_decode_options: Unpack[DecodeOptions]) -> Array | tuple[Array, Array]:
   """Decode attention over a shared prefix followed by each sequence's own suffix.
 
   Sequence b is ``prefix[prefix_ids[b], :, :prefix_lengths[prefix_ids[b]]]`` followed by

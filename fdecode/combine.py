@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import Array
 
 # Finite "minus infinity" for masked scores inside kernels, so that max / exp never see
 # inf - inf. A visible score at or below it counts as no key (scores are never that small
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 MASK_VALUE = -1e30
 
 
-def merge_states(o: jnp.ndarray, lse: jnp.ndarray, axis: int = 0):
+def merge_states(o: Array, lse: Array, axis: int = 0) -> tuple[Array, Array]:
   """Merges partial attention states stacked along ``axis``.
 
   Args:
@@ -134,7 +135,7 @@ def _finalize(acc, m, l):
   return o, lse
 
 
-def combine_across(o: jnp.ndarray, lse: jnp.ndarray, axis_name):
+def combine_across(o: Array, lse: Array, axis_name: str | tuple[str, ...]) -> tuple[Array, Array]:
   """Merges the states held by the devices along mesh axis ``axis_name``.
 
   Call inside ``jax.shard_map`` (or any context where ``axis_name`` is bound), where
@@ -190,7 +191,7 @@ def add_sink(o: jnp.ndarray, lse: jnp.ndarray, sink: jnp.ndarray):
   return jnp.where(nan, jnp.nan, out).astype(o.dtype), jnp.where(nan, jnp.nan, out_lse)
 
 
-def apply_sinks(o: jnp.ndarray, lse: jnp.ndarray, sinks: jnp.ndarray):
+def apply_sinks(o: Array, lse: Array, sinks: Array) -> tuple[Array, Array]:
   """Adds attention sinks to a *merged* state: one extra logit per head with no value.
 
   A sink is the state (0, sink) of a virtual key whose value is 0, so this is

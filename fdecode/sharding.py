@@ -22,19 +22,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, Literal, Unpack, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import Array
+from jax.typing import ArrayLike
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from fdecode.api import flash_decode
+from fdecode.api import DecodeOptions, flash_decode
 from fdecode.cache.layout import CacheView, kv_head_axis
 from fdecode.combine import apply_sinks, combine_across
 from fdecode.cache.meshes import host_values
 from fdecode.kernels.common.quant import canonical_scale
 from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, short_repr, static_options
+
+# A mesh axis name, several (their product), or none.
+AxisNames = str | tuple[str, ...] | None
 
 # Options laid out like the cache ([B|1, Hkv|1, S|1, n_tiles]): split with it.
 _CACHE_SHAPED = ("k_scale", "v_scale", "k_offset", "v_offset")
@@ -43,8 +48,31 @@ _CACHE_LIKE = _CACHE_SHAPED + ("k_rope",)
 # Options whose values flash_decode checks when they are concrete (with lengths).
 _VALUE_CHECKED = ("block_tables", "kv_offset", "indices")
 
-def sharded_flash_decode(q, k, v, lengths, *, mesh, head_axis=None, seq_axis=None,
-                         batch_axis=None, return_lse=False, **flash_decode_kwargs):
+@overload
+def sharded_flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: ArrayLike, *,
+                         mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, head_axis: AxisNames = None,
+                         seq_axis: AxisNames = None, batch_axis: AxisNames = None, return_lse: Literal[False] = False,
+                         **flash_decode_kwargs: Unpack[DecodeOptions]) -> Array: ...
+
+
+@overload
+def sharded_flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: ArrayLike, *,
+                         mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, head_axis: AxisNames = None,
+                         seq_axis: AxisNames = None, batch_axis: AxisNames = None, return_lse: Literal[True],
+                         **flash_decode_kwargs: Unpack[DecodeOptions]) -> tuple[Array, Array]: ...
+
+
+@overload
+def sharded_flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: ArrayLike, *,
+                         mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, head_axis: AxisNames = None,
+                         seq_axis: AxisNames = None, batch_axis: AxisNames = None, return_lse: bool,
+                         **flash_decode_kwargs: Unpack[DecodeOptions]) -> Array | tuple[Array, Array]: ...
+
+
+def sharded_flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: ArrayLike, *,
+                         mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh, head_axis: AxisNames = None,
+                         seq_axis: AxisNames = None, batch_axis: AxisNames = None, return_lse: bool = False,
+                         **flash_decode_kwargs: Unpack[DecodeOptions]) -> Array | tuple[Array, Array]:
   """`flash_decode` with the work split over the devices of ``mesh``.
 
   Args:

@@ -46,6 +46,7 @@ from flax import nnx
 from fdecode.cache.allocator import PageAllocator
 from fdecode.decoding.compilation_cache import enable as enable_compilation_cache
 from fdecode.decoding.generate import check_prompt_ids, model_state, split_model
+from fdecode.models.base import Transformer
 from fdecode.validation import INT32_MAX, describe
 
 __all__ = ["Engine", "Finished", "Request", "StepLimitError", "StepStats", "token_buckets"]
@@ -163,9 +164,9 @@ class Engine:
       that is not None or a token id.
   """
 
-  def __init__(self, model, *, max_seqs: int = 16, token_budget: int = 128, max_len: int = 256,
+  def __init__(self, model: Transformer, *, max_seqs: int = 16, token_budget: int = 128, max_len: int = 256,
                page_size: int = 16, num_pages: int | None = None, eos_id: int | None = None,
-               buckets: Sequence[int] | None = None, compilation_cache: bool | str = True):
+               buckets: Sequence[int] | None = None, compilation_cache: bool | str | os.PathLike = True) -> None:
     for name, value, low in (("max_seqs", max_seqs, 1), ("token_budget", token_budget, max_seqs),
                              ("max_len", max_len, 1), ("page_size", page_size, 1)):
       if not _is_int(value) or not low <= value <= INT32_MAX:

@@ -8,6 +8,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax import Array
+from jax.typing import ArrayLike
 import numpy as np
 from flax import nnx
 
@@ -22,7 +24,7 @@ from fdecode.validation import (check_cache_dtype, check_cache_sizes, check_norm
 __all__ = ["DecodeAttention", "alibi_slopes", "apply_rope"]
 
 
-def apply_rope(x, positions, *, theta: float = 10000.0):
+def apply_rope(x: ArrayLike, positions: ArrayLike, *, theta: float = 10000.0) -> Array:
   """Rotary position embedding, rotate-half convention (GPT-NeoX / Llama).
 
   Args:
@@ -48,7 +50,7 @@ def apply_rope(x, positions, *, theta: float = 10000.0):
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def alibi_slopes(num_heads: int) -> jnp.ndarray:
+def alibi_slopes(num_heads: int) -> Array:
   """The standard ALiBi slopes (Press et al.; BLOOM / MPT / vLLM), float32 ``[Hq]``:
   ``2 ** (-8 (i + 1) / n)`` for the largest power of two ``n <= Hq``, then every other
   slope of ``2n`` heads for the rest.
@@ -233,7 +235,7 @@ class DecodeAttention(nnx.Module):
     self.lengths = nnx.Cache(jnp.zeros((batch,), jnp.int32))
     self.overflowed = nnx.Cache(jnp.zeros((batch,), jnp.bool_))
 
-  def prefill(self, x, lengths):
+  def prefill(self, x: ArrayLike, lengths: ArrayLike) -> Array:
     """Writes a batch of right-padded prompts into the cache (replacing its contents).
 
     Args:
@@ -279,7 +281,7 @@ class DecodeAttention(nnx.Module):
     self._commit(new_state, lengths=lengths, overflowed=jnp.zeros((b,), jnp.bool_))
     return out
 
-  def decode(self, x):
+  def decode(self, x: ArrayLike) -> Array:
     """Appends T tokens to every sequence at its own position and attends over the cache.
 
     Args:
@@ -321,7 +323,8 @@ class DecodeAttention(nnx.Module):
     self._commit(new_state, lengths=lengths, overflowed=self.overflowed[...] | ~fits)
     return out
 
-  def ragged(self, x, kv_lens, block_tables, cu_q_lens, num_seqs):
+  def ragged(self, x: ArrayLike, kv_lens: ArrayLike, block_tables: ArrayLike, cu_q_lens: ArrayLike,
+             num_seqs: ArrayLike) -> Array:
     """A serving step over a shared page pool (`fdecode.decoding.serving`): packed new tokens of
     several sequences, any number each, written into the pool and attended with
     `fdecode.ragged_decode` (the write fused into the call).

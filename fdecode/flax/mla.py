@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax import Array
+from jax.typing import ArrayLike
 import numpy as np
 from flax import nnx
 
@@ -194,7 +196,7 @@ class MLADecodeAttention(nnx.Module):
     self.lengths = nnx.Cache(jnp.zeros((batch,), jnp.int32))
     self.overflowed = nnx.Cache(jnp.zeros((batch,), jnp.bool_))
 
-  def prefill(self, x, lengths):
+  def prefill(self, x: ArrayLike, lengths: ArrayLike) -> Array:
     """Writes a batch of right-padded prompts into the cache (replacing its contents).
 
     Args:
@@ -238,7 +240,7 @@ class MLADecodeAttention(nnx.Module):
     self._commit(new_state, lengths=lengths, overflowed=jnp.zeros((b,), jnp.bool_))
     return out
 
-  def decode(self, x):
+  def decode(self, x: ArrayLike) -> Array:
     """Appends T tokens to every sequence at its own position; absorbed attention over
     the latent cache with ``decode_fn``.
 

@@ -4,8 +4,11 @@ token-major cache ``[B, L, Hkv, D]`` (legend in `fdecode.flax`)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax.numpy as jnp
+from jax import Array
+from jax.typing import ArrayLike
 from flax import linen
 from flax import nnx
 
@@ -14,9 +17,10 @@ from fdecode.api import flash_decode
 __all__ = ["attention_fn", "decode_token_major"]
 
 
-def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
-                 dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
-                 precision=None, module=None, *, num_splits=None, **kwargs):
+def attention_fn(query: Array, key: Array, value: Array, bias: Array | None = None, mask: Array | None = None,
+                 broadcast_dropout: bool = True, dropout_rng: Array | None = None, dropout_rate: float = 0.0,
+                 deterministic: bool = False, dtype: Any = None, precision: Any = None, module: Any = None, *,
+                 num_splits: int | str | None = None, **kwargs: Any) -> Array:
   """Drop-in ``attention_fn`` for Flax attention modules, FlashDecode on decode steps.
 
   Same signature and result as ``flax.nnx.dot_product_attention``. A call is a decode
@@ -74,7 +78,8 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True
   return out.reshape(*batch, 1, hq, out.shape[-1]).astype(out_dtype)
 
 
-def decode_token_major(q, k, v, mask, **flash_decode_kwargs):
+def decode_token_major(q: ArrayLike, k: ArrayLike, v: ArrayLike, mask: ArrayLike | None,
+                       **flash_decode_kwargs: Any) -> Array:
   """One new token per sequence over a token-major cache ``[B, L, Hkv, D]`` with a mask
   ``[B, 1|Hq, L]`` (True = visible): `fdecode.flash_decode` with ``kv_layout="NHD"``, the
   mask as its ``mask`` (``[B, S]`` or ``[B, T=1, Hq, S]``) and every cache slot counted

@@ -57,12 +57,15 @@ write nothing.
 from __future__ import annotations
 
 import functools
+from typing import Literal, Unpack, overload
 
 import jax
 import jax.numpy as jnp
-from jax import lax
+from jax import Array, lax
 from jax.experimental.pallas import tpu as pltpu
+from jax.typing import ArrayLike
 
+from fdecode.api import KvLayout, ScoreOptions
 from fdecode.cache.layout import CacheView, check_layout
 from fdecode.dispatch import forced_tpu_interpret, triton_supports
 from fdecode.ragged.checks import CALLER, check_shapes, check_values
@@ -77,8 +80,49 @@ _OPTIONS = ("k_scale", "v_scale", "k_offset", "v_offset", "softmax_scale", "num_
 _PER_SEQ = ("k_scale", "v_scale", "k_offset", "v_offset", "k_rope")  # contiguous: a batch axis
 
 
-def ragged_decode(q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, *, kv_layout="HND",
-                  new_k=None, new_v=None, **options):
+class RaggedOptions(ScoreOptions, total=False):
+  """`ragged_decode`'s keyword options: `flash_decode`'s that it forwards, and ``return_lse``."""
+  return_lse: bool
+
+
+@overload
+def ragged_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, kv_lens: ArrayLike, block_tables: ArrayLike | None,
+                  cu_q_lens: ArrayLike, num_seqs: ArrayLike, *, kv_layout: KvLayout = "HND", new_k: None = None,
+                  new_v: None = None, return_lse: Literal[False] = False, **options: Unpack[ScoreOptions]) -> Array: ...
+
+
+@overload
+def ragged_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, kv_lens: ArrayLike, block_tables: ArrayLike | None,
+                  cu_q_lens: ArrayLike, num_seqs: ArrayLike, *, kv_layout: KvLayout = "HND", new_k: None = None,
+                  new_v: None = None, return_lse: Literal[True],
+                  **options: Unpack[ScoreOptions]) -> tuple[Array, Array]: ...
+
+
+@overload
+def ragged_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, kv_lens: ArrayLike, block_tables: ArrayLike | None,
+                  cu_q_lens: ArrayLike, num_seqs: ArrayLike, *, kv_layout: KvLayout = "HND", new_k: ArrayLike,
+                  new_v: ArrayLike | None, return_lse: Literal[False] = False,
+                  **options: Unpack[ScoreOptions]) -> tuple[Array, Array, Array]: ...
+
+
+@overload
+def ragged_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, kv_lens: ArrayLike, block_tables: ArrayLike | None,
+                  cu_q_lens: ArrayLike, num_seqs: ArrayLike, *, kv_layout: KvLayout = "HND", new_k: ArrayLike,
+                  new_v: ArrayLike | None, return_lse: Literal[True],
+                  **options: Unpack[ScoreOptions]) -> tuple[Array, Array, Array, Array]: ...
+
+
+@overload
+def ragged_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, kv_lens: ArrayLike, block_tables: ArrayLike | None,
+                  cu_q_lens: ArrayLike, num_seqs: ArrayLike, *, kv_layout: KvLayout = "HND",
+                  new_k: ArrayLike | None = None, new_v: ArrayLike | None = None,
+                  **options: Unpack[RaggedOptions]) -> Array | tuple[Array, ...]: ...
+
+
+def ragged_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, kv_lens: ArrayLike, block_tables: ArrayLike | None,
+                  cu_q_lens: ArrayLike, num_seqs: ArrayLike, *, kv_layout: KvLayout = "HND",
+                  new_k: ArrayLike | None = None, new_v: ArrayLike | None = None,
+                  **options: Unpack[RaggedOptions]) -> Array | tuple[Array, ...]:
   """Attention of a packed, ragged batch of new tokens over their sequences' KV caches.
 
   Legend: N packed new tokens (rows), M = max_seqs, Hq / Hkv query / kv heads, S a
