@@ -322,7 +322,7 @@ def main(argv=None):
   try:
     _plt()
   except ImportError:
-    print("plot.py needs matplotlib: pip install 'fdecode[bench]'", file=sys.stderr)
+    print("plot.py needs matplotlib: pip install matplotlib (fdecode's bench extra)", file=sys.stderr)
     return 2
   src, out = pathlib.Path(a.src), pathlib.Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
