@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import fdecode
-from fdecode.kernels.common.quant import quantize
+from fdecode.cache.quant import quantize
 from _records import add_json_arg, machine_line, table_records, write  # benchmarks/ is on sys.path
 from _timing import timeit
 

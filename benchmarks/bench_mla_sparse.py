@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fdecode
-from fdecode.kernels.common.quant import quantize
+from fdecode.cache.quant import quantize
 from _records import add_json_arg, machine_line, table_records, write  # benchmarks/ is on sys.path
 from _timing import print_rows, timeit
 from bench_decode import as_float32_words, floor_fn

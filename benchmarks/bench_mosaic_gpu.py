@@ -58,7 +58,7 @@ import numpy as np
 import fdecode
 from _records import add_json_arg, machine_line, record, write  # benchmarks/ is on sys.path when a script here runs
 from fdecode.kernels import mosaic_gpu
-from fdecode.kernels.common.quant import quantize
+from fdecode.cache.quant import quantize
 
 DK, DV = 576, 512
 SPEC_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12}

@@ -42,7 +42,7 @@ from _records import add_json_arg, machine_line, record, write  # benchmarks/ is
 from bench_mosaic_gpu import short_error, spec_bandwidth
 from bench_ragged import make_step
 from fdecode.kernels import mosaic_gpu
-from fdecode.kernels.common.quant import quantize
+from fdecode.cache.quant import quantize
 
 
 def make(seed, b, t, hq, hkv, s, d, dtype):

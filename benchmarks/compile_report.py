@@ -7,7 +7,7 @@ scales) of the benchmark grid (Hq=32, Hkv=8, D=128, every sequence full, at B x 
 * GPU (H100 sm_90a, A100 sm_80; XLA:GPU + ptxas, `fdecode.devtools.compile_check`): registers,
   spills, shared memory, programs, programs resident per SM, waves, and the predicted time
   at the memory roofline: the cache plus the split partials (written by the kernel, read
-  by the merge), over the bandwidth the launch keeps busy (`fdecode.config.gpu_busy`:
+  by the merge), over the bandwidth the launch keeps busy (`fdecode.kernels.triton.gpu_busy`:
   equal programs; the busiest SM's share, and the last partial wave at the compiled
   residency). Compute and launch latency are left out: a bound on what the launch allows.
 * TPU (v5e, v6e; libtpu): whether it compiles, the VMEM footprint and limit of the plan
@@ -41,8 +41,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import fdecode  # noqa: E402
-from fdecode import config
 from fdecode.kernels.common import chips  # noqa: E402
+from fdecode.kernels.triton import gpu_busy  # noqa: E402
 from _records import add_json_arg, machine_line, record, write  # noqa: E402  (benchmarks/ is on sys.path)
 
 GRID = {"B=1 S=32k": (1, 8, 32, 32768), "B=8 S=32k": (8, 8, 32, 32768),
@@ -93,7 +93,7 @@ def gpu_row(gpu: chips.Gpu, name: str, report: dict) -> dict:
   (k,) = [x for x in report["kernels"] if x["name"].startswith("fdecode_split_kv")]
   programs = math.prod(k["grid"])
   resident = gpu.resident_programs(threads=k["threads"], regs=k["regs"], smem=k["smem"])
-  busy = config.gpu_busy(programs, gpu.sms, resident)
+  busy = gpu_busy(programs, gpu.sms, resident)
   rows_p = -(-(hq // hkv) // 16) * 16  # the kernel's rows, padded to a dot tile
   merge = 2 * 4 * b * hkv * k["grid"][2] * rows_p * (D + 1)  # partials written, then read
   return dict(case=name, regs=k["regs"], spills=k["spill_stores"] + k["spill_loads"], smem=k["smem"],
@@ -103,7 +103,7 @@ def gpu_row(gpu: chips.Gpu, name: str, report: dict) -> dict:
 
 
 def tpu_row(tpu: chips.Tpu, target, name: str, report: dict) -> dict:
-  from fdecode.kernels.mosaic_tpu.plan import plan  # pylint: disable=g-import-not-at-top
+  from fdecode.kernels.mosaic_tpu.plan import plan, split_count  # pylint: disable=g-import-not-at-top
   variant, grid_name = name.split(" ", 1)
   b, hkv, hq, s = GRID[grid_name]
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
@@ -111,7 +111,7 @@ def tpu_row(tpu: chips.Tpu, target, name: str, report: dict) -> dict:
   q_rows = spec((b, hkv, hq // hkv, D), jnp.bfloat16)
   p = plan(q_rows, k, v, **opts)
   blocks = -(-s // p.block)
-  splits = config.default_num_splits(b, hkv, blocks, tpu.cores_per_chip)
+  splits = split_count(b, hkv, blocks, tpu.cores_per_chip)
   steps = b * hkv * splits * -(-blocks // splits)
   kv = kv_bytes(variant, b, hkv, s)
   return dict(case=name, ok=report["ok"], error=None if report["ok"] else report["error"][-300:],

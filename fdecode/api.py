@@ -18,16 +18,18 @@ from fdecode.kernels.common import chips, modifiers
 from fdecode.kernels.common import sparse as sparse_lib
 from fdecode.kernels import mosaic_gpu
 from fdecode.cache.layout import CacheView
-from fdecode.dispatch import decode, forced_tpu_interpret, recording, recording_plans
+from fdecode import route
+from fdecode.dispatch import decode, recording, recording_plans
 from fdecode.cache.tables import check_concrete_page_ids
 from fdecode.validation import (ARRAY_ARGS, as_arrays, check_concrete_lengths, check_kv_offset, describe,
-                                static_options, static_scalar, static_scale, to_int32, validate_args, validate_quant)
+                                static_options, static_scalar, static_scale, to_int32, validate_args)
+from fdecode.cache.quant import validate_quant
 
 if TYPE_CHECKING:
   from fdecode.kernels.mosaic_gpu import MlaPlan, RowsPlan
-  from fdecode.kernels.mosaic_tpu.plan import CallPlan
-  from fdecode.kernels.triton.plan import TritonPlan
-  from fdecode.kernels.xla.plan import XlaPlan
+  from fdecode.kernels.mosaic_tpu import CallPlan
+  from fdecode.kernels.triton import TritonPlan
+  from fdecode.kernels.xla import XlaPlan
 
 IMPLS = ("pallas", "mosaic_gpu", "xla", "reference")
 
@@ -127,7 +129,7 @@ def flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: Array
     k_scale, v_scale: required for 8-bit caches: a scalar (per tensor) or float32 shaped
       like the cache with the last axis replaced by ``n_tiles`` dividing the head dim
       (1 = per token per head, D/128 = 1x128 tiles); leading axes of size 1 broadcast.
-      Dequantization happens after the load, inside the kernel (see `fdecode.kernels.common.quant`).
+      Dequantization happens after the load, inside the kernel (see `fdecode.cache.quant`).
     k_offset, v_offset: optional, shaped like the scales: real = (x + offset) * scale.
     kv_offset: int scalar or int ``[B]``, default 0: the position in the sequence of the
       cache's first token, for a cache that is a chunk of a longer sequence (sequence
@@ -139,7 +141,8 @@ def flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: Array
       float32, 0 or of magnitude in ``[2**-126, float32 max]``.
     num_splits: chunks of the token axis processed in parallel, each yielding a partial
       state merged by `merge_states`. ``None``: compiled Triton gives every SM of the GPU two
-      programs (`fdecode.config.gpu_num_splits`); elsewhere `fdecode.config.default_num_splits`.
+      programs (`fdecode.kernels.triton.plan.gpu_num_splits`); elsewhere the backend's plan decides
+      (`fdecode.kernels.mosaic_tpu.plan.split_count`, `fdecode.kernels.xla.plan.make_plan`).
       Any positive value gives the same result within float tolerance. ``"balance"``:
       on a paged cache without mask, bias or index list, the Triton kernel runs a fixed
       grid of work items sized to fill the GPU, each a run of one sequence's live
@@ -192,7 +195,7 @@ def flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: Array
       ``concat(k, k_rope)`` of width ``Dk = k.shape[-1] + Dr`` (q's head dim) and the
       values never include them. FlashMLA's FP8 cache is ``k`` float8_e4m3fn
       ``[..., 512]`` with ``k_scale [..., 4]`` (1x128 tiles) plus ``k_rope`` bfloat16
-      ``[..., 64]``: 656 bytes per token (`fdecode.kernels.common.quant` documents the layout).
+      ``[..., 64]``: 656 bytes per token (`fdecode.cache.quant` documents the layout).
     indices: sparse top-k attention (DeepSeek V3.2): int ``[B, K]`` (shared by the T new
       tokens), ``[B, T, K]`` (per token) or ``[B, T, Hkv, K]`` (per token and kv head;
       with a single-token q: ``[B, K]`` or ``[B, Hkv, K]``): the sequence positions each
@@ -337,8 +340,7 @@ def canonical_call(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale
   if impl == "mosaic_gpu" and kv_offset is not None:
     raise ValueError("flash_decode: impl='mosaic_gpu' does not take kv_offset (the Hopper kernels read a "
                      "whole sequence's cache)")
-  if impl == "pallas" and interpret is None:
-    interpret = forced_tpu_interpret()
+  interpret = route.resolve_interpret(impl, interpret)
   cfg = config_lib.Config.from_args(num_splits, block_k).bounded(
       max(view.capacity, 0 if indices is None else np.shape(indices)[-1]))
   scale = static_scale(softmax_scale, q.shape[-1])

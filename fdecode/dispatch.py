@@ -12,34 +12,26 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.experimental.pallas import tpu as pltpu
 
-from fdecode.kernels.common import chips
 from fdecode.kernels.common import modifiers
 from fdecode.kernels.common import sparse as sparse_lib
 from fdecode.cache.layout import QUANT_ARRAYS
 from fdecode.cache.paged import gather_pages, gather_scale
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels import mosaic_gpu
-from fdecode.kernels.mosaic_tpu import sparse as mosaic_sparse
-from fdecode.kernels.mosaic_tpu.kernel import mosaic_partials
-from fdecode.kernels.mosaic_tpu.plan import make_plan as mosaic_make_plan
-from fdecode.kernels.mosaic_tpu.token_major import contiguous_as_pool as mosaic_contiguous_as_pool
+from fdecode.kernels import mosaic_tpu
 from fdecode.kernels import triton as triton_kernels
 from fdecode.kernels.triton import make_plan as triton_plan, run as triton_run, triton_unsupported
 from fdecode.kernels.common.modifiers import window_tokens
-from fdecode.kernels.xla import plan as xla_plan
-from fdecode.kernels.xla.dense import xla_partials
-from fdecode.kernels.xla.sparse import sparse_partials
-from fdecode.kernels.common.quant import dequantize, is_quantized, per_token_scale
+from fdecode.kernels import xla as xla_kernels
+from fdecode.cache.quant import dequantize, is_quantized
 from fdecode.reference import reference_decode
+from fdecode import route
 
 
 # `fdecode.plan`: while a list is set, each path traced appends (platform, its plan); the
-# platform is the `platform_dependent` branch being traced (None: every platform).
+# platform is the `fdecode.route.lower` branch being traced (None: every platform).
 _PLANS = contextvars.ContextVar("fdecode_plans", default=None)
-_BRANCH = contextvars.ContextVar("fdecode_branch", default=None)
 
 
 @contextlib.contextmanager
@@ -61,26 +53,7 @@ def recording() -> bool:
 def _note(plan):
   log = _PLANS.get()
   if log is not None:
-    log.append((_BRANCH.get(), plan))
-
-
-def _branch(platform, fn):
-  """``fn`` traced as `platform_dependent`'s ``platform`` branch (for `recording_plans`)."""
-  def run():
-    token = _BRANCH.set(platform)
-    try:
-      return fn()
-    finally:
-      _BRANCH.reset(token)
-  return run
-
-
-def forced_tpu_interpret():
-  """The InterpretParams of an enclosing ``pltpu.force_tpu_interpret_mode(...)``, else None:
-  under it, ``impl="pallas"`` runs the TPU kernel interpreted, as the context promises."""
-  from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
-  flag = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
-  return None if flag is None else flag.value
+    log.append((route.branch_platform(), plan))
 
 
 def compute_dtype(q_dtype, *cache_dtypes):
@@ -111,8 +84,9 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   ``source``: a `fdecode.kernels.triton.RowSource` of which q (and the view's block tables,
   or a contiguous view's caches) are gathers: the Triton kernels read through it, every
   other path reads q and the view.
-  The one dispatch: by the platform being *lowered for* (`jax.lax.platform_dependent`),
-  so exporting for TPU or CUDA from a CPU host embeds that platform's kernel.
+  The one dispatch: its path per platform *lowered for* (`fdecode.route.decode_path`, run
+  by `fdecode.route.lower`), so exporting for TPU or CUDA from a CPU host embeds that
+  platform's kernel.
   """
   b, t, hq, dk = q.shape
   hm = view.head_major()  # built once, here, before the platform branches that may read it
@@ -166,30 +140,32 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
       out, lse = apply_sinks(out, lse, sinks)
     return out.astype(q.dtype), lse
 
-  xla = lambda platform: finish(_xla(q_rows(), view, ends, platform=platform, **kw))
+  triton_kw = kw if runs is None else dict(kw, indices=runs)
   # The Triton kernels finish the output themselves (split kernel, then combine).
-  triton = lambda interp: _triton(q, view, ends, interpret=interp, compute=cd, sinks=sinks, source=source,
-                                  **(kw if runs is None else dict(kw, indices=runs)))
-  mosaic = lambda interp: finish(_mosaic(q_rows(), view, ends, interpret=interp, **kw))
-  if impl == "xla":  # explicitly asked for, on whatever host traces it
-    return xla(jax.default_backend())
-  if isinstance(interpret, pltpu.InterpretParams):
-    return mosaic(interpret)
-  if impl == "pallas" and interpret:
-    return triton(True)
-  # platform_dependent traces every branch and lowers only the target's. A shape Triton
-  # cannot tile gets the XLA path on GPU, except that impl="pallas" traced on a GPU host
-  # raises (the Triton plan names the shape) rather than silently not using Pallas.
-  if triton_supports(view, v_head_dim) or (impl == "pallas" and jax.default_backend() == "gpu"):
-    gpu = lambda: triton(False)
-  else:
-    gpu = lambda: xla("gpu")
-  if impl == "pallas":  # compiled for the lowering platform; CPU has only the interpreter
-    cpu = lambda: triton(True)
-  else:  # impl=None: XLA on CPU, Triton on GPU, Mosaic on TPU
-    cpu = lambda: xla("cpu")
-  gpu = _branch("gpu", gpu)
-  return lax.platform_dependent(cpu=_branch("cpu", cpu), cuda=gpu, rocm=gpu, tpu=_branch("tpu", lambda: mosaic(False)))
+  branches = {
+      route.Path.XLA: lambda platform: finish(_xla(q_rows(), view, ends, platform=platform or jax.default_backend(),
+                                                   **kw)),
+      route.Path.TRITON: lambda _: _triton(q, view, ends, interpret=False, compute=cd, sinks=sinks, source=source,
+                                           **triton_kw),
+      route.Path.TRITON_INTERPRET: lambda _: _triton(q, view, ends, interpret=True, compute=cd, sinks=sinks,
+                                                     source=source, **triton_kw),
+      route.Path.MOSAIC_TPU: lambda _: finish(_mosaic(q_rows(), view, ends, interpret=False, **kw)),
+      route.Path.MOSAIC_TPU_INTERPRET: lambda _: finish(_mosaic(q_rows(), view, ends, interpret=interpret, **kw)),
+      route.Path.MOSAIC_GPU: lambda _: mosaic_gpu.decode_mla(  # the default dispatch's Hopper MLA path
+          q, view.read(view.read_layout).k, ends, softmax_scale=softmax_scale, num_splits=cfg.num_splits, note=_note),
+  }
+  triton_takes = triton_supports(view, v_head_dim)
+
+  def hopper_takes():  # asked only of a GPU lowered for, where the Triton kernel would run
+    rv = view.read(view.read_layout)
+    return mosaic_gpu.takes_mla(q, rv, mods, sinks, sparse, v_head_dim, mod_arrays["mask"], mod_arrays["bias"],
+                                mod_arrays["alibi"], cfg)
+
+  def choice(platform):
+    path = route.decode_path(impl, interpret, platform, triton_takes=triton_takes)
+    return route.Path.MOSAIC_GPU if path is route.Path.TRITON and hopper_takes() else path
+
+  return route.lower(choice, branches)
 
 
 def _xla(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, platform, mods, **extra):
@@ -197,21 +173,21 @@ def _xla(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
   token-major caches are read in place, chunk by chunk (`xla_partials`)."""
   b, hkv = q_rows.shape[:2]
   if "sparse" in extra:  # the K selected tokens, in chunks
-    p = xla_plan.make_plan(batch=b, kv_heads=hkv, tokens=extra["indices"].shape[-1], platform=platform,
+    p = xla_kernels.make_plan(batch=b, kv_heads=hkv, tokens=extra["indices"].shape[-1], platform=platform,
                            sparse=True, num_splits=cfg.num_splits)
     _note(p)
     hm = view.head_major()
-    return sparse_partials(q_rows, hm.k, hm.v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
+    return xla_kernels.sparse_partials(q_rows, hm.k, hm.v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
                            num_splits=p.num_splits, mods=mods, **hm.kernel_arrays(), **extra)
   s = window_tokens(view.capacity, num_tokens, mods, view.page_size)
-  p = xla_plan.make_plan(
+  p = xla_kernels.make_plan(
       batch=b, kv_heads=hkv, tokens=s, platform=platform, paged=view.paged,
       quantized=view.k_scale is not None or view.v_scale is not None,
       kv_layout=view.read_layout, num_splits=cfg.num_splits,
       token_bytes=b * hkv * view.k.shape[-1] * jnp.dtype(view.k.dtype).itemsize)  # K of one position, all sequences
   _note(p)
   rv = view.read(p.kv_layout)
-  return xla_partials(q_rows, rv.k, rv.v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
+  return xla_kernels.xla_partials(q_rows, rv.k, rv.v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
                       num_splits=p.num_splits, mods=mods, kv_layout=p.kv_layout, **rv.kernel_arrays(), **extra)
 
 
@@ -221,9 +197,6 @@ def _triton(q, view, ends, *, num_tokens, softmax_scale, cfg, interpret, compute
   for; interpreted, the same plan), then its kernels. Token-major caches are read in place,
   and q / table rows through ``source`` (not with index lists)."""
   del num_tokens  # q's shape carries it
-  rv = view.read(view.read_layout)
-  if not interpret and hopper_mla_takes(q, rv, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg):
-    return _hopper_mla(q, rv.k, ends, softmax_scale=softmax_scale, num_splits=cfg.num_splits)
   indices = lists.get("indices")
   p, rv = triton_plan_view(q, view, compute=compute, mods=mods, v_head_dim=v_head_dim, cfg=cfg, interpret=interpret,
                            has_mask_or_bias=mask is not None or bias is not None, has_sinks=sinks is not None,
@@ -254,104 +227,14 @@ def triton_plan_view(q, view, *, compute, mods, v_head_dim, cfg, interpret, has_
   return p, rv
 
 
-def hopper_mla_takes(q, view, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg) -> bool:
-  """Whether the call goes to the Hopper MLA kernel (`fdecode.kernels.mosaic_gpu`): an
-  sm_90 GPU lowered for, and a call it takes (bf16 MLA latents 576 / 512, one contiguous kv
-  head, T = 1, G a multiple of 16, no scales, modifiers, sinks or index lists; the kernel's
-  8-bit path is opt-in, ``default_dispatch``, until a GPU measures it). Measured on an H200 (benchmarks/RESULTS.md): 2-8x faster than the Triton kernel at G 16 and 128."""
-  if chips.lowering_gpu().capability != (9, 0) or cfg.balance:
-    return False
-  extras = (sinks is not None or sparse is not None or mask is not None or bias is not None
-            or alibi is not None or view.k_rope is not None or not mods.plain)
-  return mosaic_gpu.unsupported(
-      q_shape=q.shape, q_dtype=q.dtype, k_shape=view.k.shape, k_dtype=view.k.dtype, v_is_none=view.v is None,
-      v_head_dim=v_head_dim, k_scale_shape=None if view.k_scale is None else view.k_scale.shape,
-      paged=view.paged, modifiers=extras, default_dispatch=True) is None
-
-
-def _hopper_mla(q, k, ends, k_scale=None, *, softmax_scale, num_splits, interpret=None):
-  """MLA decode on the Hopper kernel, its split states merged by the Triton combine kernel
-  (`fdecode.kernels.mosaic_gpu.api.mla_run`): two kernels. ``k_scale``: an 8-bit cache's
-  per-token scales (``impl="mosaic_gpu"`` only), canonical rank 4."""
-  b, t, g, _ = q.shape
-  if k_scale is not None:
-    k_scale = per_token_scale(k_scale, k.shape, "k_scale", "flash_decode")
-  p = mosaic_gpu.mla_plan(batch=b, num_tokens=t, group=g, seq_len=k.shape[2], softmax_scale=softmax_scale,
-                          cache_dtype=k.dtype, num_splits=num_splits)
-  _note(p)
-  return mosaic_gpu.mla_run(p, q, ends, k, k_scale, interpret=interpret)
-
-
-def _hopper_rows(q, view, ends, *, softmax_scale, num_splits, interpret):
-  """GQA decode on the Hopper rows kernel over a head-major cache (contiguous, or a pool
-  read in place through the block table), its split states merged by the Triton combine
-  kernel (`fdecode.kernels.mosaic_gpu.rows_api.rows_run`)."""
-  b, t, hq, d = q.shape
-  k, v = view.k, view.v
-  hkv = view.kv_heads
-  scales = [None if x is None else per_token_scale(x, c.shape, n, "flash_decode", broadcast=False)
-            for n, x, c in (("k_scale", view.k_scale, k), ("v_scale", view.v_scale, v))]
-  p = mosaic_gpu.rows_plan(batch=b, kv_heads=hkv, num_tokens=t, group=hq // hkv, head_dim=d, seq_len=view.capacity,
-                           softmax_scale=softmax_scale, cache_dtype=k.dtype, num_splits=num_splits,
-                           page_size=view.page_size)
-  _note(p)
-  return mosaic_gpu.rows_run(p, q, ends, k, v, *scales, block_tables=view.block_tables, interpret=interpret)
-
-
-def _mosaic_gpu(q, view, ends, *, softmax_scale, cfg, interpret, mods, v_head_dim, sinks, sparse, mask, bias,
-                alibi):
-  """``impl="mosaic_gpu"``: the Hopper MLA kernel (``v`` None) or rows kernel (GQA) with
-  their plans, compiled for the sm_90 GPU lowered for or run under the Mosaic GPU
-  interpreter (``interpret``: an ``InterpretGPUParams``). A call the kernel does not take,
-  or a compiled trace not for an sm_90 GPU, raises ValueError saying why."""
-  if not interpret:
-    platform = chips.lowering_platform()
-    gpu = chips.lowering_gpu() if platform == "gpu" else None
-    if gpu is None or gpu.capability != (9, 0):
-      target = platform if gpu is None else f"{gpu.name} (sm_{gpu.capability[0]}{gpu.capability[1]})"
-      raise ValueError(f"flash_decode: impl='mosaic_gpu' compiles the Hopper kernels for an sm_90 GPU, but this "
-                       f"trace lowers for {target}; pass interpret=fdecode.kernels.mosaic_gpu.InterpretGPUParams() "
-                       "to run them under the Mosaic GPU interpreter (CPU)")
-  rv = view.read(view.read_layout)  # one kv head (MLA, MQA) stored token-major is read head-major: the same bytes
-  mla = rv.v is None
-  reason = _hopper_refusal(rv, q.shape[1], mods=mods, modifiers=(
-      sinks is not None or sparse is not None or mask is not None or bias is not None or alibi is not None))
-  if reason is None and mla:
-    reason = mosaic_gpu.unsupported(
-        q_shape=q.shape, q_dtype=q.dtype, k_shape=rv.k.shape, k_dtype=rv.k.dtype, v_is_none=True,
-        v_head_dim=v_head_dim, k_scale_shape=None if rv.k_scale is None else rv.k_scale.shape, paged=rv.paged)
-  elif reason is None:
-    reason = mosaic_gpu.rows_unsupported(
-        q_shape=q.shape, q_dtype=q.dtype, k_shape=rv.k.shape, k_dtype=rv.k.dtype, v_shape=rv.v.shape,
-        v_dtype=rv.v.dtype, scales=rv.k_scale is not None or rv.v_scale is not None, paged=rv.paged)
-  if reason:
-    raise ValueError(f"flash_decode: impl='mosaic_gpu': the Hopper {'MLA' if mla else 'rows'} kernel cannot take "
-                     f"this call: {reason}")
-  if mla:
-    return _hopper_mla(q, rv.k, ends, rv.k_scale, softmax_scale=softmax_scale, num_splits=cfg.num_splits,
-                       interpret=interpret)
-  return _hopper_rows(q, rv, ends, softmax_scale=softmax_scale, num_splits=cfg.num_splits, interpret=interpret)
-
-
-def _hopper_refusal(view, num_tokens, *, mods, modifiers) -> str | None:
-  """What of a call neither Hopper kernel takes, whatever its shapes, as a sentence, or None."""
-  if view.layout != "HND":
-    return ("token-major caches (kv_layout='NHD') with more than one kv head are not read; "
-            "pass head-major caches (kv_layout='HND')")
-  if modifiers or not mods.plain:
-    return "score modifiers (mask, bias, alibi, window, soft cap, sinks, indices) are not supported"
-  if num_tokens > 1 and not mods.causal:
-    return f"causal=False with T={num_tokens} new tokens is not supported (the kernels' new tokens are causal)"
-  if view.k_rope is not None:
-    return "k_rope (key-only columns stored apart) is not supported: store them as k's last columns"
-  if view.k_offset is not None or view.v_offset is not None:
-    return "k_offset / v_offset (asymmetric 8-bit) are not supported: the kernels take per-token scales only"
-  return None
+def _mosaic_gpu(q, view, ends, **call):
+  """``impl="mosaic_gpu"`` (`fdecode.kernels.mosaic_gpu.decode`), its plans recorded."""
+  return mosaic_gpu.decode(q, view, ends, note=_note, **call)
 
 
 def _mosaic(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, interpret, **extra):
   """The Mosaic path: its plan (`fdecode.kernels.mosaic_tpu.plan.make_plan`), then its kernel."""
-  p = mosaic_make_plan(q_rows, view, extra=extra, num_tokens=num_tokens, num_splits=cfg.num_splits,
+  p = mosaic_tpu.make_plan(q_rows, view, extra=extra, num_tokens=num_tokens, num_splits=cfg.num_splits,
                        block_k=cfg.block_k)
   _note(p)
   if p.backend == "xla":
@@ -367,11 +250,11 @@ def _mosaic(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, interpret, **
   if p.read is not None:
     layout = dict(kv_layout="NHD", head_axis=p.read.axis) if p.sparse else dict(kv_layout="NHD", read=p.read)
     if p.as_pool:  # a contiguous cache as the pool of whole pages
-      k, v, rope, quant, tables = mosaic_contiguous_as_pool(k, v, rv.k_rope, tuple(arrays[n] for n in _QUANT))
+      k, v, rope, quant, tables = mosaic_tpu.contiguous_as_pool(k, v, rv.k_rope, tuple(arrays[n] for n in _QUANT))
       arrays = dict(arrays, k_rope=rope, block_tables=tables, **dict(zip(_QUANT, quant)))
   if p.sparse:
-    return mosaic_sparse.mosaic_sparse_partials(q_rows, ends, k, v, **kw, **layout, **arrays, **extra)
-  return mosaic_partials(q_rows, ends, k, v, **kw, **layout, **arrays, **extra)
+    return mosaic_tpu.mosaic_sparse_partials(q_rows, ends, k, v, **kw, **layout, **arrays, **extra)
+  return mosaic_tpu.mosaic_partials(q_rows, ends, k, v, **kw, **layout, **arrays, **extra)
 
 
 # The order `contiguous_as_pool` takes and returns the quantization arrays in.

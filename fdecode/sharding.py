@@ -35,7 +35,7 @@ from fdecode.api import DecodeOptions, flash_decode
 from fdecode.cache.layout import CacheView, kv_head_axis
 from fdecode.combine import apply_sinks, combine_across
 from fdecode.cache.meshes import host_values
-from fdecode.kernels.common.quant import canonical_scale
+from fdecode.cache.quant import canonical_scale
 from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, short_repr, static_options
 
 # A mesh axis name, several (their product), or none.

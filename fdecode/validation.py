@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fdecode.kernels.common.quant import canonical_scale, is_quantized
 
 INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
 F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32, 2**-126
@@ -356,54 +355,6 @@ def _value_head_dim(k, v, v_head_dim, shapes) -> int:
   return v.shape[-1]
 
 
-def _real_data(name, x, caller):
-  """A scale / offset (data, used as float32): a real dtype (not bool or complex), and, when
-  given as host data (Python / numpy), finite values within float32's range: 1e39 would
-  become inf. Non-finite values are kept (corrupt data propagates, it is not rejected)."""
-  dtype = np.dtype(x.dtype) if hasattr(x, "dtype") else None
-  if dtype is None or dtype.kind not in "iuf":
-    raise TypeError(f"{caller}: {name} must be a real number or a float / int array (used as "
-                    f"float32); got {describe(x)}")
-  if isinstance(x, (np.ndarray, np.generic)):
-    vals = np.asarray(x, np.float64)
-    big = np.isfinite(vals) & (np.abs(vals) > F32_MAX)
-    if big.any():
-      raise ValueError(f"{caller}: {name} must be within float32's range (|x| <= {F32_MAX:.8g}; it is "
-                       f"used as float32); got {name} = {vals[big].flat[0]!r}"
-                       + (f" at index {tuple(int(i) for i in np.argwhere(big)[0])}" if vals.ndim else ""))
-  return x
-
-
-def validate_quant(name, cache, scale, offset, caller: str = "flash_decode", *, cache_name=None):
-  """Checks the cache dtype against its scale; returns canonical (scale, offset) or Nones.
-
-  ``name`` is the cache's argument name (``k``, ``prefix_k``...): its scale and offset are
-  ``{name}_scale`` / ``{name}_offset``. ``cache_name`` (default ``name``) names the cache
-  itself in messages."""
-  cache_name = name if cache_name is None else cache_name
-  scale_name, offset_name = f"{name}_scale", f"{name}_offset"
-  if is_quantized(cache.dtype):
-    if scale is None:
-      raise ValueError(f"{caller}: {cache_name} has dtype {cache.dtype}: pass {scale_name} "
-                       f"(a scalar, or shaped like {cache_name}.shape={tuple(cache.shape)} with the last axis "
-                       "replaced by n_tiles)")
-    scale = canonical_scale(_real_data(scale_name, scale, caller), cache.shape, scale_name, caller)
-    if offset is not None:
-      offset = canonical_scale(_real_data(offset_name, offset, caller), cache.shape, offset_name, caller)
-      if offset.shape[-1] != scale.shape[-1]:
-        raise ValueError(f"{caller}: {offset_name} must tile like {scale_name}; got "
-                         f"{offset_name}.shape={tuple(offset.shape)}, {scale_name}.shape={tuple(scale.shape)}")
-    return scale, offset
-  if not jnp.issubdtype(cache.dtype, jnp.floating) or jnp.dtype(cache.dtype).itemsize < 2:
-    raise ValueError(f"{caller}: {cache_name} must be floating point or int8/float8 with {scale_name} (a "
-                     f"float of 16 bits or more, or int8 / float8_e4m3fn / float8_e5m2), got "
-                     f"{cache_name}.dtype={cache.dtype}")
-  if scale is not None or offset is not None:
-    raise ValueError(f"{caller}: {scale_name}/{offset_name} given but {cache_name} is not quantized "
-                     f"({cache_name}.dtype={cache.dtype})")
-  return None, None
-
-
 def check_concrete_lengths(lengths, capacity, caller: str = "flash_decode", name: str = "lengths") -> None:
   """Value check when lengths are concrete (not traced): in ``[0, capacity]``; capacity
   None: no upper bound but int32's."""
@@ -446,20 +397,6 @@ def check_rope_theta(theta, caller: str) -> float:
 def check_norm_eps(eps, caller: str) -> float:
   """RMSNorm epsilon: positive (0 divides a zero row by 0), a normal float32."""
   return static_float("norm_eps", eps, low=F32_TINY, high=F32_MAX, caller=caller)
-
-
-def check_cache_dtype(name, dtype, caller: str, *, quantized_ok: bool = True):
-  """A cache dtype: floating of 16 bits or more, or (``quantized_ok``) int8 / float8_e4m3fn /
-  float8_e5m2. Returns the ``jnp.dtype``."""
-  allowed = "a floating dtype of 16 bits or more" + (", int8, float8_e4m3fn or float8_e5m2" if quantized_ok else
-                                                    " (this array is never quantized)")
-  try:
-    dt = jnp.dtype(dtype)
-  except TypeError:
-    raise ValueError(f"{caller}: {name} must be {allowed}; got {describe(dtype)}") from None
-  if (quantized_ok and is_quantized(dt)) or (jnp.issubdtype(dt, jnp.floating) and dt.itemsize >= 2):
-    return dt
-  raise ValueError(f"{caller}: {name} must be {allowed}; got {name}={dt}")
 
 
 def check_cache_sizes(caller: str, batch, max_len, page_size) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fdecode
-from fdecode.kernels.common.quant import quantize
+from fdecode.cache.quant import quantize
 from conftest import make_problem
 from test_paged_quant import paged_problem, with_garbage
 

@@ -8,7 +8,7 @@ per tensor, token, head, page or tile, with and without offsets; MLA ``v=None``;
 ``k_rope``), every modifier and their combinations (causal, mask, bias, ALiBi, window,
 soft cap, sinks, kv_offset, sparse indices), lengths 0 .. S, float32 and bfloat16, and
 inf / NaN / huge garbage in every dead slot. The oracle below is plain float64 numpy,
-written from the documented semantics (`fdecode.kernels.common.modifiers`, `fdecode.kernels.common.quant`,
+written from the documented semantics (`fdecode.kernels.common.modifiers`, `fdecode.cache.quant`,
 `fdecode.kernels.common.sparse`), not from the library's reference. Some calls also put a NaN in a slot
 that a query *does* see (a key, a value, a scale, q, a bias entry, an ALiBi slope): its
 rows must come back NaN (every column, and the lse) on every impl and split count, never
@@ -91,7 +91,7 @@ def _call(impl, *args, **kw):
 
 
 def dequant64(x, scale=None, offset=None):
-  """``(x + offset) * scale`` tile-wise (`fdecode.kernels.common.quant`), in float64."""
+  """``(x + offset) * scale`` tile-wise (`fdecode.cache.quant`), in float64."""
   x = np.asarray(x).astype(np.float64)
   if scale is None:
     return x

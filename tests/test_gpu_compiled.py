@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fdecode
-from fdecode.kernels.common.quant import dequantize, quantize
+from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
 from conftest import assert_close, make_problem, tol
 

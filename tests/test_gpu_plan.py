@@ -8,9 +8,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fdecode import config
 from fdecode.kernels.common import chips
-from fdecode.kernels.triton import decode_fp8_bits, launch_plan
+from fdecode.kernels.common.block import decode_fp8_bits
+from fdecode.kernels.triton import (LAUNCH, PROGRAMS_PER_SM, CalibrationSample, check_calibration, gpu_busy,
+                                    gpu_num_splits, launch_plan, measure_calibration)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
@@ -43,21 +44,21 @@ def test_launch_plan_fits_the_chip(gpu, d, raw, compute, cols):
 def test_gpu_busy_counts_both_tails():
   """The launch model the split count and the compile report share: SM balance and the
   last partial wave."""
-  assert config.gpu_busy(100, 132, 1) == pytest.approx(100 / 132)       # idle SMs
-  assert config.gpu_busy(528, 132, 4) == 1.0                           # 4 a SM, one wave
-  assert config.gpu_busy(528, 132, 3) == pytest.approx(528 / 396 / 2)  # 1.33 waves
-  assert config.gpu_busy(400, 132, 1) == pytest.approx(400 / 132 / 4)  # 4 on the busiest SM
+  assert gpu_busy(100, 132, 1) == pytest.approx(100 / 132)       # idle SMs
+  assert gpu_busy(528, 132, 4) == 1.0                           # 4 a SM, one wave
+  assert gpu_busy(528, 132, 3) == pytest.approx(528 / 396 / 2)  # 1.33 waves
+  assert gpu_busy(400, 132, 1) == pytest.approx(400 / 132 / 4)  # 4 on the busiest SM
 
 
 def test_gpu_splits_fill_every_sm_twice():
-  """At least `config.PROGRAMS_PER_SM` programs a SM (or one a block); at most one split per
+  """At least `PROGRAMS_PER_SM` programs a SM (or one a block); at most one split per
   block; a busy chip is not split; judged at every residency between, with the merge bytes."""
   sms, kv = chips.H100.sms, 2 ** 27
-  pick = lambda residency, work, blocks, split_bytes=2 ** 17: config.gpu_num_splits(
+  pick = lambda residency, work, blocks, split_bytes=2 ** 17: gpu_num_splits(
       sms, residency, work, blocks, cache_bytes=kv, split_bytes=split_bytes)
   for residency, work in [((3, 4), 8), ((1, 3), 64), ((2, 2), 1), ((3, 4), 512)]:
     splits = pick(residency, work, 8192)
-    assert work * splits >= sms * min(residency[1], config.PROGRAMS_PER_SM)
+    assert work * splits >= sms * min(residency[1], PROGRAMS_PER_SM)
   # B=1 Hkv=8 at 3 or 4 a SM: two programs a SM (the measured optimum on H100 / H200), not
   # the 198 splits of a full wave at the upper residency.
   assert pick((3, 4), 8, 8192) == 33
@@ -65,6 +66,18 @@ def test_gpu_splits_fill_every_sm_twice():
   assert pick((1, 2), 8 * sms, 100) == 1                                # a full, even chip is not split
   assert pick((1, 1), 1000, 100) == 3         # 1000 programs: 7.6 on the mean SM, 8 on the busiest
   assert pick((3, 4), 8, 8192, split_bytes=2 ** 30) == 33               # dear merges: the fewest splits
+
+
+def test_calibration_checks_and_regenerates_the_fractions():
+  """The launch model's table (`fdecode.kernels.triton.LAUNCH`) against compiled samples:
+  a kernel under a fraction of its estimate is named; the fractions are regenerated as
+  the least ones, rounded down to 0.05."""
+  fits = CalibrationSample("fits", smem_estimate=1000, regs_estimate=200, smem=800, regs=120)
+  tight = CalibrationSample("tight", smem_estimate=1000, regs_estimate=200, smem=700, regs=60)
+  assert check_calibration([fits]) == []
+  assert [line.split(":")[0] for line in check_calibration([fits, tight])] == ["tight", "tight"]
+  assert measure_calibration([fits, tight]) == dict(smem_measured=0.7, regs_measured=0.3)
+  assert measure_calibration([fits])["smem_measured"] >= LAUNCH.smem_measured
 
 
 def test_residency_counts_every_limit():
@@ -154,7 +167,7 @@ def test_issue31_row_counts_match_the_reference(name, splits):
 def test_issue31_int8_t5_g8_matches_the_reference():
   """int8 cache with per-token scales at T=5, G=8 (40 rows: one block of 64), interpreted with
   the H100 plan, one and three splits, against the reference on the same quantized cache."""
-  from fdecode.kernels.common.quant import quantize  # pylint: disable=g-import-not-at-top
+  from fdecode.cache.quant import quantize  # pylint: disable=g-import-not-at-top
   q, k, v = make_problem(3, b=2, t=5, hq=16, hkv=2, s=70, dk=64)
   (kq, ks), (vq, vs) = quantize(k, jnp.int8), quantize(v, jnp.int8)
   lengths = jnp.array([70, 33], jnp.int32)

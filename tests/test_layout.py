@@ -15,8 +15,8 @@ import pytest
 import fdecode
 from fdecode.cache.layout import QUANT_ARRAYS, CacheView, head_major
 from fdecode.devtools.compile_check import _HLO_BYTES
-from fdecode.config import XLA_CHUNK_TOKENS
-from fdecode.kernels.common.quant import dequantize, quantize
+from fdecode.kernels.xla.plan import CHUNK_TOKENS as XLA_CHUNK_TOKENS
+from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
 from conftest import assert_attention_reordered, assert_close, impl_param, make_problem, max_abs, tol
 from test_paged_quant import paged_problem, with_garbage

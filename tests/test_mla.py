@@ -15,7 +15,7 @@ from jax.sharding import AxisType
 
 import fdecode
 from fdecode.cache.paged import gather_pages
-from fdecode.kernels.common.quant import dequantize, quantize
+from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
 from conftest import assert_close, interpreted_once, tol
 from test_gpu_lowering import TRITON_CALL, lower_for_cuda

@@ -37,8 +37,8 @@ import fdecode
 from conftest import assert_close, tol
 from fdecode.combine import merge_states
 from fdecode.kernels import mosaic_gpu
-from fdecode.kernels.common.quant import quantize
-from fdecode.kernels.mosaic_gpu.plan import mla_plan, split_count, unsupported
+from fdecode.cache.quant import quantize
+from fdecode.kernels.mosaic_gpu import mla_plan, split_count, unsupported
 
 from mosaic_gpu_interpret import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
 
@@ -154,7 +154,7 @@ def test_corruption_a_row_sees_makes_its_whole_row_nan():
 
 def quantized_problem(seed, b, g, s, dtype):
   """q bf16 [B, G, 576]; the latent cache quantized per token: k ``dtype`` [B, 1, S, 576],
-  k_scale float32 [B, 1, S, 1] (`fdecode.kernels.common.quant.quantize`)."""
+  k_scale float32 [B, 1, S, 1] (`fdecode.cache.quant.quantize`)."""
   q, k = problem(seed, b, g, s)
   k, k_scale = quantize(k.astype(jnp.float32), dtype)
   return q, k, k_scale

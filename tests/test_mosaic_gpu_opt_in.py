@@ -17,7 +17,7 @@ import fdecode
 from conftest import assert_close, tol
 from fdecode.kernels import mosaic_gpu
 from fdecode.kernels.common import chips
-from fdecode.kernels.common.quant import quantize
+from fdecode.cache.quant import quantize
 from fdecode.dispatch import recording_plans
 from test_ragged import batch
 

@@ -29,7 +29,7 @@ from conftest import assert_close, tol
 from fdecode.combine import merge_states
 from fdecode.kernels import mosaic_gpu
 from fdecode.kernels.common import chips
-from fdecode.kernels.common.quant import quantize
+from fdecode.cache.quant import quantize
 from fdecode.kernels.mosaic_gpu import rows_plan, rows_unsupported
 
 from mosaic_gpu_interpret import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)

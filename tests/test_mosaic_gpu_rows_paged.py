@@ -23,9 +23,9 @@ import fdecode
 from conftest import assert_close, tol
 from fdecode.kernels import mosaic_gpu
 from fdecode.kernels.common import chips
-from fdecode.kernels.common.quant import quantize
+from fdecode.cache.quant import quantize
 from fdecode.kernels.mosaic_gpu import rows_plan, rows_unsupported
-from fdecode.kernels.mosaic_gpu.rows_paging import block_pieces
+from fdecode.kernels.mosaic_gpu.gqa.paging import block_pieces  # the paged-copy rule itself, not a public name
 
 from mosaic_gpu_interpret import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
 

@@ -9,7 +9,7 @@ import pytest
 
 import fdecode
 from fdecode.cache import PageAllocator, PoolExhaustedError, gather_pages, write_contiguous, write_paged
-from fdecode.kernels.common.quant import dequantize, quantize
+from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
 from conftest import assert_close, impl_param, make_problem, tol
 

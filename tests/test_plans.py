@@ -14,9 +14,10 @@ from fdecode.cache.layout import CacheView, read_layout
 from fdecode.kernels.common.modifiers import Modifiers
 from fdecode.kernels.mosaic_tpu import plan as mosaic
 from fdecode.kernels.mosaic_tpu.token_major import TokenMajorRead
+from fdecode.kernels.xla import plan as xla
 from fdecode.kernels.xla.plan import make_plan as xla_plan
 
-CHUNK, CHUNK_BYTES, TM_CHUNK = config_lib.XLA_CHUNK_TOKENS, config_lib.XLA_CHUNK_BYTES, config_lib.XLA_TOKEN_MAJOR_CHUNK_TOKENS
+CHUNK, CHUNK_BYTES, TM_CHUNK = xla.CHUNK_TOKENS, xla.CHUNK_BYTES, xla.TOKEN_MAJOR_CHUNK_TOKENS
 
 
 def test_read_layout():
@@ -35,9 +36,9 @@ def test_xla_splits_follow_the_documented_rule(platform):
                  kv_layout=read_layout(layout, hkv), token_bytes=token_bytes)
     case = (b, hkv, s, paged, quantized, layout, token_bytes, p)
     assert p.kv_layout == read_layout(layout, hkv) and p.tokens == s, case
-    heuristic = max(config_lib.default_num_splits(b, hkv, max(s, 1), units), s // CHUNK)
+    heuristic = max(xla.occupancy_splits(b, hkv, max(s, 1), units), s // CHUNK)
     if not paged and not quantized and p.kv_layout == "HND":  # one batched matmul: a divisor of S
-      assert p.num_splits == config_lib.largest_divisor_at_most(s, heuristic), case
+      assert p.num_splits == xla.largest_divisor_at_most(s, heuristic), case
       assert s % p.num_splits == 0 or s == 0, case
     else:  # the chunk loops: about CHUNK tokens and at most CHUNK_BYTES of K a chunk
       floor = max(heuristic, -(-s * token_bytes // CHUNK_BYTES))
@@ -110,7 +111,7 @@ def test_mosaic_splits_and_query_dtype():
   for b, hkv, s in itertools.product([1, 4], [1, 2, 8], [64, 4096]):
     p = mosaic_call(b=b, hkv=hkv, s=s, page_size=16, layout="NHD", dtype="float32")
     blocks = -(-s // p.sizes.block)
-    assert p.num_splits == config_lib.default_num_splits(b, hkv // p.read.heads, blocks, units)
+    assert p.num_splits == mosaic.split_count(b, hkv // p.read.heads, blocks, units)
   assert mosaic_call(dtype="bfloat16", q_dtype="float16").upcast_query
   assert not mosaic_call(dtype="bfloat16").upcast_query
   assert mosaic_call(dtype="float16", q_dtype="float16").backend == "xla"
@@ -121,8 +122,8 @@ def test_public_plan_is_the_plan_a_call_runs(monkeypatch):
   import numpy as np  # pylint: disable=g-import-not-at-top
   import fdecode  # pylint: disable=g-import-not-at-top
   from fdecode import dispatch  # pylint: disable=g-import-not-at-top
-  seen, real = [], dispatch.xla_partials
-  monkeypatch.setattr(dispatch, "xla_partials",
+  seen, real = [], dispatch.xla_kernels.xla_partials
+  monkeypatch.setattr(dispatch.xla_kernels, "xla_partials",
                       lambda *a, **kw: seen.append((kw["num_splits"], kw["kv_layout"])) or real(*a, **kw))
   rng = np.random.default_rng(0)
   q = rng.standard_normal((1, 1, 4, 24), np.float32)

@@ -11,7 +11,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa
 
 import fdecode
 from fdecode.cache import write_paged
-from fdecode.kernels.common.quant import dequantize, quantize
+from fdecode.cache.quant import dequantize, quantize
 from conftest import assert_close, assert_reordered, impl_param, interpreted_once, max_abs, tol
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import fdecode
 from fdecode.kernels.common import chips
-from fdecode.kernels.common.quant import quantize
+from fdecode.cache.quant import quantize
 from test_ragged import batch, check, per_sequence
 from test_ragged_modifiers import spy_step
 

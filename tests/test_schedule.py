@@ -12,8 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 from fdecode.kernels.common.modifiers import Modifiers
-from fdecode.kernels.triton import Schedule, balanced_schedule, item_work, sequence_items
-from fdecode.kernels.triton.schedule import load_ends
+from fdecode.kernels.triton import Schedule, balanced_schedule, item_work, load_ends, sequence_items
 
 
 @functools.partial(jax.jit, static_argnames=("sched",))

@@ -92,7 +92,7 @@ def test_pallas_seq_and_heads(layout):
                                          (dict(head_axis="h"), (8,))], ids=["h2-s4", "h8-replicated-kv"])
 def test_quantized_cache_scales_split_with_the_cache(gran, roles, shape):
   """int8 cache with scales of every granularity: the scales follow the cache's split."""
-  from fdecode.kernels.common.quant import quantize
+  from fdecode.cache.quant import quantize
   q, k, v = make_problem(9, b=2, t=2, hq=8, hkv=2, s=32, dk=16)
   kq, ks = quantize(k, jnp.int8, **gran)
   vq, vs = quantize(v, jnp.int8, **gran)
@@ -267,7 +267,7 @@ def test_token_major_caches_split_on_the_same_logical_axes(paged, roles, shape, 
   """kv_layout="NHD": the cache, its per-token int8 scales and the table split on kv heads,
   tokens / pages and sequences; the result is the head-major call's (within float32
   reordering: another program) and matches single-device flash_decode."""
-  from fdecode.kernels.common.quant import quantize
+  from fdecode.cache.quant import quantize
   page_size, b, hkv, s, d = 4, 2, 2, 32, 16
   q, k, v = make_problem(12, b=b, t=3, hq=8, hkv=hkv, s=s, dk=d)
   kq, ks = quantize(k, jnp.int8)

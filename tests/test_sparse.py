@@ -13,7 +13,7 @@ import pytest
 
 import fdecode
 from fdecode.cache.paged import gather_pages
-from fdecode.kernels.common.quant import dequantize, quantize
+from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
 from conftest import (assert_attention_reordered, assert_close, impl_param, interpreted_once, make_problem,
                       max_abs, tol)

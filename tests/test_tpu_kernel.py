@@ -6,9 +6,11 @@
 * Semantics: the TPU interpreter (simulated HBM / VMEM / SMEM, DMAs, semaphores, race
   detection, NaN-filled uninitialized memory) against the float32 reference. The shared
   ``impl`` fixture runs every kernel test of the suite this way too ("mosaic").
-* VMEM: the footprint `mosaic_tpu.plan` computes (and sets ``vmem_limit_bytes`` from)
+* VMEM: the footprint `fdecode.kernels.mosaic_tpu.plan.plan` computes (and sets ``vmem_limit_bytes`` from)
   does not grow with S.
 """
+
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +19,9 @@ import pytest
 from jax import export
 
 import fdecode
-from fdecode.kernels.mosaic_tpu import kernel as mosaic_tpu
-from fdecode.kernels.mosaic_tpu.plan import dma_unit
-from fdecode.kernels.common.quant import quantize
+from fdecode.kernels.mosaic_tpu.operands import Operand, by_name, flatten
+from fdecode.kernels.mosaic_tpu.plan import dma_unit, plan as mosaic_plan
+from fdecode.cache.quant import quantize
 from conftest import TPU_INTERPRET, assert_close, make_problem, tol, tpu_interpret
 
 TPU_CALL = "tpu_custom_call"
@@ -139,7 +141,7 @@ def test_vmem_footprint_is_bounded_independently_of_s(dk, dv, dtype, page_size):
     args, opts = _abstract_problem(dk=dk, dv=dv, dtype=dtype, page_size=page_size, t=2, g=8, s=s)
     q, k, v, _ = args
     q_rows = _sds((2, 2, 16, dk), q.dtype)
-    plans.append(mosaic_tpu.plan(q_rows, k, v, **opts))
+    plans.append(mosaic_plan(q_rows, k, v, **opts))
   small, large = plans
   assert small == large  # nothing depends on S
   assert large.vmem_bytes < 16 * MiB, large
@@ -151,7 +153,7 @@ def test_vmem_footprint_is_bounded_independently_of_s(dk, dv, dtype, page_size):
 def test_vmem_limit_reaches_the_kernel():
   args, opts = _abstract_problem(dk=128, dv=128, dtype=jnp.bfloat16, s=1024 * 1024)
   q, k, v, _ = args
-  p = mosaic_tpu.plan(_sds((2, 2, 4, 128), q.dtype), k, v)
+  p = mosaic_plan(_sds((2, 2, 4, 128), q.dtype), k, v)
   text = lower_for_tpu(_decode_fn(impl="pallas"), *args, opts)
   assert str(p.vmem_limit_bytes) in text
 
@@ -232,16 +234,44 @@ def test_whole_head_axis_read_stays_within_vmem(hkv, page_size, in_place):
   whole pages a step. 9 heads of 16-token pages are read in place (the kernel's operand
   is the token-major pool); 127 heads of 128-token pages would count more than
   `MAX_HEAD_AXIS_VMEM_BYTES` of VMEM, so that call reads a head-major copy."""
-  from fdecode.kernels.mosaic_tpu.plan import MAX_HEAD_AXIS_VMEM_BYTES, plan  # pylint: disable=g-import-not-at-top
+  from fdecode.kernels.mosaic_tpu.plan import MAX_HEAD_AXIS_VMEM_BYTES  # pylint: disable=g-import-not-at-top
   pages = 17
   pool = _sds((pages, page_size, hkv, 128), jnp.bfloat16)
   tables = _sds((2, 8), jnp.int32)
-  counted = plan(_sds((2, hkv, 1, 128), jnp.bfloat16), _sds((hkv, pages, page_size, 128), jnp.bfloat16),
-                 _sds((hkv, pages, page_size, 128), jnp.bfloat16), block_tables=tables, head_axis=True,
-                 kv_heads_per_program=hkv).vmem_bytes
+  counted = mosaic_plan(_sds((2, hkv, 1, 128), jnp.bfloat16), _sds((hkv, pages, page_size, 128), jnp.bfloat16),
+                        _sds((hkv, pages, page_size, 128), jnp.bfloat16), block_tables=tables, head_axis=True,
+                        kv_heads_per_program=hkv).vmem_bytes
   assert (counted <= MAX_HEAD_AXIS_VMEM_BYTES) == in_place, counted
   fn = lambda q, k, v, n, t: fdecode.flash_decode(q, k, v, n, block_tables=t, kv_layout="NHD", impl="pallas")
   text = lower_for_tpu(fn, _sds((2, hkv, 128), jnp.bfloat16), pool, pool, _sds((2,), jnp.int32), tables)
   call = next(line for line in text.splitlines() if "tpu_custom_call" in line)
   assert (f"{pages}x{page_size}x{hkv}x128xbf16" in call) == in_place
   assert (f"{hkv}x{pages}x{page_size}x128xbf16" in call) == (not in_place)
+
+
+class _Ops(NamedTuple):
+  ends: Any
+  q: Any
+  k: Any
+  v: Any
+  scale: Any
+
+
+def test_operands_flatten_in_field_order_and_come_back_by_name():
+  """`operands.flatten` drops absent operands and keeps the field order (scalar-prefetched
+  first); the kernel `by_name` wraps gets its input refs and DMA buffers under the
+  operands' names, None where absent or not DMA'd."""
+  spec, buf = object(), object()
+  ops = flatten(_Ops(ends=Operand("e"), q=Operand("q", spec), k=Operand("k", spec, buf), v=None,
+                     scale=Operand("s", spec)))
+  assert ops.arrays == ("e", "q", "k", "s") and ops.num_scalar_prefetch == 1
+  assert ops.in_specs == [spec] * 3 and ops.buffers == [buf]
+  seen = {}
+  kernel = by_name(lambda ins, bufs, o, lse, *rest, x: seen.update(ins=ins, bufs=bufs, out=(o, lse), rest=rest, x=x),
+                   ops.layout, x=7)
+  kernel("E", "Q", "K", "S", "O", "L", "KBUF", "SEMS")
+  assert seen["ins"] == _Ops(ends="E", q="Q", k="K", v=None, scale="S")
+  assert seen["bufs"] == _Ops(ends=None, q=None, k="KBUF", v=None, scale=None)
+  assert seen["out"] == ("O", "L") and seen["rest"] == ("SEMS",) and seen["x"] == 7
+  with pytest.raises(ValueError, match="scalar-prefetched"):
+    flatten(_Ops(ends=Operand("e"), q=Operand("q", spec), k=Operand("k"), v=None, scale=None))

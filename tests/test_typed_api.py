@@ -52,8 +52,8 @@ EXPECTED = [
     f"tuple[{ARRAY}, {ARRAY}, {ARRAY}, {ARRAY}]",
     f"tuple[{ARRAY}, {ARRAY}]",
     "tuple[fdecode.kernels.xla.plan.XlaPlan | fdecode.kernels.triton.plan.TritonPlan | "
-    "fdecode.kernels.mosaic_tpu.plan.CallPlan | fdecode.kernels.mosaic_gpu.plan.MlaPlan | "
-    "fdecode.kernels.mosaic_gpu.rows_plan.RowsPlan, ...]",
+    "fdecode.kernels.mosaic_tpu.plan.CallPlan | fdecode.kernels.mosaic_gpu.mla.plan.MlaPlan | "
+    "fdecode.kernels.mosaic_gpu.gqa.plan.RowsPlan, ...]",
     ARRAY,
     "dict[int, fdecode.decoding.serving.Finished]",
 ]

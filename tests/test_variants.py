@@ -13,7 +13,7 @@ from fdecode.cache import gather_pages
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.modifiers import Modifiers
-from fdecode.kernels.common.quant import dequantize, quantize
+from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
 from conftest import assert_attention_reordered, assert_close, make_problem, max_abs, tol
 from test_dead_slots import pour

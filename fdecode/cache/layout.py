@@ -132,7 +132,7 @@ class CacheView:
     k_rope: key-only columns ``Dr`` as stored, or None.
     k_scale, v_scale, k_offset, v_offset: 8-bit dequantization, head-major whatever the
       layout (the kernels read them so); canonical float32 rank 4 once `flash_decode` has
-      validated them (`fdecode.validation.validate_quant`), or None.
+      validated them (`fdecode.cache.quant.validate_quant`), or None.
     block_tables: int ``[B, n]`` (paged), else None.
     layout: ``"HND"`` or ``"NHD"``.
     paged: a pool read through ``block_tables``.

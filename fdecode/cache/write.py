@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdecode.cache.meshes import explicit_sharding, host_values, replicated
-from fdecode.kernels.common.quant import QMAX, canonical_scale, is_quantized, quantize
+from fdecode.cache.quant import QMAX, canonical_scale, is_quantized, quantize
 from fdecode.validation import as_array, check_int32, to_int32
 
 

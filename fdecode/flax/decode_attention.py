@@ -16,9 +16,9 @@ from flax import nnx
 from fdecode.api import flash_decode
 from fdecode.cache.write import write_contiguous, write_paged
 from fdecode.cache.meshes import host_values, replicated
-from fdecode.kernels.common.quant import is_quantized
+from fdecode.cache.quant import check_cache_dtype, is_quantized
 from fdecode.ragged import ragged_decode, row_positions
-from fdecode.validation import (check_cache_dtype, check_cache_sizes, check_norm_eps, check_rope_theta, static_int,
+from fdecode.validation import (check_cache_sizes, check_norm_eps, check_rope_theta, static_int,
                                 static_scale, static_soft_cap, static_window, to_int32)
 
 __all__ = ["DecodeAttention", "alibi_slopes", "apply_rope"]

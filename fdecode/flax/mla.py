@@ -24,8 +24,8 @@ from fdecode.api import flash_decode
 from fdecode.cache.write import write_contiguous, write_paged
 from fdecode.flax.decode_attention import apply_rope
 from fdecode.cache.meshes import host_values, replicated
-from fdecode.kernels.common.quant import is_quantized
-from fdecode.validation import (check_cache_dtype, check_cache_sizes, check_norm_eps, check_rope_theta,
+from fdecode.cache.quant import check_cache_dtype, is_quantized
+from fdecode.validation import (check_cache_sizes, check_norm_eps, check_rope_theta,
                                 static_int, static_scale)
 
 __all__ = ["MLADecodeAttention"]

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from fdecode.cascade import cascade_decode
 from fdecode.flax.decode_attention import DecodeAttention, apply_rope
-from fdecode.kernels.common.quant import is_quantized
+from fdecode.cache.quant import is_quantized
 
 __all__ = ["SharedPrefix", "cascade_decode_fn", "shared_prefix"]
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from fdecode.cache.layout import kv_heads, shape_names
 from fdecode.cache.tables import check_concrete_page_ids, check_page_aliasing
-from fdecode.kernels.common.quant import is_quantized
+from fdecode.cache.quant import is_quantized
 from fdecode.validation import check_int32
 
 CALLER = "ragged_decode"

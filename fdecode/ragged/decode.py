@@ -62,16 +62,16 @@ from typing import Literal, Unpack, overload
 import jax
 import jax.numpy as jnp
 from jax import Array, lax
-from jax.experimental.pallas import tpu as pltpu
 from jax.typing import ArrayLike
 
 from fdecode.api import KvLayout, ScoreOptions
 from fdecode.cache.layout import CacheView, check_layout
-from fdecode.dispatch import forced_tpu_interpret, triton_supports
+from fdecode.dispatch import triton_supports
 from fdecode.ragged.checks import CALLER, check_shapes, check_values
 from fdecode.ragged.parts import Step, searchsorted, triton_calls, two_parts
 from fdecode.ragged.triton_step import hopper_takes_decode_part, triton_step
 from fdecode.ragged.write import write_new_tokens
+from fdecode.route import Path, lower, resolve_interpret, step_path
 from fdecode.validation import as_arrays, static_options, to_int32
 # flash_decode's keywords ragged_decode forwards; the per-row ones are indexed by row.
 _OPTIONS = ("k_scale", "v_scale", "k_offset", "v_offset", "softmax_scale", "num_splits", "block_k",
@@ -201,7 +201,7 @@ def ragged_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, kv_lens: Arra
   return_lse = bool(options.pop("return_lse", False))
   if options.get("impl") == "pallas" and options.get("interpret") is None:
     # Resolved here, not at trace time: it keys the compiled step (as in flash_decode).
-    options["interpret"] = forced_tpu_interpret()
+    options["interpret"] = resolve_interpret("pallas", None)
   statics = tuple(sorted((n, _hashable(x)) for n, x in options.items()))
   try:
     view = view.with_arrays(block_tables=None if not paged else to_int32(block_tables))
@@ -248,22 +248,18 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
             opts=opts, dv=dv)
   # Whether the GPU's Triton kernels take these head dims (else its flash_decode runs XLA).
   triton_tiles = triton_supports(view.with_arrays(**{n: arrays.get(n) for n in ("k_scale", "v_scale", "k_rope")}), dv)
-  two = lambda: two_parts(st, triton_tiles)
-  step = lambda interpret: (lambda: triton_step(*triton_calls(st), given, block=st.block, capacity=view.capacity,
-                                                interpret=interpret, options=dict(opts, kv_layout=view.layout)))
-  # The Triton step takes every call but index lists (no balanced schedule) and fixed split
-  # counts; compiled for a GPU, not contiguous MLA latents whose decode part the Hopper MLA
-  # kernel takes (sm_90, bf16, G a multiple of 16: `triton_step.hopper_takes_decode_part`).
-  if (impl not in (None, "pallas") or isinstance(interp, pltpu.InterpretParams) or "indices" in arrays
-      or opts.get("num_splits") not in (None, "balance")):
-    out, lse = two()
-  elif impl == "pallas" and interp:  # the Triton interpreter, on any host
-    out, lse = step(True)()
-  else:  # GPU: Triton where it tiles these head dims; impl="pallas" on CPU: the Triton interpreter
-    hopper = v is None and not paged and hopper_takes_decode_part(
-        triton_calls(st)[0] | dict(source=None), dict(opts, kv_layout=view.layout))
-    gpu = step(False) if triton_tiles and not hopper else two
-    out, lse = lax.platform_dependent(cpu=step(True) if impl == "pallas" else two, cuda=gpu, rocm=gpu, default=two)
+  step = lambda interpret: triton_step(*triton_calls(st), given, block=st.block, capacity=view.capacity,
+                                      interpret=interpret, options=dict(opts, kv_layout=view.layout))
+  # Compiled for a GPU, the step's kernels skip contiguous MLA latents whose decode part the
+  # Hopper MLA kernel takes (sm_90, bf16, G a multiple of 16: `triton_step.hopper_takes_decode_part`).
+  compiled_takes = lambda: triton_tiles and not (v is None and not paged and hopper_takes_decode_part(
+      triton_calls(st)[0] | dict(source=None), dict(opts, kv_layout=view.layout)))
+  step_takes = "indices" not in arrays and opts.get("num_splits") in (None, "balance")
+  out, lse = lower(
+      lambda platform: step_path(impl, interp, platform, step_takes=step_takes, compiled_takes=compiled_takes), {
+          None: lambda platform: two_parts(st, triton_tiles),
+          Path.TRITON: lambda platform: step(False),
+          Path.TRITON_INTERPRET: lambda platform: step(True)})
   return out, lse, k, v
 
 

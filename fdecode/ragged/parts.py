@@ -14,12 +14,12 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.pallas import tpu as pltpu
 
 from fdecode.api import flash_decode_with_source
 from fdecode.cache.layout import CacheView
 from fdecode.kernels.triton import RowSource
 from fdecode.ragged.checks import CALLER, PER_ROW
+from fdecode.route import Path, decode_path, lower
 
 QUERY_BLOCK = 64  # rows of a prefill query block
 
@@ -144,10 +144,11 @@ def _batched(st: Step, triton_tiles: bool):
     return _call(st)(**call, num_splits=opts.get("num_splits") or "balance", **_per_row(st, idx, idx.shape))
   none = lambda: (jnp.zeros((num_blocks, tb, hq, st.dv), q.dtype), jnp.full((num_blocks, tb, hq), -jnp.inf,
                                                                           jnp.float32))
-  skip_empty = lambda: lax.cond(ends[-1] > 0, run, none)
-  # The GPU's XLA fallback (head dims the Triton kernel cannot tile) reads every block: it keeps the cond.
-  gpu = run if opts.get("impl") == "mosaic_gpu" or triton_tiles else skip_empty
-  o, l = lax.platform_dependent(cuda=gpu, rocm=gpu, default=skip_empty)
+  # On GPU the kernels that skip empty blocks run without the cond; the GPU's XLA fallback
+  # (head dims the Triton kernel cannot tile) reads every block: it keeps it.
+  skips = (Path.TRITON, Path.MOSAIC_GPU)
+  o, l = lower(lambda platform: platform == "gpu" and _path(st, platform, triton_tiles) in skips, {
+      True: lambda platform: run(), False: lambda platform: lax.cond(ends[-1] > 0, run, none)})
   j, t = _block_rows(st.geometry[0], st.geometry[3], ends - nb, tb, num_blocks)
   return o[j, t], l[j, t]
 
@@ -160,28 +161,26 @@ def two_parts(st: Step, triton_tiles: bool):
   n_rows, hq = q.shape[:2]
   call, last = _decode_call(st)
   dec_o, dec_l = _call(st)(**call, **_per_row(st, last, (last.shape[0], 1)))
-  impl, interp = opts.get("impl"), opts.get("interpret")
-  looped, batched = (lambda: _looped(st)), (lambda: _batched(st, triton_tiles))
+  looped, batched = (lambda platform: _looped(st)), (lambda platform: _batched(st, triton_tiles))
   if n_rows < 2:  # no sequence has a row before its last: no prefill block
     pre_o, pre_l = jnp.zeros((n_rows, hq, st.dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32)
   elif not view.paged:  # batched only where the Triton kernels read each block's cache row in place
     # Sparse calls read the call's own (gathered) caches; so do Mosaic (TPU) and XLA: they loop.
-    if "indices" in arrays or isinstance(interp, pltpu.InterpretParams) or impl not in (None, "pallas"):
-      pre_o, pre_l = looped()
-    elif impl == "pallas" and interp:  # the Triton interpreter, on any host
-      pre_o, pre_l = batched()
-    else:  # impl="pallas" on CPU is the Triton interpreter; on GPU, Triton where it tiles these head dims
-      gpu = batched if triton_tiles else looped
-      cpu = batched if impl == "pallas" else looped
-      pre_o, pre_l = lax.platform_dependent(cpu=cpu, cuda=gpu, rocm=gpu, default=looped)
-  elif impl in ("xla", "reference"):
-    pre_o, pre_l = looped()
-  elif impl in ("pallas", "mosaic_gpu"):  # mosaic_gpu: "balance" splits as None
-    pre_o, pre_l = batched()
-  else:  # impl=None: the XLA path on CPU reads every block's whole table, so it loops
-    pre_o, pre_l = lax.platform_dependent(cpu=looped, default=batched)
+    triton = (Path.TRITON, Path.TRITON_INTERPRET)
+    pre_o, pre_l = lower(lambda platform: "indices" not in arrays and _path(st, platform, triton_tiles) in triton,
+                         {True: batched, False: looped})
+  else:  # the XLA path reads every block's whole table where it runs as chosen or on CPU, so it loops
+    xla_loops = lambda path, platform: path is Path.REFERENCE or (
+        path is Path.XLA and (platform == "cpu" or opts.get("impl") == "xla"))
+    pre_o, pre_l = lower(lambda platform: xla_loops(_path(st, platform, triton_tiles), platform),
+                         {True: looped, False: batched})
   cu, _, _, seq, pos = st.geometry
   return _gather_rows(cu, seq, pos, (dec_o[:, 0], dec_l[:, 0]), (pre_o, pre_l))
+
+
+def _path(st: Step, platform: str, triton_tiles: bool) -> Path:
+  """The path a part's `flash_decode` call takes when lowered for ``platform``."""
+  return decode_path(st.opts.get("impl"), st.opts.get("interpret"), platform, triton_takes=triton_tiles)
 
 
 def _whole_caches(st: Step):

@@ -17,10 +17,9 @@ caches), so their states are laid out alike and merge in one launch.
 from __future__ import annotations
 
 from fdecode.api import canonical_call
-from fdecode.dispatch import compute_dtype, hopper_mla_takes, triton_plan_view
-from fdecode.kernels.triton import merges_parts, split_states, split_states_merged
-from fdecode.kernels.triton.geometry import StepPart
-from fdecode.kernels.triton.step import combine_step
+from fdecode.dispatch import compute_dtype, triton_plan_view
+from fdecode.kernels.mosaic_gpu import takes_mla
+from fdecode.kernels.triton import StepPart, combine_step, merges_parts, split_states, split_states_merged
 from fdecode.ragged.checks import CALLER
 
 
@@ -42,13 +41,13 @@ def _part(call: dict, step: StepPart, *, interpret: bool, options: dict):
 def hopper_takes_decode_part(decode: dict, options: dict) -> bool:
   """Whether `flash_decode`'s compiled GPU dispatch sends the decode part (``decode``: its
   call as the two-part path makes it; ``options``: the step's other keywords) to the
-  Hopper MLA kernel (`fdecode.dispatch.hopper_mla_takes`: an sm_90 GPU lowered for, bf16
+  Hopper MLA kernel (`fdecode.kernels.mosaic_gpu.takes_mla`: an sm_90 GPU lowered for, bf16
   latents of one contiguous head, G a multiple of 16, no modifiers): the step then keeps
   the two-part path, the decode part on that kernel (2-8x the Triton kernel's speed, H200)."""
   c = canonical_call(**decode, **{n: x for n, x in options.items() if n != "interpret"})
   m = c.mod_arrays
-  return hopper_mla_takes(c.q4, c.view.read(c.view.read_layout), c.mods, c.sinks, None, c.v_head_dim, m["mask"],
-                          m["bias"], m["alibi"], c.cfg)
+  return takes_mla(c.q4, c.view.read(c.view.read_layout), c.mods, c.sinks, None, c.v_head_dim, m["mask"],
+                   m["bias"], m["alibi"], c.cfg)
 
 
 def triton_step(decode: dict, prefill: dict, step, *, block: int, capacity: int, interpret: bool, options: dict):

@@ -19,12 +19,11 @@ nothing; paged, neither does one whose table entry is not a page of the pool.
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental.pallas import tpu as pltpu
 
 from fdecode.cache.meshes import explicit_sharding
 from fdecode.cache.write import scatter_keeping_sharding
 from fdecode.kernels.triton import write_plan, write_rows
+from fdecode.route import Path, lower, write_path
 
 
 def write_new_tokens(view, new_k, new_v, seq, pos, *, impl=None, interpret=None, step=None):
@@ -34,15 +33,12 @@ def write_new_tokens(view, new_k, new_v, seq, pos, *, impl=None, interpret=None,
   -> ``(k, v)``. ``impl`` / ``interpret``: the step's, which choose the way (module doc).
   ``step``: the step's ``(cu, kv_lens, num_seqs)`` that ``seq`` and ``pos`` came from; the
   Triton kernel derives each row's from them (no launch computes ``seq`` / ``pos``)."""
-  xla = lambda: _scatter(view, new_k, new_v, seq, pos)
-  if (impl in ("xla", "reference") or isinstance(interpret, pltpu.InterpretParams)
-      or explicit_sharding(view.k) is not None):
-    return xla()
-  triton = lambda interp: (lambda: _triton(view, new_k, new_v, seq, pos, interp, step))
-  if impl == "pallas" and interpret:  # the Triton interpreter, on any host
-    return triton(True)()
-  cpu = triton(True) if impl == "pallas" else xla
-  return lax.platform_dependent(cpu=cpu, cuda=triton(False), rocm=triton(False), default=xla)
+  if explicit_sharding(view.k) is not None:  # the scatter states the caches' sharding
+    return _scatter(view, new_k, new_v, seq, pos)
+  return lower(lambda platform: write_path(impl, interpret, platform), {
+      Path.XLA: lambda platform: _scatter(view, new_k, new_v, seq, pos),
+      Path.TRITON: lambda platform: _triton(view, new_k, new_v, seq, pos, False, step),
+      Path.TRITON_INTERPRET: lambda platform: _triton(view, new_k, new_v, seq, pos, True, step)})
 
 
 def _triton(view, new_k, new_v, seq, pos, interpret, step):

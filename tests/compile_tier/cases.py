@@ -244,7 +244,7 @@ CASES["rows-fp8-t4-g16-d256-mosaic-gpu"] = functools.partial(_rows_mosaic_gpu, d
 
 def _rows_paged_mosaic_gpu(target, *, dtype, page_size, d=128, t=4, g=16):
   """The Hopper GQA rows kernel over a paged pool ``[Hkv, P, page_size, D]`` read in place
-  through a ``[B, S / page_size]`` table (`fdecode.kernels.mosaic_gpu.rows_paging`): pages
+  through a ``[B, S / page_size]`` table (`fdecode.kernels.mosaic_gpu.gqa.paging`): pages
   smaller than the 64-token block are one TMA copy each into a slice of the swizzled slot,
   all onto the slot's one barrier; 8-bit with page_size >= 32 copies the per-token scales
   from the paged scale pool likewise."""
@@ -360,7 +360,7 @@ CASES["ragged-m256-write"] = functools.partial(ragged_cases.ragged, layout="HND"
 # bf16 MLA latents on the Triton step (paged; contiguous at G = 8, which the Hopper MLA
 # kernel does not take), and contiguous at G = 16, whose decode part goes to the Hopper MLA
 # kernel on sm_90 (the two-part path there). A balanced work item whose rows differ keeps
-# registers back (`launch.DIFFERING_ROWS_RESERVE`): at bk = 64 these spilled 16-48 B.
+# registers back (`tuned.LAUNCH.differing_rows_reserve`): at bk = 64 these spilled 16-48 B.
 CASES["ragged-mla-bf16-paged16"] = functools.partial(ragged_cases.ragged_mla, dtype=jnp.bfloat16, write=False)
 CASES["ragged-mla-bf16-contiguous-g8"] = functools.partial(ragged_cases.ragged_mla, dtype=jnp.bfloat16, g=8,
                                                            paged=False, write=False)

@@ -28,7 +28,7 @@ HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
 # Shapes the randomized leg once found broken, kept as fixed cases: D=192 bf16 at 64 rows
 # spilled on A100 (the register model's `row_state_factor` since); float32 at T = 1 over
 # pages of 16 spilled 284 B on H100, and 768 rows of D = 64 564 B on both chips (the
-# float32 row budget, `launch.F32_TILE_FACTOR` and the differing rows' reserve since).
+# float32 row budget, `tuned.LAUNCH.f32_tile_factor` and the differing rows' reserve since).
 FOUND: list[str] = ["fuzz:kind=decode,t=3,g=12,hkv=3,d=192,dtype=bfloat16,paged=64,layout=HND,s=4096,b=1",
                     "fuzz:kind=decode,t=1,g=2,hkv=1,d=128,dtype=float32,paged=16,layout=HND,s=100,b=5",
                     "fuzz:kind=decode,t=64,g=12,hkv=1,d=64,dtype=float32,paged=0,layout=HND,s=4096,b=1"]

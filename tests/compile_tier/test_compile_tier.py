@@ -81,10 +81,10 @@ def waves(gpu, kernel):
 @pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])
 @pytest.mark.parametrize("name", list(BENCH))
 def test_benchmark_shapes_fill_every_sm(target, name, reports):
-  """The split kernel gives every SM `fdecode.config.PROGRAMS_PER_SM` programs (or all it
+  """The split kernel gives every SM `fdecode.kernels.triton.PROGRAMS_PER_SM` programs (or all it
   may hold): two keep an SM's loads in flight (measured on H100 / H200; a full wave at the
   upper residency over-split B=1 S=32k). The combine kernel's few programs are not counted."""
-  from fdecode.config import PROGRAMS_PER_SM  # pylint: disable=g-import-not-at-top
+  from fdecode.kernels.triton import PROGRAMS_PER_SM  # pylint: disable=g-import-not-at-top
   report = reports[target][name]
   assert report["ok"], report.get("error")
   gpu = chips.GPUS[target]
@@ -94,6 +94,48 @@ def test_benchmark_shapes_fill_every_sm(target, name, reports):
     resident = gpu.resident_programs(threads=k["threads"], regs=k["regs"], smem=k["smem"])
     assert math.prod(k["grid"]) >= gpu.sms * min(resident, PROGRAMS_PER_SM), (
         f"{name} on {target}: {k['grid']} ({resident} resident a SM)")
+
+
+def calibration_samples(target_name: str, reports: dict, names) -> list:
+  """The launch model's samples of ``target_name``'s compiled cases ``names``
+  (`fdecode.kernels.triton.CalibrationSample`): each case whose trace makes one compiled
+  Triton plan and whose program has one split kernel, that kernel's shared memory and
+  registers against the plan's estimate (`fdecode.kernels.triton.Launch`)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from fdecode.devtools.compile_check import Target  # pylint: disable=g-import-not-at-top
+  from fdecode.dispatch import recording_plans  # pylint: disable=g-import-not-at-top
+  from fdecode.kernels.triton import CalibrationSample, TritonPlan  # pylint: disable=g-import-not-at-top
+  target, samples = Target(target_name).load(), []
+  for name in names:
+    report = reports[name]
+    split = [k for k in report.get("kernels", ()) if k["name"].startswith("fdecode_split_kv_triton")]
+    if not report["ok"] or len(split) != 1 or "regs" not in split[0]:
+      continue
+    fn, args, *_ = CASES[name](target)
+    mesh = args[0].sharding.mesh if getattr(args[0], "sharding", None) is not None else target.mesh(1)
+    with jax.set_mesh(mesh), recording_plans() as log:
+      jax.jit(fn).trace(*args)
+    plans = [p for _, p in log if isinstance(p, TritonPlan) and not p.interpret]
+    if len(plans) == 1:
+      launch = plans[0].launch
+      samples.append(CalibrationSample(name, launch.smem, launch.regs, split[0]["smem"], split[0]["regs"]))
+  return samples
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])
+def test_launch_model_calibration(reports, target):
+  """The launch model's residency fractions (`fdecode.kernels.triton.LAUNCH`'s
+  ``smem_measured`` / ``regs_measured``) hold on the cases they are fitted on
+  (`fdecode.kernels.triton.CALIBRATION_CASES`): each compiled split kernel takes at least
+  those fractions of its plan's shared memory and register estimates, so the upper
+  residency estimate the split rule judges by is one. On failure the message gives the
+  fractions the reports support (`fdecode.kernels.triton.measure_calibration`)."""
+  from fdecode.kernels.triton import (CALIBRATION_CASES, check_calibration,  # pylint: disable=g-import-not-at-top
+                                      measure_calibration)
+  samples = calibration_samples(target, reports[target], CALIBRATION_CASES)
+  assert len(samples) == len(CALIBRATION_CASES), samples
+  problems = check_calibration(samples)
+  assert not problems, f"{target}: {problems}; the reports support {measure_calibration(samples)}"
 
 
 # One K cache of the token-major cases (cases.py: B=2, Hkv=2, S=4096, D=128; pools hold

@@ -8,7 +8,7 @@ one block.
 
 Pieces. A kernel may not be able to load a whole head dim at once: Triton tensors must
 have power-of-two sizes (Dk = 80, 96, 112, 192, 576 are not), and a tile-wise 8-bit scale
-(`fdecode.kernels.common.quant`) covers only ``D / n_tiles`` columns. So a head dim is read as static
+(`fdecode.cache.quant`) covers only ``D / n_tiles`` columns. So a head dim is read as static
 column *pieces* ``(offset, width)``: each lies inside one scale tile, and on Triton each
 width is a power of two (80 = 64 + 16, 576 = 512 + 64). Scores sum the pieces' dot
 products; the output keeps one accumulator per value piece. Every byte of the cache is
@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 
 from fdecode.combine import MASK_VALUE, corrupt_rows, finalize_state
 from fdecode.kernels.common.modifiers import Modifiers, window_lo, window_start
-from fdecode.kernels.common.quant import dequantize
+from fdecode.cache.quant import dequantize
 
 
 @dataclasses.dataclass(frozen=True)

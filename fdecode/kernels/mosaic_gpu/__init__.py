@@ -10,13 +10,23 @@ stays the default for those calls). ``fdecode.flash_decode(impl="mosaic_gpu")`` 
 8-bit per-token caches, contiguous or paged pools read in place through the block table at
 page sizes 8, 16, 32 and multiples of 64; T new tokens x G query heads as the MMA's rows)
 are the public entry points (the final output, like `fdecode.flash_decode`). `mla_plan` /
-`rows_plan` decide a launch; `mla_run` / `rows_run` run a plan to the final output (the
-kernel, then the Triton combine: what the sm_90 dispatch and ``impl="mosaic_gpu"`` run);
-`mla_partials` / `rows_partials` give the per-split partial states (the states
-`fdecode.combine.merge_states` merges);
-`unsupported` / `rows_unsupported` name what each cannot take. `InterpretGPUParams`:
-jax's Mosaic GPU interpreter parameters (``interpret=`` of every entry point: the same
-kernels and plans on CPU).
+`rows_plan` decide a launch (`split_count`: the splits both deal a sequence into);
+`mla_run` / `rows_run` run a plan to the final output (the kernel, then the Triton
+combine: what the sm_90 dispatch and ``impl="mosaic_gpu"`` run); `mla_partials` /
+`rows_partials` give the per-split partial states (the states
+`fdecode.combine.merge_states` merges); `unsupported` / `rows_unsupported` name what each
+cannot take. `InterpretGPUParams`: jax's Mosaic GPU interpreter parameters (``interpret=``
+of every entry point: the same kernels and plans on CPU).
+
+What fdecode's dispatch asks of them: `takes_mla` (the default dispatch sends the call to
+the MLA kernel), `refusal` (what of a call neither kernel takes), `decode_mla` (the
+default dispatch's MLA path) and `decode` (``impl="mosaic_gpu"``).
+
+Layout: `mla/` (plan, kernel, api) and `gqa/` (plan, kernel, paging, api), one kernel
+family each, over what both share: `fdecode.kernels.mosaic_gpu.plan` (the program's
+shape, the split rule, the launch checks) and `fdecode.kernels.mosaic_gpu.ops` (the TMA
+ring, 8-bit conversion, online softmax, epilogue, launch and Triton-combine hand-off);
+`fdecode.kernels.mosaic_gpu.calls` answers the dispatch.
 """
 
 try:  # jax >= 0.11 exports it; 0.10.2 has it only here (kept by 0.11)
@@ -24,13 +34,15 @@ try:  # jax >= 0.11 exports it; 0.10.2 has it only here (kept by 0.11)
 except ImportError:
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-from fdecode.kernels.mosaic_gpu.api import mla_decode, mla_run
-from fdecode.kernels.mosaic_gpu.kernel import mla_partials, mla_states
-from fdecode.kernels.mosaic_gpu.plan import MlaPlan, mla_plan, unsupported
-from fdecode.kernels.mosaic_gpu.rows_api import rows_decode, rows_run
-from fdecode.kernels.mosaic_gpu.rows_kernel import rows_partials, rows_states
-from fdecode.kernels.mosaic_gpu.rows_plan import RowsPlan, rows_plan, rows_unsupported
+from fdecode.kernels.mosaic_gpu.calls import decode, decode_mla, refusal, takes_mla
+from fdecode.kernels.mosaic_gpu.gqa.api import rows_decode, rows_run
+from fdecode.kernels.mosaic_gpu.gqa.kernel import rows_partials, rows_states
+from fdecode.kernels.mosaic_gpu.gqa.plan import RowsPlan, rows_plan, rows_unsupported
+from fdecode.kernels.mosaic_gpu.mla.api import mla_decode, mla_run
+from fdecode.kernels.mosaic_gpu.mla.kernel import mla_partials, mla_states
+from fdecode.kernels.mosaic_gpu.mla.plan import MlaPlan, mla_plan, unsupported
+from fdecode.kernels.mosaic_gpu.plan import split_count
 
-__all__ = ["InterpretGPUParams", "MlaPlan", "RowsPlan", "mla_decode", "mla_partials", "mla_plan", "mla_run",
-           "mla_states", "rows_decode", "rows_partials", "rows_plan", "rows_run", "rows_states", "rows_unsupported",
-           "unsupported"]
+__all__ = ["InterpretGPUParams", "MlaPlan", "RowsPlan", "decode", "decode_mla", "mla_decode", "mla_partials",
+           "mla_plan", "mla_run", "mla_states", "refusal", "rows_decode", "rows_partials", "rows_plan", "rows_run",
+           "rows_states", "rows_unsupported", "split_count", "takes_mla", "unsupported"]

@@ -1,14 +1,40 @@
-"""What the two Hopper kernels share: the MLA kernel (`fdecode.kernels.mosaic_gpu.kernel`)
-and the GQA rows kernel (`fdecode.kernels.mosaic_gpu.rows_kernel`).
+"""What the two Hopper kernels share: the MLA kernel (`fdecode.kernels.mosaic_gpu.mla.kernel`)
+and the GQA rows kernel (`fdecode.kernels.mosaic_gpu.gqa.kernel`).
 
-`tma_ring` is their memory warpgroup's loop; `to_bf16` converts an 8-bit cache tile into
-a wgmma operand exactly; `online_softmax` is one block's softmax update, with 8-bit
-caches' per-token scales folded into the score and probability columns. `Ops` holds the few operations whose form
-differs between a compiled Hopper kernel and jax 0.10.2's Mosaic GPU interpreter.
+In the kernels: `tma_ring` is their memory warpgroup's loop and `release_slot` a compute
+warpgroup's release of a ring slot; `smem_transforms` the swizzled layout of their tiles;
+`to_bf16` converts an 8-bit cache tile into a wgmma operand exactly; `live_rows` selects
+a block's live slots; `online_softmax` is one block's softmax update, with 8-bit caches'
+per-token scales folded into the score and probability columns; `initial_state`,
+`nonfinite_rows` and `store_state` are the running state and the epilogue that writes a
+split's normalized partial state. `Ops` holds the few operations whose form differs
+between a compiled Hopper kernel and jax 0.10.2's Mosaic GPU interpreter.
+
+Around them: `launch` is the one ``plgpu.kernel`` launch both families make, and `combine`
+hands their split states to the Triton combine kernel (the second of a call's launches).
 
 Interpreted, layouts mean nothing (casts are no-ops, iotas and loads are plain), its wgmma
 takes no transposed smem operand (Q K^T is a dot of the two smem tiles) and it cannot run
 ``pl.run_state`` (the PV wgmma accumulates into a fresh accumulator added to ``alpha * O``).
+
+JAX versions: both kernels use only APIs present in jax 0.10.2 (CI) and 0.11.2 (the GPU
+machines) with the same meaning: ``plgpu.kernel(body, out_type=, scratch_types=, grid=,
+grid_names=, num_threads=, thread_name=, compiler_params=, interpret=, kernel_name=)``,
+``plgpu.SMEM`` with Tiling / Swizzle transforms, ``plgpu.Barrier``, ``copy_gmem_to_smem``,
+``barrier_wait`` / ``_arrive``, ``wgmma``, ``ACC`` / ``ACC.init`` with ``pl.run_state``,
+``set_max_registers``, ``commit_smem``, ``layout_cast`` / ``broadcasted_iota`` / ``load``
+with ``Layout.WGMMA(.reduce(1))`` (the rows kernel also ``.reduce(0)``: the scales as
+column vectors) and ``CompilerParams(approx_math, reduction_scratch_bytes,
+lowering_semantics)``. Each kernel names its lowering semantics (`launch`), not left to
+the default, which differs: 0.10.2 lowers Pallas kernels with ``Lane`` semantics, 0.11.2
+with ``Warpgroup``. What else differs: 0.11.2 deprecates ``plgpu.transpose_ref``
+(``ref.transpose`` is used: the same transform in both) and drops ``plgpu.transform_ref``
+and ``kernel``'s ``out_shape`` / ``scratch_shapes`` aliases; it exports
+``InterpretGPUParams`` as ``plgpu.InterpretGPUParams`` (0.10.2: only
+``jax._src.pallas.mosaic_gpu.interpret.params``, which 0.11.2 keeps); its ``plgpu.kernel``
+lowers through ``mpmd_map`` instead of ``core_map`` (the same ``mosaic_gpu_v2`` custom
+call); its interpreter runs layout casts (no-ops) but still not ``pl.run_state``;
+``copy_gmem_to_smem`` gains ``oob_mode`` / ``predicate`` (unused here).
 """
 
 from __future__ import annotations
@@ -23,8 +49,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fdecode.combine import MASK_VALUE
+from fdecode.kernels import triton as triton_kernels
+from fdecode.kernels.common import block as blk
+from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS, TILE_COLS
 
 _LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_F32_MAX = float(jnp.finfo(jnp.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,3 +158,105 @@ def online_softmax(s, visible, m, l, softmax_scale: float, k_scale=None, v_scale
   if v_scale is not None:
     p = jnp.where(visible, p * lax.broadcast_in_dim(v_scale, s.shape, [1]), 0.0)
   return p, alpha, m_new, l
+
+
+def release_slot(free, slot, step, stages: int, steps):
+  """Releases ring slot ``slot`` (its barrier ``free.at[slot]``) after block ``step`` of
+  ``steps``, only where the slot is written again: a barrier phase nobody waits for would
+  be left behind (the interpreter rejects that)."""
+  pl.when(step + stages < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
+
+
+def smem_transforms(item_bytes: int):
+  """The tiled, swizzled smem layout of a tile of ``item_bytes``-byte elements: 8-row
+  tiles of `TILE_COLS` columns, swizzled over their row's bytes (bf16 128 B, 8-bit 64 B)."""
+  return plgpu.TilingTransform((8, TILE_COLS)), plgpu.SwizzleTransform(TILE_COLS * item_bytes)
+
+
+def contiguous_load_start(block, bk: int, cache_rows: int):
+  """The first cache row block ``block`` loads from a contiguous cache of ``cache_rows``
+  rows: its start, or ``cache_rows - bk`` for a last block past the end (an overlapped
+  load: the slots before the block's start are selected away)."""
+  return jnp.minimum(block * bk, cache_rows - bk)
+
+
+def live_rows(ld, start, live_end, bk: int, ops: Ops):
+  """bool ``[bk, TILE_COLS]``: slot j of a block loaded from ``ld`` is live (at or past
+  the block's ``start``, before ``live_end``), broadcast along one column tile."""
+  pos = ld + ops.iota((bk, TILE_COLS), 0)
+  return (pos >= start) & (pos < live_end)
+
+
+def initial_state(cols: int, ops: Ops):
+  """The running state before a split's first block: the accumulator float32 ``[64,
+  cols]`` 0, the row max ``m`` at the finite mask value and the row sum ``l`` 0 ``[64]``."""
+  return (ops.tile(jnp.zeros((BLOCK_ROWS, cols), jnp.float32)),
+          ops.rows(jnp.full((BLOCK_ROWS,), MASK_VALUE, jnp.float32)), ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32)))
+
+
+def nonfinite_rows(x):
+  """float32 ``[rows]``: 1 where row r of tile ``x`` holds an inf or NaN, else 0 (``abs(x)
+  <= max`` is False for both: `fdecode.combine.corrupt_rows` as a row max)."""
+  return jnp.where(jnp.abs(x) <= _F32_MAX, 0.0, 1.0).max(axis=1)
+
+
+def store_state(acc, m, l, empty, o_tile, lse_rows=None):
+  """One split's normalized partial state of 64 rows: ``o_tile`` ``[64, Dv]`` = acc / l
+  and (unless None) ``lse_rows`` ``[64]`` its natural-log LSE from the exp2-domain ``m``
+  and ``l``. ``empty`` (the row saw no key in the split, from the positions): o 0, lse
+  -inf. A corrupt row's ``l`` is NaN already (the caller's `nonfinite_rows`): every
+  column of its out and its lse are NaN."""
+  o_tile[...] = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
+  if lse_rows is not None:
+    lse_rows[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+
+
+def interpreted(interpret) -> bool:
+  """Whether an entry point's ``interpret`` asks for jax's Mosaic GPU interpreter (an
+  ``InterpretGPUParams``) rather than the compiled kernel (None / False)."""
+  return interpret is not None and interpret is not False
+
+
+def launch(body, plan, args, *, out_type, scratch_types, grid_names, num_threads: int, semantics, name: str,
+           interpret):
+  """Runs ``body(*refs, plan=plan, ops=Ops(...))`` once over ``plan.grid`` (named
+  ``grid_names``) with ``num_threads`` warpgroups (axis ``"wg"``) on operands ``args``;
+  returns its outputs typed varying as the operands vary (inside ``shard_map``).
+
+  Row reductions of wgmma tiles stay inside a warp: no cross-warp reduction scratch (its
+  default 2 KiB would not fit next to the tiles). ``semantics``: the kernel's Mosaic GPU
+  lowering semantics, named (the default differs between jax versions)."""
+  on = interpreted(interpret)
+  kernel = plgpu.kernel(
+      functools.partial(body, plan=plan, ops=Ops(on)),
+      out_type=out_type,
+      scratch_types=scratch_types,
+      grid=plan.grid,
+      grid_names=grid_names,
+      num_threads=num_threads,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
+                                           lowering_semantics=semantics),
+      interpret=interpret if on else None,
+      kernel_name=name,
+  )
+  outs = kernel(*args)
+  return tuple(blk.vary_like(x, *args) for x in outs)
+
+
+def combine(o, lse, *, batch: int, num_tokens: int, group: int, hq: int, out_dtype, interpret):
+  """A Hopper kernel's split states (float32 ``o [B, (Hkv,) n_splits, R_p, Dv]``, lse
+  likewise without Dv) merged by the Triton combine kernel (interpreted where the Hopper
+  kernel is), which writes row r = t * G + g of kv head h at query head ``h * G + g`` of
+  token t: ``(out [B, T, Hq, Dv] in out_dtype, lse float32 [B, T, Hq])``."""
+  out, out_lse = triton_kernels.combine_split_major(o, lse, num_tokens=num_tokens, group=group, hq=hq,
+                                                    out_dtype=out_dtype, interpret=interpreted(interpret))
+  return out.reshape(batch, num_tokens, hq, o.shape[-1]), out_lse.reshape(batch, num_tokens, hq)
+
+
+def outputs(out, lse, *, single: bool, return_lse: bool):
+  """An entry point's return: ``out [B, T, Hq, Dv]`` and ``lse [B, T, Hq]`` without the T
+  axis where q came without it (``single``), lse only where asked for."""
+  if single:
+    out, lse = out[:, 0], lse[:, 0]
+  return (out, lse) if return_lse else out

@@ -1,5 +1,6 @@
 """The Mosaic (TPU) kernels' plan (`fdecode.kernels.mosaic_tpu`): `make_plan` decides one
-call (read mode, fallback to XLA, block sizes, splits); `plan` sizes its blocks and VMEM.
+call (read mode, fallback to XLA, block sizes, splits); `plan` sizes its blocks and VMEM;
+`split_count` is the split rule.
 
 The footprint (double-buffered blocks, scratch and in-flight block values) depends on
 the block sizes only, never on S; `plan` sets ``vmem_limit_bytes`` from it.
@@ -39,6 +40,12 @@ _VREG_BYTES = 4096
 _VMEM_HEADROOM = 4 * 1024 * 1024
 # The order `contiguous_as_pool` takes and returns the quantization arrays in.
 _QUANT = ("k_scale", "k_offset", "v_scale", "v_offset")
+# Split the cache only while the programs leave the TensorCores idle: the Ascend
+# IncreFlashAttention rule (split when the work units are under 0.4 * cores).
+_SPLIT_OCCUPANCY = 0.4
+# Most splits one program's (sequence, kv heads) may use: past this the merge costs more
+# than it saves (Tenstorrent's `max_cores_per_head_batch` = 16).
+MAX_SPLITS_PER_PROGRAM = 16
 
 
 def _sublanes(dtype) -> int:
@@ -216,8 +223,8 @@ def make_plan(q_rows, view: CacheView, *, extra: dict, num_tokens: int, num_spli
   token-major ones read in place where `token_major_read` says, else its head-major view.
   ``extra``: the dispatch's other canonical operands (mods, mask / bias / alibi,
   v_head_dim; sparse, indices, index_bounds for index lists).
-  ``num_splits`` None: `config.default_num_splits` over the blocks the rows see, on one
-  program per (sequence, kv heads of a program)."""
+  ``num_splits`` None: `split_count` over the blocks the rows see, on one program per
+  (sequence, kv heads of a program)."""
   b, hkv = q_rows.shape[:2]
   paged, sparse = view.paged, "sparse" in extra
   how = None if view.layout == "HND" else token_major_read(
@@ -262,7 +269,24 @@ def make_plan(q_rows, view: CacheView, *, extra: dict, num_tokens: int, num_spli
     seen, programs = slots, hkv
   else:
     seen, programs = window_tokens(view.capacity, num_tokens, extra["mods"]), hkv // (1 if how is None else how.heads)
-  splits = num_splits or config_lib.default_num_splits(
-      b, programs, max(-(-seen // p.block), 1), config_lib.num_parallel_units("tpu"))
+  splits = num_splits or split_count(b, programs, max(-(-seen // p.block), 1), config_lib.num_parallel_units("tpu"))
   return CallPlan("mosaic", sparse=sparse, read=how, as_pool=as_pool, sizes=p, num_splits=splits,
                   upcast_query=upcast)
+
+
+def split_count(batch: int, programs: int, num_blocks: int, num_units: int) -> int:
+  """The Mosaic kernels' split rule: chunks of the token axis for a grid of ``batch``
+  sequences x ``programs`` (kv heads, or kv-head groups, of a sequence) on ``num_units``
+  TensorCores (`fdecode.config.num_parallel_units`: 1 on v5e / v6e, 2 on a v4 / v5p
+  megacore, whose grid axes stay "parallel").
+
+  One (sequence, program) pair is one unit of work. With at least ``0.4 * num_units`` of
+  them the chip is already busy and the cache is not split; otherwise each pair gets
+  ``ceil(num_units / (batch * programs))`` splits, at most `MAX_SPLITS_PER_PROGRAM` and
+  at most one per block.
+  """
+  work = batch * programs
+  if work >= _SPLIT_OCCUPANCY * num_units:
+    return 1
+  splits = math.ceil(num_units / max(work, 1))
+  return max(1, min(splits, MAX_SPLITS_PER_PROGRAM, num_blocks))

@@ -1,4 +1,4 @@
-"""How the Mosaic paged kernel (`fdecode.kernels.mosaic_tpu`) reads token-major caches
+"""How the Mosaic paged kernel (`fdecode.kernels.mosaic_tpu.paged`) reads token-major caches
 ``[P, page_size, Hkv, D]`` in place, one DMA window per page:
 
 * float32: one kv head's rows, ``pool[page, :, h]``.
@@ -89,14 +89,14 @@ class TokenMajorRead(NamedTuple):
 # Most kv heads read by the whole head axis. The paged kernel unrolls each head, with its
 # own online-softmax state, in one program; the sparse kernel selects its head from the
 # loaded rows. libtpu compiled 71 and 127 bfloat16 heads (16-token steps) and 30 int8
-# ones on v5e; a plan past `mosaic_tpu_plan.MAX_HEAD_AXIS_VMEM_BYTES` (many heads of
+# ones on v5e; a plan past `fdecode.kernels.mosaic_tpu.plan.MAX_HEAD_AXIS_VMEM_BYTES` (many heads of
 # large pages: a step is whole pages) reads a head-major copy instead.
 MAX_AXIS_HEADS = 128
 
 
 def token_major_read(k, v=None, k_rope=None, k_scale=None, v_scale=None, *, paged=True,
                      sparse=False) -> TokenMajorRead | None:
-  """How the paged kernel reads these token-major caches in place (`_paged_kernel`), or
+  """How the paged kernel reads these token-major caches in place (`fdecode.kernels.mosaic_tpu.paged`), or
   None when it cannot (then a head-major copy).
 
   * float32 (k, v and k_rope): one head a program, windows ``pool[page, :, h]``.
@@ -147,8 +147,8 @@ def sparse_token_major_read(hkv, dtypes) -> TokenMajorRead | None:
   * ``axis`` True: w = Hkv, the whole head axis, when Hkv is not (one kv head: MQA,
     MLA latents; an odd packed count), up to `MAX_AXIS_HEADS`; head h is taken from
     the loaded ``[bk, Hkv, D]`` block. Each program then moves every head's row of a
-    listed token (Hkv times its own bytes, for Hkv > 1); the head-major copy it
-    replaces moved the whole cache twice.
+    listed token (Hkv times its own bytes, for Hkv > 1), where a head-major copy would
+    move the whole cache twice.
   * None: more heads than that (a head-major copy)."""
   unit = max(4 // d.itemsize for d in dtypes)
   if hkv % unit == 0:
@@ -158,7 +158,7 @@ def sparse_token_major_read(hkv, dtypes) -> TokenMajorRead | None:
 
 def contiguous_page_size(seq_len: int) -> int | None:
   """Page size that views a contiguous token-major cache ``[B, S, Hkv, D]`` as a pool
-  ``[B*S/ps, ps, Hkv, D]`` (a free reshape) for `_paged_call`: the largest power of two
+  ``[B*S/ps, ps, Hkv, D]`` (a free reshape) for the paged kernel: the largest power of two
   dividing S, at most 256; None below 8 (per-row DMAs)."""
   ps = min(seq_len & -seq_len, 256) if seq_len else 0
   return ps if ps >= 8 else None

@@ -6,7 +6,7 @@ states over ``width`` of its columns (`fdecode.combine.merge_by`, the same math 
 in ``out [B, T * Hq, Dv]`` (and its lse in ``[B, T * Hq]``). The balanced schedule's
 states are merged by sequence runs (`_segment_kernel`): grid ``(B, Hkv * ceil(R / rows),
 Dv / width)``, a program a tile of ``rows`` query rows, looping over its sequence's run of
-work items ``chunk`` at a time (`fdecode.kernels.triton.plan.segment_combine_tiling`):
+work items ``chunk`` at a time (`segment_combine_tiling`):
 each chunk merged by `merge_by`, then merged into the running state by `merge_by` again.
 That equals one merge of the run (up to rounding) for the states a split kernel gives
 (lse finite, -inf or NaN); only `merge_by`'s convention for several +inf parts (each
@@ -19,6 +19,7 @@ laid out as `CombinePlan` says.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -27,8 +28,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from fdecode.combine import add_sink, merge_by
 from fdecode.kernels.common import block as blk
-from fdecode.kernels.triton.plan import COMBINE_CHUNK, combine_width, pow2_at_least
+from fdecode.kernels.triton.launch import pow2_at_least
+from fdecode.kernels.triton.operands import Operand, flatten, take
 from fdecode.kernels.triton.schedule import Schedule, load_ends, sequence_items
+
+# float32 elements one combine program loads at once (splits x columns): 32 a thread.
+COMBINE_ELEMENTS = 4096
+# The balanced schedule's combine: work items a program merges per step of its loop (a
+# sequence's run is a few items; `segment_combine_tiling`).
+COMBINE_CHUNK = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +49,8 @@ class CombinePlan:
   ``schedule``: the balanced schedule's states, ``[n_splits, Hkv, R_p, 1, Dv]``
   (``n_splits`` work items), each sequence merging its own run of items, which its
   program derives from the sequences' ends (`fdecode.kernels.triton.schedule`), in tiles
-  of ``rows`` query rows, ``chunk`` items a loop step
-  (`fdecode.kernels.triton.plan.segment_combine_tiling`; ``width`` columns)."""
+  of ``rows`` query rows, ``chunk`` items a loop step (`segment_combine_tiling`; ``width``
+  columns)."""
   num_splits: int
   width: int
   num_tokens: int
@@ -61,6 +69,47 @@ class CombinePlan:
     return self.num_tokens * self.group
 
 
+def combine_width(num_splits: int, dv: int) -> int:
+  """Columns of one combine program: the largest power of two dividing Dv with
+  ``pow2(splits) * width <= COMBINE_ELEMENTS`` (at least 1)."""
+  width = dv & -dv  # largest power of two dividing Dv
+  while width > 1 and pow2_at_least(num_splits) * width > COMBINE_ELEMENTS:
+    width //= 2
+  return width
+
+
+def segment_combine_tiling(batch: int, hkv: int, num_rows: int, dv: int, items: int,
+                           sms: int) -> tuple[int, int, int]:
+  """``(rows, width, chunk)`` of a balanced-schedule combine program: a tile of ``rows``
+  query rows (of the R = ``num_rows`` of a kv head) by ``width`` columns, merging
+  ``chunk`` of its sequence's work items a loop step, within ``COMBINE_ELEMENTS``.
+  ``chunk``: the average run, ``items / batch`` (at least ``COMBINE_CHUNK``; longer runs
+  take more steps); ``rows``: the most the budget leaves, halved (then ``width``, down to
+  16) while the grid, ``batch * hkv * ceil(R / rows) * Dv / width`` programs, has fewer
+  than 4 a SM."""
+  width = dv & -dv  # the largest power of two dividing Dv
+  while width > 1 and COMBINE_CHUNK * width > COMBINE_ELEMENTS:
+    width //= 2
+  chunk = min(max(COMBINE_CHUNK, pow2_at_least(-(-items // max(batch, 1)))), COMBINE_ELEMENTS // width)
+  rows = max(1, min(pow2_at_least(num_rows), COMBINE_ELEMENTS // (chunk * width)))
+  programs = lambda r, w: batch * hkv * -(-num_rows // r) * (dv // w)
+  while rows > 1 and programs(rows, width) < 4 * sms:
+    rows //= 2
+  while rows == 1 and width > 16 and programs(rows, width) < 4 * sms:
+    width //= 2
+  return rows, width, min(pow2_at_least(items), COMBINE_ELEMENTS // (rows * width))
+
+
+class CombineOperands(NamedTuple):
+  """A combine launch's operands (`fdecode.kernels.triton.operands`): the states ``lse``
+  and ``o``, the balanced schedule's ``ends`` int32 ``[B]`` (None: states by split),
+  ``sinks`` f32 ``[Hq]`` or None."""
+  lse: Operand
+  o: Operand
+  ends: Operand | None
+  sinks: Operand | None
+
+
 def _reductions(back):
   """`merge_by`'s reductions over axis 0 of a tile of parts, and ``back`` (merged -> parts)
   (Triton has no boolean reduction: any is a max over 0 / 1)."""
@@ -68,10 +117,11 @@ def _reductions(back):
           lambda x: jnp.max(jnp.where(x, 1.0, 0.0), axis=0) > 0, back)
 
 
-def _kernel(lse_ref, o_ref, *refs, plan: CombinePlan):
-  # lse_ref f32[n_splits], o_ref f32[n_splits, Dv] (this row's partial states),
-  # [sinks f32[Hq]], out [T * Hq, Dv], out_lse f32[T * Hq]
-  sinks_ref, out_ref, out_lse_ref = refs if len(refs) == 3 else (None, *refs)
+def _kernel(*refs, plan: CombinePlan, layout):
+  # ins.lse f32[n_splits], ins.o f32[n_splits, Dv] (this row's partial states),
+  # ins.sinks f32[Hq] or None; out [T * Hq, Dv], out_lse f32[T * Hq]
+  ins, (out_ref, out_lse_ref) = take(layout, refs)
+  lse_ref, o_ref, sinks_ref = ins.lse, ins.o, ins.sinks
   n, w = plan.num_splits, plan.width
   sp = pow2_at_least(n)
   row = pl.program_id(1) % plan.num_rows
@@ -123,10 +173,11 @@ def with_sinks(sinks_ref, head, out, out_lse):
   return add_sink(out, out_lse, plgpu.load(sinks_ref.at[head])[:, None].astype(jnp.float32))
 
 
-def _segment_kernel(lse_ref, o_ref, ends_ref, *refs, plan: CombinePlan):
-  # lse_ref f32[n, R_p], o_ref f32[n, R_p, Dv] (this kv head's states of every work item),
-  # ends int32[B], [sinks f32[Hq]], out [T * Hq, Dv], out_lse f32[T * Hq]
-  sinks_ref, out_ref, out_lse_ref = refs if len(refs) == 3 else (None, *refs)
+def _segment_kernel(*refs, plan: CombinePlan, layout):
+  # ins.lse f32[n, R_p], ins.o f32[n, R_p, Dv] (this kv head's states of every work item),
+  # ins.ends int32[B], ins.sinks f32[Hq] or None; out [T * Hq, Dv], out_lse f32[T * Hq]
+  ins, (out_ref, out_lse_ref) = take(layout, refs)
+  lse_ref, o_ref, ends_ref, sinks_ref = ins.lse, ins.o, ins.ends, ins.sinks
   rb, w = plan.rows, plan.width
   tiles = -(-plan.num_rows // rb)
   h = pl.program_id(1) // tiles
@@ -145,15 +196,16 @@ def _segment_kernel(lse_ref, o_ref, ends_ref, *refs, plan: CombinePlan):
     plgpu.store(out_lse_ref.at[dst], out_lse[:, 0], mask=valid)
 
 
-def _launch(plan: CombinePlan, kernel, grid, b: int, operands, in_specs, sinks):
-  """One combine launch over ``grid``: ``operands`` (the sinks appended), the finished
-  ``(out [B, T * Hq, Dv], lse [B, T * Hq])``, batch ``b`` on grid axis 0."""
-  if sinks is not None:
-    operands = operands + [sinks.astype(jnp.float32)]
-    in_specs = in_specs + [pl.BlockSpec((plan.hq,), lambda i, hr, c: (0,))]
+def _launch(plan: CombinePlan, kernel, grid, b: int, lse: Operand, o: Operand, ends: Operand | None, sinks):
+  """One combine launch over ``grid`` of the states ``lse`` / ``o`` (and ``ends``, balanced;
+  ``sinks`` f32 ``[Hq]`` or None): the finished ``(out [B, T * Hq, Dv], lse [B, T * Hq])``,
+  batch ``b`` on grid axis 0."""
+  sinks = None if sinks is None else Operand(sinks.astype(jnp.float32),
+                                             pl.BlockSpec((plan.hq,), lambda i, hr, c: (0,)))
+  operands, in_specs, layout = flatten(CombineOperands(lse, o, ends, sinks))
   tq, dv = plan.num_tokens * plan.hq, plan.dv
   return pl.pallas_call(
-      lambda *refs: kernel(*refs, plan=plan),
+      lambda *refs: kernel(*refs, plan=plan, layout=layout),
       grid=grid,
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((None, tq, dv), lambda i, hr, c: (i, 0, 0)),
@@ -173,11 +225,10 @@ def _combine_segments(plan: CombinePlan, o, lse, sinks, ends):
   o, lse = o[:, :, :, 0], lse[:, :, :, 0]
   tiles = -(-plan.num_rows // plan.rows)
   r_p = o.shape[2]
-  in_specs = [pl.BlockSpec((n, None, r_p), lambda i, hr, c: (0, hr // tiles, 0)),
-              pl.BlockSpec((n, None, r_p, dv), lambda i, hr, c: (0, hr // tiles, 0, 0)),
-              pl.BlockSpec((b,), lambda i, hr, c: (0,))]
-  return _launch(plan, _segment_kernel, (b, hkv * tiles, dv // plan.width), b, [lse, o, ends.astype(jnp.int32)],
-                 in_specs, sinks)
+  return _launch(plan, _segment_kernel, (b, hkv * tiles, dv // plan.width), b,
+                 Operand(lse, pl.BlockSpec((n, None, r_p), lambda i, hr, c: (0, hr // tiles, 0))),
+                 Operand(o, pl.BlockSpec((n, None, r_p, dv), lambda i, hr, c: (0, hr // tiles, 0, 0))),
+                 Operand(ends.astype(jnp.int32), pl.BlockSpec((b,), lambda i, hr, c: (0,))), sinks)
 
 
 def combine(plan: CombinePlan, o, lse, sinks=None, *, ends=None):
@@ -193,12 +244,12 @@ def combine(plan: CombinePlan, o, lse, sinks=None, *, ends=None):
   hkv = o.shape[1]
   dv, w, rows, n = plan.dv, plan.width, plan.num_rows, plan.num_splits
   if plan.split_major:  # [B, Hkv, n, R_p(, Dv)]
-    in_specs = [pl.BlockSpec((None, None, n, None), lambda i, hr, c: (i, hr // rows, 0, hr % rows)),
-                pl.BlockSpec((None, None, n, None, dv), lambda i, hr, c: (i, hr // rows, 0, hr % rows, 0))]
+    lse_spec = pl.BlockSpec((None, None, n, None), lambda i, hr, c: (i, hr // rows, 0, hr % rows))
+    o_spec = pl.BlockSpec((None, None, n, None, dv), lambda i, hr, c: (i, hr // rows, 0, hr % rows, 0))
   else:  # [B, Hkv, R_p, n(, Dv)]
-    in_specs = [pl.BlockSpec((None, None, None, n), lambda i, hr, c: (i, hr // rows, hr % rows, 0)),
-                pl.BlockSpec((None, None, None, n, dv), lambda i, hr, c: (i, hr // rows, hr % rows, 0, 0))]
-  return _launch(plan, _kernel, (b, hkv * rows, dv // w), b, [lse, o], in_specs, sinks)
+    lse_spec = pl.BlockSpec((None, None, None, n), lambda i, hr, c: (i, hr // rows, hr % rows, 0))
+    o_spec = pl.BlockSpec((None, None, None, n, dv), lambda i, hr, c: (i, hr // rows, hr % rows, 0, 0))
+  return _launch(plan, _kernel, (b, hkv * rows, dv // w), b, Operand(lse, lse_spec), Operand(o, o_spec), None, sinks)
 
 
 def combine_split_major(o, lse, *, num_tokens: int, group: int, hq: int, out_dtype, interpret: bool):

@@ -1,8 +1,8 @@
 """A ragged serving step's geometry, derived by each Triton program from the step's own
 offsets (`fdecode.ragged_decode` on the Triton kernels): which sequence a work unit reads,
 its first packed row, its kv length, and every unit's kv length for the balanced schedule.
-XLA computed these before, as small fusions between the kernels (a launch each); here each
-program computes what it needs in registers from ``cu [M + 1]`` (the step's clipped,
+No XLA fusion computes them between the kernels (a launch each): each program computes
+what it needs in registers from ``cu [M + 1]`` (the step's clipped,
 non-decreasing row offsets, `fdecode.ragged.row_positions`' ``cu``), ``kv_lens [M]`` and
 ``num_seqs [1]``, a few vector reductions over the M sequences (and, for the prefill
 blocks' lengths, over blocks x sequences in chunks).

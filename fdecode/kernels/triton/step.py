@@ -2,10 +2,9 @@
 states of its two parts, each sequence's last row (T = 1) and the prefill blocks (T = tb
 rows), both from one split launch (`fdecode.kernels.triton.split_states_merged`), merged
 by *one* launch straight into the step's packed rows ``out [N, Hq, Dv]`` / ``lse [N,
-Hq]``, padding rows included (out 0, lse -inf). Nothing runs after it: before, each part
-had its own combine and XLA gathered the rows from both outputs (a select over ``[N, Hq,
-Dv]``). Each program derives its unit's rows and its part's schedule from the step's
-arrays (`fdecode.kernels.triton.geometry`).
+Hq]``, padding rows included (out 0, lse -inf). Nothing runs after it: no per-part
+combine, no XLA gather of the rows from two outputs. Each program derives its unit's rows
+and its part's schedule from the step's arrays (`fdecode.kernels.triton.geometry`).
 
 Grid ``(M + NB + P, width, 1)``, three kinds of program on axis 0:
 
@@ -21,13 +20,14 @@ Grid ``(M + NB + P, width, 1)``, three kinds of program on axis 0:
 Every packed row is stored by exactly one program: a live sequence's last row by its
 decode program, its other rows by the one block that holds them, the rest by a padding
 program. Axis 1 is a kv head, a row tile and a column chunk, each part's own
-(`CombinePlan.rows` / ``width``, `fdecode.kernels.triton.plan.segment_combine_tiling`); a
+(`CombinePlan.rows` / ``width``, `fdecode.kernels.triton.combine.segment_combine_tiling`); a
 program past its part's share of the axis stores nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -37,15 +37,29 @@ from jax.experimental.pallas import triton as plgpu
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.triton.combine import CombinePlan, merge_run, with_sinks
 from fdecode.kernels.triton.geometry import StepPart, load_seqs, owned_rows, unit_ends, unit_rows
-from fdecode.kernels.triton.plan import TritonPlan, pow2_at_least
+from fdecode.kernels.triton.launch import pow2_at_least
+from fdecode.kernels.triton.operands import Operand, flatten, take, whole
+from fdecode.kernels.triton.plan import TritonPlan
 from fdecode.kernels.triton.schedule import sequence_items
 
 # Query rows (times G heads) a padding program stores: 64 (row, head) entries.
 PAD_ENTRIES = 64
-# float32 states a program merges a loop step: half the two-launch combine's
-# (`fdecode.kernels.triton.plan.COMBINE_ELEMENTS`): the step's combine holds two parts'
-# merges and the padding stores in one kernel.
+# float32 states a program merges a loop step: a quarter of the two-launch combine's
+# (`fdecode.kernels.triton.combine.COMBINE_ELEMENTS`): the step's combine holds two parts'
+# merges and the padding stores in one kernel, on 4 warps (`STEP_WARPS`), within the
+# registers ptxas gives it without a spill.
 STEP_ELEMENTS = 1024
+STEP_WARPS = 4
+
+
+class StepOperands(NamedTuple):
+  """The step combine's operands (`fdecode.kernels.triton.operands`): each part's states
+  ``(lse f32 [n, Hkv, R_p], o f32 [n, Hkv, R_p, Dv])``, the step's ``(cu, kv_lens,
+  num_seqs)`` and ``sinks`` f32 ``[Hq]`` or None."""
+  decode: tuple
+  prefill: tuple
+  step: tuple
+  sinks: Operand | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,13 +132,12 @@ def _padding(g: _Geometry, p, k, step, out_refs):
   plgpu.store(out_lse_ref.at[dst], jnp.full(e.shape, -jnp.inf, jnp.float32), mask=valid & (chunk == 0))
 
 
-def _step_kernel(*refs, g: _Geometry):
-  # decode: lse f32[n_d, R_d], o f32[n_d, R_d, Dv]; prefill: the same [n_p, R_p(, Dv)]; the step:
-  # cu int32[M + 1], kv_lens int32[M], num_seqs int32[1]; [sinks f32[Hq]]; out [N * Hq, Dv], out_lse f32[N * Hq]
-  refs = list(refs)
-  decode, prefill, step = refs[0:2], refs[2:4], refs[4:7]
-  sinks_ref = refs[7] if len(refs) == 10 else None
-  out_refs = refs[-2:]
+def _step_kernel(*refs, g: _Geometry, layout):
+  # ins.decode: lse f32[n_d, R_d], o f32[n_d, R_d, Dv]; ins.prefill: the same [n_p, R_p(, Dv)]; ins.step:
+  # cu int32[M + 1], kv_lens int32[M], num_seqs int32[1]; ins.sinks f32[Hq] or None; out [N * Hq, Dv],
+  # out_lse f32[N * Hq]
+  ins, out_refs = take(layout, refs)
+  decode, prefill, step, sinks_ref = ins
   m, nb = g.decode.schedule.batch, g.prefill.schedule.batch
   i, k = pl.program_id(0), pl.program_id(1)
 
@@ -144,42 +157,39 @@ def _step_kernel(*refs, g: _Geometry):
 def combine_step(decode: TritonPlan, prefill: TritonPlan, decode_states, prefill_states, step, sinks=None):
   """One launch: the step's packed ``(out [N, Hq, Dv] in the plans' out dtype, lse f32 [N,
   Hq])`` from each part's states, ``(o f32 [n, Hkv, R_p, 1, Dv], lse f32 [n, Hkv, R_p,
-  1])`` as `fdecode.kernels.triton.split_states_merged` gave them for the parts' plans
-  ``decode`` / ``prefill`` (balanced, their `StepPart` s in ``plan.step``); ``step``:
+  1])`` as `fdecode.kernels.triton.split.split_states_merged` gave them for the parts' plans
+  ``decode`` / ``prefill`` (balanced, their `StepPart` s in ``plan.source.step``); ``step``:
   ``(cu, kv_lens, num_seqs)``, the step's arrays the units derive from; ``sinks`` f32
   ``[Hq]`` or None."""
-  parts = (decode.step, prefill.step)
+  parts = (decode.source.step, prefill.source.step)
   # Each part's tiling, its loop step at most STEP_ELEMENTS (items x rows x columns).
   fit = lambda p: dataclasses.replace(p, chunk=max(1, min(p.chunk, STEP_ELEMENTS // (p.rows * p.width))))
   decode, prefill = fit(decode.combine_plan), fit(prefill.combine_plan)
   hq, group, dv, num_rows = decode.hq, decode.group, decode.dv, parts[0].rows
   hkv = hq // group
   g = _Geometry(decode=decode, prefill=prefill, parts=parts, num_rows=num_rows, hq=hq, group=group)
-  operands, in_specs = [], []
+  states = []
   for plan, (o, lse) in ((decode, decode_states), (prefill, prefill_states)):
     o, lse = o[:, :, :, 0], lse[:, :, :, 0]
     n, _, r_p = lse.shape
     head = lambda k, plan=plan: jnp.minimum(_ids(plan, k)[0], hkv - 1)
-    operands += [lse, o]
-    in_specs += [pl.BlockSpec((n, None, r_p), lambda i, k, c, head=head: (0, head(k), 0)),
-                 pl.BlockSpec((n, None, r_p, dv), lambda i, k, c, head=head: (0, head(k), 0, 0))]
-  extra = [x.astype(jnp.int32).reshape(-1) for x in step] + ([] if sinks is None else [sinks.astype(jnp.float32)])
-  operands += extra
-  in_specs += [pl.BlockSpec(x.shape, lambda i, k, c: (0,)) for x in extra]
+    states.append((Operand(lse, pl.BlockSpec((n, None, r_p), lambda i, k, c, head=head: (0, head(k), 0))),
+                   Operand(o, pl.BlockSpec((n, None, r_p, dv), lambda i, k, c, head=head: (0, head(k), 0, 0)))))
+  step_arrays = tuple(whole(x.astype(jnp.int32).reshape(-1)) for x in step)
+  operands, in_specs, layout = flatten(StepOperands(*states, step_arrays,
+                                                    None if sinks is None else whole(sinks.astype(jnp.float32))))
   pads = -(-num_rows // max(PAD_ENTRIES // group, 1))
   width = max(hkv * tiles * chunks for tiles, chunks in map(_layout, (decode, prefill)))
   grid = (decode.schedule.batch + prefill.schedule.batch + pads, width, 1)
   out, lse = pl.pallas_call(
-      lambda *refs: _step_kernel(*refs, g=g),
+      lambda *refs: _step_kernel(*refs, g=g, layout=layout),
       grid=grid,
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((num_rows * hq, dv), lambda i, k, c: (0, 0)),
                  pl.BlockSpec((num_rows * hq,), lambda i, k, c: (0,))],
       out_shape=[blk.out_struct((num_rows * hq, dv), jnp.dtype(decode.out_dtype), *operands),
                  blk.out_struct((num_rows * hq,), jnp.float32, *operands)],
-      # 4 warps and STEP_ELEMENTS: A100's ptxas held this kernel at 64-80 registers and spilled
-      # 4-20 B at 8 or 16 warps (G = 7, 256 sequences) and at 4 warps with the 4096-state step.
-      compiler_params=None if decode.interpret else plgpu.CompilerParams(num_warps=4, num_stages=1),
+      compiler_params=None if decode.interpret else plgpu.CompilerParams(num_warps=STEP_WARPS, num_stages=1),
       interpret=decode.interpret,
       name="fdecode_combine_triton",
   )(*operands)

@@ -24,6 +24,7 @@ the scatter casts). ``interpret=True`` runs the same kernel interpreted.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -32,7 +33,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.triton.geometry import StepPart, row_position
-from fdecode.kernels.triton.plan import pow2_at_least
+from fdecode.kernels.triton.launch import pow2_at_least
+from fdecode.kernels.triton.operands import Operand, flatten, take, whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,21 +53,28 @@ class WritePlan:
   step: StepPart | None = None
 
 
-def _kernel(*refs, plan: WritePlan, n_caches: int):
-  # seq / pos int32 [N] (or with plan.step: the step's cu [M + 1], kv_lens [M], num_seqs [1]);
-  # [tables int32 [M * n]]; new rows [N * Hkv, D] per cache; the aliased caches' inputs
-  # (unused) and outputs, flat [rows, D].
-  refs = list(refs)
+class WriteOperands(NamedTuple):
+  """The write's operands (`fdecode.kernels.triton.operands`), each whole: ``positions``,
+  the rows' ``(seq, pos)`` int32 ``[N]`` or a step's ``(cu, kv_lens, num_seqs)``;
+  ``table`` int32 ``[M * n]`` (paged) or None; ``news``: the new rows ``[N * Hkv, D]`` per
+  cache; ``caches``: the caches, flat ``[rows, D]``, aliased to the outputs."""
+  positions: tuple
+  table: Operand | None
+  news: tuple
+  caches: tuple
+
+
+def _kernel(*refs, plan: WritePlan, layout):
+  # ins: `WriteOperands` (the aliased caches' inputs unused); outs: the caches, flat [rows, D].
+  ins, outs = take(layout, refs)
   r = pl.program_id(0)
   h = pl.program_id(1)
   if plan.step is not None:  # the row's sequence and position, derived from the step
-    seq, pos = row_position(*refs[:3], plan.step, r)
-    refs = refs[3:]
+    seq, pos = row_position(*ins.positions, plan.step, r)
   else:
-    seq, pos = refs[0][r], refs[1][r]
-    refs = refs[2:]
-  table_ref = refs.pop(0) if plan.paged else None
-  news, outs = refs[:n_caches], refs[2 * n_caches:]
+    seq_ref, pos_ref = ins.positions
+    seq, pos = seq_ref[r], pos_ref[r]
+  table_ref, news = ins.table, ins.news
   ok = pos >= 0
   p = jnp.maximum(pos, 0)
   if plan.paged:
@@ -106,18 +115,17 @@ def write_rows(plan: WritePlan, caches, news, positions, tables=None):
   as_bytes = lambda x: lax.bitcast_convert_type(x, jnp.uint8) if byte(x) else x
   flat = [as_bytes(c).reshape(-1, c.shape[-1]) for c, _ in pairs]
   rows = [as_bytes(x).reshape(n_rows * plan.hkv, x.shape[-1]) for _, x in pairs]
-  operands = [x.astype(jnp.int32).reshape(-1) for x in positions]
-  if plan.paged:
-    operands.append(tables.astype(jnp.int32).reshape(-1))
-  operands += rows + flat
+  positions = tuple(whole(x.astype(jnp.int32).reshape(-1)) for x in positions)
+  table = whole(tables.astype(jnp.int32).reshape(-1)) if plan.paged else None
+  operands, in_specs, layout = flatten(WriteOperands(positions, table, tuple(map(whole, rows)),
+                                                     tuple(map(whole, flat))))
   first = len(operands) - len(flat)
-  whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)
   moved = sum(x.size * x.dtype.itemsize for x in rows)  # read once, written once
   out = pl.pallas_call(
-      lambda *refs: _kernel(*refs, plan=plan, n_caches=len(flat)),
+      lambda *refs: _kernel(*refs, plan=plan, layout=layout),
       grid=(n_rows, plan.hkv),
-      in_specs=[whole(x) for x in operands],
-      out_specs=[whole(c) for c in flat],
+      in_specs=in_specs,
+      out_specs=[whole(c).spec for c in flat],
       out_shape=[blk.out_struct(c.shape, c.dtype, *operands) for c in flat],
       input_output_aliases={first + i: i for i in range(len(flat))},
       cost_estimate=pl.CostEstimate(flops=0, transcendentals=0, bytes_accessed=2 * moved + 8 * n_rows),

@@ -32,7 +32,7 @@ from fdecode.cache.layout import capacity, token_axis
 from fdecode.cache.paged import gather_pages_head_major, gather_scale_head_major, gather_token_major_pages
 from fdecode.combine import MASK_VALUE, finalize_state
 from fdecode.kernels.common.modifiers import Modifiers, row_bounds, window_start, window_tokens
-from fdecode.kernels.common.quant import dequantize
+from fdecode.cache.quant import dequantize
 
 
 def _slice_seq(x, starts, size, axis):
@@ -211,7 +211,7 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
       of a kv head as rows (r = t * G + g); cache blocks are cast to it after the load.
     k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables [B, n]``, paged
       ``[Hkv, P, page_size, D]``; float, or 8-bit with canonical rank-4 scales
-      (`fdecode.kernels.common.quant.canonical_scale`) and optional offsets. ``v`` None: the values are
+      (`fdecode.cache.quant.canonical_scale`) and optional offsets. ``v`` None: the values are
       the loaded (dequantized) ``k[..., :v_head_dim]`` (MLA).
     k_rope: optional key-only columns laid out like k (float), after k's own.
     kv_layout: the layout of k, v and k_rope: ``"NHD"`` caches ``[B, S, Hkv, D]`` and

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from fdecode.kernels.xla.dense import contiguous_states, Geometry, pad_tokens
 from fdecode.kernels.common.modifiers import Modifiers
-from fdecode.kernels.common.quant import dequantize
+from fdecode.cache.quant import dequantize
 from fdecode.kernels.common.sparse import Sparse
 
 

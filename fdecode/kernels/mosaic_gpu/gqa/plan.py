@@ -1,16 +1,17 @@
-"""Launch plan of the Hopper GQA rows kernel (`fdecode.kernels.mosaic_gpu.rows_kernel`).
+"""Launch plan of the Hopper GQA rows kernel (`fdecode.kernels.mosaic_gpu.gqa.kernel`).
 
 `rows_plan` decides every static choice of a launch (rows per program, tokens per block,
 stages, splits, grid, registers, how the cache is read: contiguous or through a block
 table) and returns a frozen `RowsPlan` the kernel takes as it is; `rows_unsupported`
-says, as a sentence, why a call cannot run this kernel.
+says, as a sentence, why a call cannot run this kernel. The split rule and the checks
+both Hopper kernels make are `fdecode.kernels.mosaic_gpu.plan`'s.
 
 Legend: B batch, T new tokens per sequence, Hq query heads, Hkv kv heads, G = Hq / Hkv,
 R = T * G query rows of one kv head (row r = t * G + g), S cache capacity, D head dim
 (keys and values alike), bk tokens per block, P pages in a paged pool, page_size its
 tokens per page, n table columns (S = n * page_size).
 
-Paged pools (`fdecode.kernels.mosaic_gpu.rows_paging`): a block is one TMA copy (page_size
+Paged pools (`fdecode.kernels.mosaic_gpu.gqa.paging`): a block is one TMA copy (page_size
 a multiple of bk) or bk / page_size copies of a page each (page_size 8, 16, 32), onto one
 barrier; a TMA tiled copy moves whole 8-row tiles, so other page sizes are refused.
 
@@ -24,19 +25,18 @@ the 227 KiB of an sm_90 block; D = 64 and 128 take a half and a quarter of the t
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import jax.numpy as jnp
 
 from fdecode.kernels.common import chips
-from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS, QUANT_DTYPES, split_count
+from fdecode.kernels.mosaic_gpu import plan as shared
+from fdecode.kernels.mosaic_gpu.plan import BF16_BYTES, BLOCK_ROWS, QUANT_DTYPES
 
 HEAD_DIMS = (64, 128, 256)
-_BF16 = 2
 
 
 @dataclasses.dataclass(frozen=True)
-class RowsPlan:
+class RowsPlan(shared.PlanBase):
   """Static launch of one GQA rows decode call (hashable: passed to the kernel as is).
 
   Attributes:
@@ -55,6 +55,8 @@ class RowsPlan:
     cache_dtype: "bfloat16", "int8" or "float8_e4m3fn".
     page_size: 0 for a contiguous cache; else the pool's tokens per page (paged).
     pages: n, block table columns (paged; S = n * page_size).
+
+  ``quantized`` and ``rows_padded`` (R_p) are `fdecode.kernels.mosaic_gpu.plan.PlanBase`'s.
   """
   batch: int
   kv_heads: int
@@ -72,12 +74,8 @@ class RowsPlan:
   cache_dtype: str = "bfloat16"
   page_size: int = 0
   pages: int = 0
-  compute_registers: int = 232
-  memory_registers: int = 40
-
-  @property
-  def quantized(self) -> bool:
-    return self.cache_dtype != "bfloat16"
+  compute_registers: int = shared.COMPUTE_REGISTERS
+  memory_registers: int = shared.MEMORY_REGISTERS
 
   @property
   def paged(self) -> bool:
@@ -98,7 +96,7 @@ class RowsPlan:
     """8-bit paged pools: the per-token scales are read from the paged scale pool, a
     piece per copy, where one piece's scales are whole 128-byte units (page_size >= 32:
     a Mosaic GPU copy's bytes are shared by the warpgroup's 128 threads); smaller pages
-    take their scales gathered per call (`rows_paging.gathered_scales`), 4 bytes a
+    take their scales gathered per call (`paging.gathered_scales`), 4 bytes a
     token, beside the cache's 2 * D read in place."""
     return self.quantized and self.paged and self.piece * 4 % 128 == 0
 
@@ -113,10 +111,6 @@ class RowsPlan:
     return (self.row_blocks, self.num_splits, self.batch * self.kv_heads)
 
   @property
-  def rows_padded(self) -> int:
-    return self.row_blocks * BLOCK_ROWS
-
-  @property
   def guarded(self) -> bool:
     """T > 1: a slot may be visible to one row of a program and not to another, so a
     non-finite value row is routed through its key (see the kernel's module docstring)."""
@@ -125,11 +119,11 @@ class RowsPlan:
   def smem_bytes(self) -> int:
     """Shared memory the kernel allocates (tiles, scales, barriers; approximate)."""
     d, bk = self.head_dim, self.block
-    item = 1 if self.quantized else _BF16
-    q = BLOCK_ROWS * d * _BF16
+    item = 1 if self.quantized else BF16_BYTES
+    q = BLOCK_ROWS * d * BF16_BYTES
     kv = 2 * self.stages * bk * d * item
-    extra = 2 * bk * d * _BF16 + 2 * self.stages * bk * 4 if self.quantized else 0
-    p = BLOCK_ROWS * bk * _BF16
+    extra = 2 * bk * d * BF16_BYTES + 2 * self.stages * bk * 4 if self.quantized else 0
+    p = BLOCK_ROWS * bk * BF16_BYTES
     barriers = 8 * (5 * self.stages + 2)
     return q + kv + extra + p + barriers
 
@@ -160,8 +154,8 @@ def rows_unsupported(*, q_shape, q_dtype, k_shape, k_dtype, v_shape, v_dtype, sc
             f"got q.shape={tuple(q_shape)}")
   if d not in HEAD_DIMS:
     return f"needs a head dim D in {HEAD_DIMS}, got D={d}"
-  if str(q_dtype) != "bfloat16":
-    return f"needs bfloat16 q (a wgmma operand), got q {q_dtype}"
+  if reason := shared.q_unsupported(q_dtype):
+    return reason
   if str(k_dtype) != str(v_dtype):
     return f"needs k and v of one dtype, got k {k_dtype}, v {v_dtype}"
   if str(k_dtype) == "bfloat16":
@@ -210,10 +204,7 @@ def rows_plan(*, batch: int, kv_heads: int, num_tokens: int, group: int, head_di
   """
   gpu = gpu or chips.lowering_gpu()
   cache_dtype = str(jnp.dtype(cache_dtype))
-  if block_k % 64 or block_k <= 0:
-    raise ValueError(f"rows_plan: block_k must be a positive multiple of 64, got block_k={block_k}")
-  if stages < 2:
-    raise ValueError(f"rows_plan: stages must be >= 2, got stages={stages}")
+  shared.check_pipeline("rows_plan", block_k, stages)
   if head_dim not in HEAD_DIMS:
     raise ValueError(f"rows_plan: head_dim must be one of {HEAD_DIMS}, got head_dim={head_dim}")
   if page_size is not None:
@@ -222,20 +213,13 @@ def rows_plan(*, batch: int, kv_heads: int, num_tokens: int, group: int, head_di
     if seq_len % page_size:
       raise ValueError(f"rows_plan: a paged seq_len is n * page_size, got seq_len={seq_len}, page_size={page_size}")
   rows = num_tokens * group
-  row_blocks = -(-rows // BLOCK_ROWS)
-  blocks = max(1, -(-seq_len // block_k))
-  if num_splits is None:
-    num_splits = split_count(gpu, batch * kv_heads * row_blocks, blocks)
-  if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1:
-    raise ValueError(f"rows_plan: num_splits must be a positive int or None, got {num_splits!r}")
-  num_splits = int(num_splits)
+  row_blocks = shared.row_blocks(rows)
+  num_splits = shared.splits("rows_plan", gpu, programs=batch * kv_heads * row_blocks, seq_len=seq_len,
+                             block_k=block_k, num_splits=num_splits)
   plan = RowsPlan(batch=batch, kv_heads=kv_heads, num_tokens=num_tokens, group=group, head_dim=head_dim,
                   rows=rows, row_blocks=row_blocks, seq_len=seq_len,
-                  cache_rows=seq_len if page_size else max(-(-seq_len // 8) * 8, block_k), block=block_k,
-                  stages=stages, num_splits=min(num_splits, blocks), softmax_scale=float(softmax_scale),
-                  cache_dtype=cache_dtype, page_size=page_size or 0,
-                  pages=seq_len // page_size if page_size else 0)
-  if plan.smem_bytes() > gpu.smem_per_block:
-    raise ValueError(f"rows_plan: D={head_dim} {cache_dtype} with block_k={block_k} and stages={stages} needs "
-                     f"{plan.smem_bytes()} B of shared memory; {gpu.name} gives a block {gpu.smem_per_block} B")
+                  cache_rows=seq_len if page_size else shared.contiguous_cache_rows(seq_len, block_k),
+                  block=block_k, stages=stages, num_splits=num_splits, softmax_scale=float(softmax_scale),
+                  cache_dtype=cache_dtype, page_size=page_size or 0, pages=seq_len // page_size if page_size else 0)
+  shared.check_smem("rows_plan", f"D={head_dim} {cache_dtype}", plan, gpu)
   return plan

@@ -1,6 +1,6 @@
 """Hopper (sm_90) GQA decode kernel in Pallas' Mosaic GPU backend: TMA + wgmma over query
 rows, for bf16 and 8-bit (int8 / float8_e4m3fn, per-token scales) caches, contiguous or
-paged (a pool read in place through the block table: `fdecode.kernels.mosaic_gpu.rows_paging`).
+paged (a pool read in place through the block table: `fdecode.kernels.mosaic_gpu.gqa.paging`).
 
 One program owns 64 query rows (``row r = t*G + g``: the T new tokens x G query heads of
 one kv head of one sequence; one wgmma M tile) and one split (a contiguous range of
@@ -9,7 +9,7 @@ one kv head of one sequence; one wgmma M tile) and one split (a contiguous range
 * warpgroup 1 (memory, 40 registers): TMA copies of Q (64 x D) once and, per block, of K
   and V (bk x D each; 8-bit: also the bk per-token scales of each) into a ring of
   ``stages`` swizzled shared-memory slots, refilling a slot when warpgroup 0 released it;
-  paged, a block is one copy or one per page, the table read here (`rows_paging`);
+  paged, a block is one copy or one per page, the table read here (`paging`);
 * warpgroup 0 (compute): per block, prepares the K / V operands (below), S = Q K^T by
   wgmma, the scales and the mask, the online softmax in the exp2 domain, P (bf16) into
   shared memory, O = alpha * O + P V by wgmma; at the end one normalized partial state
@@ -48,17 +48,15 @@ one row sees out of the accumulator of a row that does not.
 
 Interpreted (`jax._src.pallas.mosaic_gpu.interpret`, CPU), the body runs with the
 substitutions of `fdecode.kernels.mosaic_gpu.ops.Ops` (as the MLA kernel); the API subset
-(jax 0.10.2 and 0.11.2) is the MLA kernel's (`fdecode.kernels.mosaic_gpu.kernel`), plus
-``plgpu.load`` with ``Layout.WGMMA.reduce(0)`` (the scales as column vectors). Its
-lowering semantics is ``Lane``, named (the MLA kernel's is ``Warpgroup``): under
-``Warpgroup``, jax 0.11.2's default, 0.10.2's lowering refuses a 2-bit register type in
-one of its loops; whether 0.11.2 lowers and runs it either way is for a GPU run to say.
+of jax 0.10.2 and 0.11.2 it uses is in `fdecode.kernels.mosaic_gpu.ops`. Its lowering
+semantics is ``Lane``, named (the MLA kernel's is ``Warpgroup``): under ``Warpgroup``,
+jax 0.11.2's default, 0.10.2's lowering refuses a 2-bit register type in one of its
+loops; whether 0.11.2 lowers and runs it either way is for a GPU run to say.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -66,27 +64,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from fdecode.combine import MASK_VALUE
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.modifiers import Modifiers
-from fdecode.kernels.mosaic_gpu import rows_paging as paging
+from fdecode.kernels.mosaic_gpu import ops as mops
+from fdecode.kernels.mosaic_gpu.gqa import paging
+from fdecode.kernels.mosaic_gpu.gqa.plan import RowsPlan
 from fdecode.kernels.mosaic_gpu.ops import Ops, online_softmax, tma_ring, to_bf16
-from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS
-from fdecode.kernels.mosaic_gpu.rows_plan import RowsPlan
-
-_LN2 = math.log(2.0)
-_COLS = 64  # columns of one swizzled smem tile (128 B of bf16, 64 B of 8-bit)
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
+from fdecode.kernels.mosaic_gpu.plan import BF16_BYTES, BLOCK_ROWS, TILE_COLS
 
 
 def _bad_value_rows(v_tile):
   """float32 ``[bk]``: 1 where value row j of ``v_tile`` [bk, D] holds an inf or NaN
-  (``abs(x) <= max`` is False for both), else 0."""
-  bk, d = v_tile.shape
+  (`fdecode.kernels.mosaic_gpu.ops.nonfinite_rows` over its column tiles), else 0."""
+  d = v_tile.shape[1]
   bad = None
-  for c in range(d // _COLS):
-    v = to_bf16(v_tile.at[:, pl.ds(c * _COLS, _COLS)][...]).astype(jnp.float32)
-    row = jnp.where(jnp.abs(v) <= _F32_MAX, 0.0, 1.0).max(axis=1)
+  for c in range(d // TILE_COLS):
+    v = to_bf16(v_tile.at[:, pl.ds(c * TILE_COLS, TILE_COLS)][...]).astype(jnp.float32)
+    row = mops.nonfinite_rows(v)
     bad = row if bad is None else jnp.maximum(bad, row)
   return bad
 
@@ -98,14 +92,13 @@ def _prepare_operands(k_src, v_src, k_dst, v_dst, ld, start, live_end, *, guard:
   selected to 0; ``guard``: non-finite value rows selected to 0 and their key rows to
   NaN (the module docstring's rule)."""
   bk, d = k_src.shape
-  pos = ld + ops.iota((bk, _COLS), 0)
-  keep = (pos >= start) & (pos < live_end)
+  keep = mops.live_rows(ld, start, live_end, bk, ops)
   poison = None
   if guard:
-    poison = lax.broadcast_in_dim(_bad_value_rows(v_src), (bk, _COLS), [0]) > 0.0
+    poison = lax.broadcast_in_dim(_bad_value_rows(v_src), (bk, TILE_COLS), [0]) > 0.0
     keep = keep & ~poison
-  for c in range(d // _COLS):
-    cols = pl.ds(c * _COLS, _COLS)
+  for c in range(d // TILE_COLS):
+    cols = pl.ds(c * TILE_COLS, TILE_COLS)
     if guard or k_dst is not k_src:
       kc = to_bf16(k_src.at[:, cols][...])
       if guard:
@@ -124,22 +117,19 @@ def _row_limits(row_block, live_end, plan: RowsPlan, ops: Ops, bk: int):
 
 
 def _write_state(acc, m, l, seen, o_tile, lse_rows):
-  """One split's normalized state of 64 rows: ``o_tile`` [64, D] = acc / l, ``lse_rows``
-  [64] natural-log LSE; a row that saw no key in the split (from the positions): 0, -inf.
-  A row whose ``acc`` holds an inf or NaN (a non-finite value it sees, through P V) gets
-  ``l = NaN`` first, so every column of its out and its lse are NaN
-  (`fdecode.combine.corrupt_rows`, as a row reduction of the accumulator tile)."""
-  corrupt = jnp.where(jnp.abs(acc) <= _F32_MAX, 0.0, 1.0).max(axis=1) > 0.0
-  l = jnp.where(corrupt, jnp.nan, l)
-  empty = seen == 0.0
-  o_tile[...] = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
-  lse_rows[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+  """One split's normalized state of 64 rows (`fdecode.kernels.mosaic_gpu.ops.store_state`):
+  ``o_tile`` [64, D], ``lse_rows`` [64]; a row that saw no key in the split (from the
+  positions, ``seen``): 0, -inf. A row whose ``acc`` holds an inf or NaN (a non-finite
+  value it sees, through P V) gets ``l = NaN`` first, so every column of its out and its
+  lse are NaN."""
+  l = jnp.where(mops.nonfinite_rows(acc) > 0.0, jnp.nan, l)
+  mops.store_state(acc, m, l, seen == 0.0, o_tile, lse_rows)
 
 
 def _kernel(*refs, plan: RowsPlan, ops: Ops):
   # ends_ref i32[B]; paged: tables_ref i32[B * n]; q_ref bf16[B*Hkv, R_p, D]; k_ref, v_ref
   # [B*Hkv, S_c, D] or pools [Hkv, P, page_size, D] (bf16 or 8-bit); 8-bit: ks_ref, vs_ref
-  # f32 (`rows_paging.copy_block`); o_ref f32[B*Hkv, n_splits, R_p, D]; lse_ref
+  # f32 (`paging.copy_block`); o_ref f32[B*Hkv, n_splits, R_p, D]; lse_ref
   # f32[B*Hkv, n_splits, R_p]; smem: Q [64, D]; K, V [stages, bk, D]; 8-bit: bf16 K, V
   # operands [bk, D], scales f32[2, stages, bk]; P bf16[64, bk].
   ends_ref, *refs = refs
@@ -206,14 +196,10 @@ def _kernel(*refs, plan: RowsPlan, ops: Ops):
       p_smem[...] = p.astype(p_smem.dtype)
       plgpu.commit_smem()
       acc = ops.pv(acc, alpha, p_smem, v_op)
-      # Release the slot only where it is written again: a barrier phase nobody waits
-      # for would be left behind (the interpreter rejects that).
-      pl.when(step + stages < steps)(lambda: plgpu.barrier_arrive(free.at[slot]))
+      mops.release_slot(free, slot, step, stages, steps)
       return acc, m, l, seen
 
-    init = (ops.tile(jnp.zeros((BLOCK_ROWS, plan.head_dim), jnp.float32)),
-            ops.rows(jnp.full((BLOCK_ROWS,), MASK_VALUE, jnp.float32)),
-            ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32)), ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32)))
+    init = (*mops.initial_state(plan.head_dim, ops), ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32)))
     acc, m, l, seen = lax.fori_loop(0, steps, step_body, init)
     out_rows = pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)
     _write_state(acc, m, l, seen, o_ref.at[bh, split, out_rows], lse_ref.at[bh, split, out_rows])
@@ -221,7 +207,7 @@ def _kernel(*refs, plan: RowsPlan, ops: Ops):
 
 def _scratch(plan: RowsPlan):
   d, bk, st = plan.head_dim, plan.block, plan.stages
-  tiled = (plgpu.TilingTransform((8, _COLS)), plgpu.SwizzleTransform(2 * _COLS))
+  tiled = mops.smem_transforms(BF16_BYTES)
   barriers = (plgpu.Barrier(num_barriers=1),                                  # Q landed
               plgpu.Barrier(num_arrivals=plan.copies, num_barriers=st),       # K slot landed
               plgpu.Barrier(num_arrivals=plan.copies, num_barriers=st),       # V slot landed
@@ -232,7 +218,7 @@ def _scratch(plan: RowsPlan):
   if not plan.quantized:
     kv = plgpu.SMEM((st, bk, d), jnp.bfloat16, transforms=tiled)
     return [q, kv, kv, p, barriers]
-  tiled8 = (plgpu.TilingTransform((8, _COLS)), plgpu.SwizzleTransform(_COLS))
+  tiled8 = mops.smem_transforms(1)
   kv8 = plgpu.SMEM((st, bk, d), jnp.dtype(plan.cache_dtype), transforms=tiled8)
   op = plgpu.SMEM((bk, d), jnp.bfloat16, transforms=tiled)
   return [q, kv8, kv8, op, op, plgpu.SMEM((2, st, bk), jnp.float32), p, barriers]
@@ -260,25 +246,14 @@ def rows_states(q_rows, ends, k, v, k_scale=None, v_scale=None, *, block_tables=
     raise ValueError(f"rows_partials: a {plan.cache_dtype} plan needs k_scale and v_scale "
                      f"{'(per token)' if plan.quantized else 'None'}")
   args = paging.operands(plan, q_rows, ends, k, v, k_scale, v_scale, block_tables)
-  interpreted = interpret is not None and interpret is not False
-  kernel = plgpu.kernel(
-      functools.partial(_kernel, plan=plan, ops=Ops(interpreted)),
+  o, lse = mops.launch(
+      _kernel, plan, args,
       out_type=(jax.ShapeDtypeStruct((b * hkv, plan.num_splits, plan.rows_padded, d), jnp.float32),
                 jax.ShapeDtypeStruct((b * hkv, plan.num_splits, plan.rows_padded), jnp.float32)),
-      scratch_types=_scratch(plan),
-      grid=plan.grid,
-      grid_names=("rows", "split", "bh"),
-      num_threads=2,
-      thread_name="wg",
+      scratch_types=_scratch(plan), grid_names=("rows", "split", "bh"), num_threads=2,
       # Lane lowering semantics, named: 0.10.2's default and the one this kernel lowers
       # with (under Warpgroup, jax 0.11.2's default, 0.10.2 refuses a 2-bit register type).
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
-                                           lowering_semantics=plgpu.LoweringSemantics.Lane),
-      interpret=interpret if interpreted else None,
-      kernel_name="fdecode_rows_mosaic_gpu",
-  )
-  o, lse = kernel(*args)
-  o, lse = (blk.vary_like(x, *args) for x in (o, lse))  # inside shard_map: as the operands vary
+      semantics=plgpu.LoweringSemantics.Lane, name="fdecode_rows_mosaic_gpu", interpret=interpret)
   return (o.reshape(b, hkv, plan.num_splits, plan.rows_padded, d),
           lse.reshape(b, hkv, plan.num_splits, plan.rows_padded))
 
@@ -298,7 +273,7 @@ def rows_partials(q_rows, ends, k, v, k_scale=None, v_scale=None, *, block_table
       1]``, paged ``[Hkv, P, page_size, 1]`` (leading axes of size 1 broadcast).
     block_tables: int32 ``[B, n]`` (paged; entries past a sequence's length are never
       dereferenced, ids are clipped into the pool) or None.
-    plan: `fdecode.kernels.mosaic_gpu.rows_plan.rows_plan` for these shapes.
+    plan: `fdecode.kernels.mosaic_gpu.rows_plan` for these shapes.
     interpret: None / False: compiled for the GPU (sm_90a); an ``InterpretGPUParams``:
       jax's Mosaic GPU interpreter (CPU).
 

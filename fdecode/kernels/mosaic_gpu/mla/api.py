@@ -10,10 +10,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from fdecode.kernels import triton as triton_kernels
-from fdecode.kernels.common.quant import per_token_scale
-from fdecode.kernels.mosaic_gpu.kernel import mla_states
-from fdecode.kernels.mosaic_gpu.plan import DK, DV, MlaPlan, mla_plan, unsupported
+from fdecode.cache.quant import per_token_scale
+from fdecode.kernels.mosaic_gpu import ops
+from fdecode.kernels.mosaic_gpu.mla.kernel import mla_states
+from fdecode.kernels.mosaic_gpu.mla.plan import DK, DV, MlaPlan, mla_plan, unsupported
 from fdecode.validation import as_array, check_concrete_lengths, static_scale, to_int32
 
 _CALLER = "mla_decode"
@@ -29,15 +29,14 @@ def mla_decode(q, k, lengths, *, k_scale=None, softmax_scale=None, num_splits=No
 
   Args:
     q: bf16 ``[B, G, 576]`` or ``[B, 1, G, 576]``: one new token per sequence (T > 1 is
-      refused, `fdecode.kernels.mosaic_gpu.plan.unsupported` says why); G a multiple
-      of 16.
+      refused, `fdecode.kernels.mosaic_gpu.unsupported` says why); G a multiple of 16.
     k: ``[B, 1, S, 576]`` contiguous latent cache (512 latent + 64 RoPE columns): bf16,
       or 8-bit int8 / float8_e4m3fn with ``k_scale`` (opt-in: unmeasured on a GPU).
     lengths: int ``[B]`` valid tokens per sequence, new ones included, in ``[0, S]``
       (concrete values outside raise ValueError; traced ones are clipped).
     k_scale: 8-bit caches only: float32 per-token scales ``[B, 1, S, 1]`` (or broadcastable:
       ``[1, 1, 1, 1]`` or a scalar per tensor); the real latent row, keys and values
-      alike, is ``k * k_scale`` (`fdecode.kernels.common.quant`; the scale flash_decode
+      alike, is ``k * k_scale`` (`fdecode.cache.quant`; the scale flash_decode
       takes with ``v=None``). None for bf16. FlashMLA's 1x128 tiles are not taken.
     softmax_scale: static float, default ``1 / sqrt(576)``.
     num_splits: None (fill the GPU's SMs, `fdecode.kernels.mosaic_gpu.plan.split_count`)
@@ -80,9 +79,7 @@ def mla_decode(q, k, lengths, *, k_scale=None, softmax_scale=None, num_splits=No
   plan = mla_plan(batch=b, num_tokens=t, group=g, seq_len=s, softmax_scale=scale, cache_dtype=k.dtype,
                   num_splits=num_splits)
   out, lse = mla_run(plan, q4, to_int32(lengths), k, k_scale, interpret=interpret)
-  if single:
-    out, lse = out[:, 0], lse[:, 0]
-  return (out, lse) if return_lse else out
+  return ops.outputs(out, lse, single=single, return_lse=return_lse)
 
 
 def mla_run(plan: MlaPlan, q, ends, k, k_scale=None, *, interpret=None):
@@ -103,6 +100,4 @@ def mla_run(plan: MlaPlan, q, ends, k, k_scale=None, *, interpret=None):
   """
   b, t, g, _ = q.shape
   o, lse = mla_states(q.reshape(b, 1, t * g, DK), ends, k, k_scale, plan=plan, interpret=interpret)
-  out, out_lse = triton_kernels.combine_split_major(o, lse, num_tokens=t, group=g, hq=g, out_dtype=q.dtype,
-                                                    interpret=interpret is not None and interpret is not False)
-  return out.reshape(b, t, g, DV), out_lse.reshape(b, t, g)
+  return ops.combine(o, lse, batch=b, num_tokens=t, group=g, hq=g, out_dtype=q.dtype, interpret=interpret)

@@ -6,7 +6,7 @@ at its query head's place. More where an operand is prepared per call: a contigu
 whose S is not a multiple of 8 or is under 64 is copied padded; an 8-bit pool's scales at
 page size 8 or 16 are gathered through the table, and per-head or per-tensor scales of a
 pool are broadcast to one per token. Paged pools are read in place through the block table (no
-per-call copy of the cache: `fdecode.kernels.mosaic_gpu.rows_paging`)."""
+per-call copy of the cache: `fdecode.kernels.mosaic_gpu.gqa.paging`)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fdecode.cache.tables import check_concrete_page_ids
-from fdecode.kernels import triton as triton_kernels
-from fdecode.kernels.common.quant import per_token_scale
-from fdecode.kernels.mosaic_gpu.rows_kernel import rows_states
-from fdecode.kernels.mosaic_gpu.rows_plan import RowsPlan, rows_plan, rows_unsupported
+from fdecode.cache.quant import per_token_scale
+from fdecode.kernels.mosaic_gpu import ops
+from fdecode.kernels.mosaic_gpu.gqa.kernel import rows_states
+from fdecode.kernels.mosaic_gpu.gqa.plan import RowsPlan, rows_plan, rows_unsupported
 from fdecode.validation import as_array, check_concrete_lengths, static_scale, to_int32
 
 _CALLER = "rows_decode"
@@ -63,7 +63,7 @@ def rows_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=No
       clipped into the pool.
     k_scale, v_scale: for 8-bit caches, float32 per-token scales ``[B, Hkv, S, 1]``,
       paged ``[Hkv, P, page_size, 1]`` (or broadcastable: per head ``[1, Hkv, 1, 1]``,
-      paged ``[Hkv, 1, 1, 1]``; a scalar per tensor); the real key is ``k * k_scale`` (`fdecode.kernels.common.quant`).
+      paged ``[Hkv, 1, 1, 1]``; a scalar per tensor); the real key is ``k * k_scale`` (`fdecode.cache.quant`).
       None for bf16.
     softmax_scale: static float, default ``1 / sqrt(D)``.
     num_splits: None (fill the GPU's SMs) or a positive int.
@@ -107,7 +107,7 @@ def rows_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=No
     page_size = None
     check_concrete_lengths(lengths, s, _CALLER)
   if scales:
-    # rank 4, size-1 axes kept: `rows_paging.operands` broadcasts or gathers them
+    # rank 4, size-1 axes kept: `fdecode.kernels.mosaic_gpu.gqa.paging.operands` broadcasts or gathers them
     k_scale = per_token_scale(k_scale, k.shape, "k_scale", _CALLER, broadcast=False)
     v_scale = per_token_scale(v_scale, v.shape, "v_scale", _CALLER, broadcast=False)
   g = hq // hkv
@@ -116,9 +116,7 @@ def rows_decode(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=No
                    num_splits=num_splits, page_size=page_size)
   out, lse = rows_run(plan, q4, to_int32(lengths), k, v, k_scale, v_scale, block_tables=block_tables,
                       interpret=interpret)
-  if single:
-    out, lse = out[:, 0], lse[:, 0]
-  return (out, lse) if return_lse else out
+  return ops.outputs(out, lse, single=single, return_lse=return_lse)
 
 
 def rows_run(plan: RowsPlan, q, ends, k, v, k_scale=None, v_scale=None, *, block_tables=None, interpret=None):
@@ -144,7 +142,5 @@ def rows_run(plan: RowsPlan, q, ends, k, v, k_scale=None, v_scale=None, *, block
   q_rows = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
   o, lse = rows_states(q_rows, ends, k, v, k_scale, v_scale, block_tables=block_tables, plan=plan,
                        interpret=interpret)
-  # [B, Hkv, n_splits, R_p(, D)] -> out [B, T * Hq, D] in q's head order
-  out, lse = triton_kernels.combine_split_major(o, lse, num_tokens=t, group=g, hq=hq, out_dtype=q.dtype,
-                                                interpret=interpret is not None and interpret is not False)
-  return out.reshape(b, t, hq, d), lse.reshape(b, t, hq)
+  # [B, Hkv, n_splits, R_p(, D)] -> out [B, T, Hq, D] in q's head order
+  return ops.combine(o, lse, batch=b, num_tokens=t, group=g, hq=hq, out_dtype=q.dtype, interpret=interpret)

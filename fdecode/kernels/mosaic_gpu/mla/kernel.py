@@ -22,7 +22,7 @@ and the two output halves keep each compute warpgroup's accumulator at 64 x 256 
 8-bit caches (int8 / float8_e4m3fn, one float32 scale per token; built and interpreted,
 opt-in, not yet measured on a GPU): the TMA brings 8-bit stages and each block's bk
 scales; both compute warpgroups convert the stage into one bf16 tile (exactly: e4m3
-through f16), each its own columns (`fdecode.kernels.mosaic_gpu.plan`'s budget), dead
+through f16), each its own columns (`fdecode.kernels.mosaic_gpu.mla.plan`'s budget), dead
 slots' rows selected to 0 there; warpgroup 1 hands its columns to warpgroup 0 through a
 barrier, and both release the 8-bit stage. The scale is never applied to the tile: it
 multiplies column j of S before the mask and column j of P after the row sum
@@ -42,9 +42,9 @@ or a NaN / +inf score, makes its scores, m and l NaN; an inf value at a score of
 accumulator, so the epilogue exchanges per-row flags both ways (`_finish`): a row whose
 accumulator holds an inf or NaN in either half gets ``l = NaN``, and every column of its
 out and its lse are NaN, as `fdecode.kernels.common.block.finalize` does. Blocks at or
-past the end are never loaded. The last
-block of a cache whose S is not a multiple of bk is loaded from ``S - bk`` (TMA reads
-whole tiles) and its slots before the block's start are dead.
+past the end are never loaded. The last block of a cache whose S is not a multiple of bk
+is loaded from ``S - bk`` (TMA reads whole tiles) and its slots before the block's start
+are dead.
 
 Interpreted (`jax._src.pallas.mosaic_gpu.interpret`, CPU), the same body runs with two
 substitutions that jax 0.10.2's interpreter needs (`fdecode.kernels.mosaic_gpu.ops.Ops`):
@@ -53,31 +53,14 @@ transposed operand), and the PV wgmma accumulates into a fresh accumulator added
 ``alpha * O`` instead of into ``alpha * O`` itself (``pl.run_state``, which that
 interpreter cannot run).
 
-JAX versions: written against jax 0.10.2 (CI) and run on an H200 with jax 0.11.2 (the GPU
-machines'), with only APIs present in both with the same meaning: ``plgpu.kernel(body,
-out_type=, scratch_types=, grid=, grid_names=, num_threads=, thread_name=,
-compiler_params=, interpret=, kernel_name=)``, ``plgpu.SMEM`` with Tiling / Swizzle
-transforms, ``plgpu.Barrier``, ``copy_gmem_to_smem``, ``barrier_wait`` / ``_arrive``,
-``wgmma``, ``ACC`` / ``ACC.init`` with ``pl.run_state``, ``set_max_registers``,
-``commit_smem``, ``layout_cast`` / ``broadcasted_iota`` / ``load`` with
-``Layout.WGMMA(.reduce(1))`` and ``CompilerParams(approx_math, reduction_scratch_bytes,
-lowering_semantics)``. The lowering semantics is named, not left to the default, which
-differs: 0.10.2 lowers Pallas kernels with ``Lane`` semantics, 0.11.2 with ``Warpgroup``
-(the H200 runs of this kernel used it); this kernel asks for ``Warpgroup`` in both, and
-lowers with it on 0.10.2 too (compile tier). What else differs: 0.11.2 deprecates ``plgpu.transpose_ref`` (``ref.transpose`` is used: the
-same transform in both) and drops ``plgpu.transform_ref`` and ``kernel``'s
-``out_shape`` / ``scratch_shapes`` aliases; it exports ``InterpretGPUParams`` as
-``plgpu.InterpretGPUParams`` (0.10.2: only ``jax._src.pallas.mosaic_gpu.interpret.params``,
-which 0.11.2 keeps); its ``plgpu.kernel`` lowers through ``mpmd_map`` instead of
-``core_map`` (the same ``mosaic_gpu_v2`` custom call); its interpreter runs layout casts
-(no-ops) but still not ``pl.run_state``; ``copy_gmem_to_smem`` gains ``oob_mode`` /
-``predicate`` (unused here).
+Lowering semantics ``Warpgroup`` (`fdecode.kernels.mosaic_gpu.ops` on jax versions),
+named: jax 0.11.2's default and the semantics the kernel's GPU measurements ran under;
+it lowers with it on jax 0.10.2 too (compile tier), whose default is ``Lane``.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -85,25 +68,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from fdecode.combine import MASK_VALUE
 from fdecode.kernels.common import block as blk
-from fdecode.kernels.mosaic_gpu.ops import Ops, online_softmax, tma_ring, to_bf16
-from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS, DK, DV, HALF_DV, SWIZZLE, MlaPlan
 from fdecode.kernels.common.modifiers import Modifiers
-
-_LN2 = math.log(2.0)
-_TILE_COLS = SWIZZLE // 2  # bf16 columns of one swizzled tile row
-_F32_MAX = float(jnp.finfo(jnp.float32).max)
+from fdecode.kernels.mosaic_gpu import ops as mops
+from fdecode.kernels.mosaic_gpu.mla.plan import DK, DV, HALF_DV, MlaPlan
+from fdecode.kernels.mosaic_gpu.ops import Ops, online_softmax, tma_ring, to_bf16
+from fdecode.kernels.mosaic_gpu.plan import BF16_BYTES, BLOCK_ROWS, TILE_COLS
 
 
 def _select_dead_values(k_tile, ld, start, live_end, ops):
   """Value rows of one K stage ``k_tile`` [bk, 576] loaded from ``ld`` that lie before the
   block's ``start`` or at / past ``live_end`` become 0 in place (a select, never a product)."""
-  bk = k_tile.shape[0]
-  v_pos = ld + ops.iota((bk, _TILE_COLS), 0)
-  keep = (v_pos >= start) & (v_pos < live_end)
-  for c in range(DV // _TILE_COLS):
-    tile = k_tile.at[:, pl.ds(c * _TILE_COLS, _TILE_COLS)]
+  keep = mops.live_rows(ld, start, live_end, k_tile.shape[0], ops)
+  for c in range(DV // TILE_COLS):
+    tile = k_tile.at[:, pl.ds(c * TILE_COLS, TILE_COLS)]
     v = tile[...]
     tile[...] = jnp.where(keep, v, jnp.zeros_like(v))
 
@@ -111,15 +89,13 @@ def _select_dead_values(k_tile, ld, start, live_end, ops):
 def _convert_columns(half, k8_tile, kb_tile, ld, start, live_end, ops):
   """Warpgroup ``half``'s share of one 8-bit K stage ``k8_tile`` [bk, 576] (loaded from
   ``ld``) converted exactly into the bf16 wgmma operand ``kb_tile`` [bk, 576]: warpgroup 0
-  the columns 0..255, warpgroup 1 the columns 256..575 (`fdecode.kernels.mosaic_gpu.plan`
+  the columns 0..255, warpgroup 1 the columns 256..575 (`fdecode.kernels.mosaic_gpu.mla.plan`
   says why); the rows of dead slots (before ``start``, at / past ``live_end``) become 0 (a
   select, never a product: a garbage code may be NaN)."""
-  bk = k8_tile.shape[0]
-  pos = ld + ops.iota((bk, _TILE_COLS), 0)
-  keep = (pos >= start) & (pos < live_end)
-  split = HALF_DV // _TILE_COLS
-  for c in (range(split) if half == 0 else range(split, DK // _TILE_COLS)):
-    cols = pl.ds(c * _TILE_COLS, _TILE_COLS)
+  keep = mops.live_rows(ld, start, live_end, k8_tile.shape[0], ops)
+  split = HALF_DV // TILE_COLS
+  for c in (range(split) if half == 0 else range(split, DK // TILE_COLS)):
+    cols = pl.ds(c * TILE_COLS, TILE_COLS)
     x = to_bf16(k8_tile.at[:, cols][...])
     kb_tile.at[:, cols][...] = jnp.where(keep, x, jnp.zeros_like(x))
 
@@ -158,21 +134,15 @@ def _hand_over_p(half, step, p, alpha, p_smem, rows_smem, p_full, p_free, ops):
   return ops.load_rows(rows_smem.at[0])
 
 
-def _corrupt_rows(acc):
-  """float32 ``[64]``: 1 where row r of the accumulator tile holds an inf or NaN
-  (``abs(x) <= max`` is False for both: `fdecode.combine.corrupt_rows` as a row max)."""
-  return jnp.where(jnp.abs(acc) <= _F32_MAX, 0.0, 1.0).max(axis=1)
-
-
 def _finish(half, acc, m, l, rows_smem, flags, done, o_tile, lse_rows, ops):
   """Warpgroup ``half``'s epilogue, a two-way exchange through ``rows_smem``: warpgroup 1
   hands its per-row corruption flag (its half of the accumulator non-finite) to 0 (row 0,
   barrier ``flags``); warpgroup 0 sets ``l = NaN`` in the rows either half flags and hands
   ``m`` and that ``l`` to 1 (rows 1, 2, barrier ``done``); each normalizes its half of the
   output into ``o_tile``; warpgroup 0 writes the lse (-inf for rows that saw no key: out
-  0; NaN for a corrupt row, with every column of its out). Warpgroup 1 arrives before it
-  waits, so neither waits on the other in a cycle."""
-  bad = _corrupt_rows(acc)
+  0; NaN for a corrupt row, with every column of its out: `fdecode.kernels.mosaic_gpu.ops.store_state`).
+  Warpgroup 1 arrives before it waits, so neither waits on the other in a cycle."""
+  bad = mops.nonfinite_rows(acc)
   if half == 1:
     rows_smem.at[0][...] = bad  # row 0 (alpha) is free: warpgroup 1 read the last one
     plgpu.commit_smem()
@@ -188,9 +158,7 @@ def _finish(half, acc, m, l, rows_smem, flags, done, o_tile, lse_rows, ops):
     plgpu.commit_smem()
     plgpu.barrier_arrive(done)
   empty = l == 0.0  # False for NaN: a corrupt row is not empty
-  o_tile[...] = acc / lax.broadcast_in_dim(jnp.where(empty, 1.0, l), acc.shape, [0])
-  if half == 0:
-    lse_rows[...] = jnp.where(empty, -jnp.inf, m * _LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+  mops.store_state(acc, m, l, empty, o_tile, lse_rows if half == 0 else None)
 
 
 def _kernel(ends_ref, q_ref, k_ref, *refs, plan: MlaPlan, ops: Ops):
@@ -211,7 +179,7 @@ def _kernel(ends_ref, q_ref, k_ref, *refs, plan: MlaPlan, ops: Ops):
   live_end = jnp.clip(end, 0, plan.seq_len)
   first, last = blk.split_range(end, split, plan.num_splits, plan.num_tokens, plan.seq_len, bk, Modifiers())
   steps = jnp.maximum(last - first, 0)
-  load_start = lambda j: jnp.minimum(j * bk, plan.cache_rows - bk)
+  load_start = lambda j: mops.contiguous_load_start(j, bk, plan.cache_rows)
 
   def copy_block(step, slot):
     rows = pl.ds(load_start(first + step), bk)
@@ -228,9 +196,7 @@ def _kernel(ends_ref, q_ref, k_ref, *refs, plan: MlaPlan, ops: Ops):
     tma_ring(steps, stages, lambda: plgpu.copy_gmem_to_smem(q_rows, q_tile, q_bar.at[0]), copy_block, k_free)
 
   def release(step, slot):
-    # Only where the slot is written again: a barrier phase nobody waits for would be
-    # left behind (the interpreter rejects that).
-    pl.when(step + stages < steps)(lambda: plgpu.barrier_arrive(k_free.at[slot]))
+    mops.release_slot(k_free, slot, step, stages, steps)
 
   def operands(half, step, slot, ld, start):
     """The K operand of a block (V: its first 512 columns) and, 8-bit, warpgroup 0's
@@ -279,20 +245,18 @@ def _kernel(ends_ref, q_ref, k_ref, *refs, plan: MlaPlan, ops: Ops):
         release(step, slot)
       return acc, m, l
 
-    init = (ops.tile(jnp.zeros((BLOCK_ROWS, HALF_DV), jnp.float32)),
-            ops.rows(jnp.full((BLOCK_ROWS,), MASK_VALUE, jnp.float32)), ops.rows(jnp.zeros((BLOCK_ROWS,), jnp.float32)))
-    acc, m, l = lax.fori_loop(0, steps, step_body, init)
+    acc, m, l = lax.fori_loop(0, steps, step_body, mops.initial_state(HALF_DV, ops))
     out_rows = pl.ds(row_block * BLOCK_ROWS, BLOCK_ROWS)
-    _finish(half, acc, m, l, rows_smem, flags.at[0], done.at[0], o_ref.at[b, split, out_rows, pl.ds(half * HALF_DV, HALF_DV)],
-            lse_ref.at[b, split, out_rows], ops)
+    _finish(half, acc, m, l, rows_smem, flags.at[0], done.at[0],
+            o_ref.at[b, split, out_rows, pl.ds(half * HALF_DV, HALF_DV)], lse_ref.at[b, split, out_rows], ops)
 
   pl.when(wg == 0)(functools.partial(compute, 0))
   pl.when(wg == 1)(functools.partial(compute, 1))
 
 
 def _scratch(plan: MlaPlan):
-  """The shared memory of one program (`fdecode.kernels.mosaic_gpu.plan` budgets it)."""
-  tiled = (plgpu.TilingTransform((8, _TILE_COLS)), plgpu.SwizzleTransform(SWIZZLE))
+  """The shared memory of one program (`fdecode.kernels.mosaic_gpu.mla.plan` budgets it)."""
+  tiled = mops.smem_transforms(BF16_BYTES)
   barriers = (plgpu.Barrier(num_barriers=1),                                      # Q landed
               plgpu.Barrier(num_barriers=plan.stages),                            # K slot landed
               plgpu.Barrier(num_arrivals=2, num_barriers=plan.stages),            # K slot released
@@ -305,12 +269,12 @@ def _scratch(plan: MlaPlan):
   rows = plgpu.SMEM((3, BLOCK_ROWS), jnp.float32)
   if not plan.quantized:
     return [q, plgpu.SMEM((plan.stages, plan.block, DK), jnp.bfloat16, transforms=tiled), p, rows, barriers]
-  tiled8 = (plgpu.TilingTransform((8, _TILE_COLS)), plgpu.SwizzleTransform(_TILE_COLS))  # 64 B rows
+  tiled8 = mops.smem_transforms(1)  # 64 B rows
   barriers += (plgpu.Barrier(num_barriers=plan.stages),                           # a slot's scales landed
                plgpu.Barrier(num_arrivals=1, num_barriers=1))                     # warpgroup 1's columns converted
   return [q, plgpu.SMEM((plan.stages, plan.block, DK), jnp.dtype(plan.cache_dtype), transforms=tiled8),
-          plgpu.SMEM((plan.block, DK), jnp.bfloat16, transforms=tiled), plgpu.SMEM((plan.stages, plan.block), jnp.float32),
-          p, rows, barriers]
+          plgpu.SMEM((plan.block, DK), jnp.bfloat16, transforms=tiled),
+          plgpu.SMEM((plan.stages, plan.block), jnp.float32), p, rows, barriers]
 
 
 def mla_states(q_rows, ends, k, k_scale=None, *, plan: MlaPlan, interpret=None):
@@ -333,27 +297,12 @@ def mla_states(q_rows, ends, k, k_scale=None, *, plan: MlaPlan, interpret=None):
   args = [q, jnp.pad(k[:, 0], pad_s + [(0, 0)])]
   if plan.quantized:
     args.append(jnp.pad(k_scale[:, 0, :, 0].astype(jnp.float32), pad_s))
-  interpreted = interpret is not None and interpret is not False
-  kernel = plgpu.kernel(
-      functools.partial(_kernel, plan=plan, ops=Ops(interpreted)),
+  return mops.launch(
+      _kernel, plan, [ends.astype(jnp.int32), *args],
       out_type=(jax.ShapeDtypeStruct((b, plan.num_splits, plan.rows_padded, DV), jnp.float32),
                 jax.ShapeDtypeStruct((b, plan.num_splits, plan.rows_padded), jnp.float32)),
-      scratch_types=_scratch(plan),
-      grid=plan.grid,
-      grid_names=("rows", "split", "batch"),
-      num_threads=3,
-      thread_name="wg",
-      # Row reductions of wgmma tiles stay inside a warp: no cross-warp reduction scratch
-      # (its default 2 KiB would not fit next to the tiles). Warpgroup lowering semantics,
-      # named: jax 0.11.2's default, the path the H200 measured; 0.10.2 defaults to Lane.
-      compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0,
-                                           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      interpret=interpret if interpreted else None,
-      kernel_name="fdecode_mla_mosaic_gpu",
-  )
-  o, lse = kernel(ends.astype(jnp.int32), *args)
-  o, lse = (blk.vary_like(x, ends, *args) for x in (o, lse))  # inside shard_map: as the operands vary
-  return o, lse
+      scratch_types=_scratch(plan), grid_names=("rows", "split", "batch"), num_threads=3,
+      semantics=plgpu.LoweringSemantics.Warpgroup, name="fdecode_mla_mosaic_gpu", interpret=interpret)
 
 
 def mla_partials(q_rows, ends, k, k_scale=None, *, plan: MlaPlan, interpret=None):
@@ -366,7 +315,7 @@ def mla_partials(q_rows, ends, k, k_scale=None, *, plan: MlaPlan, interpret=None
       first 512 columns.
     k_scale: float32 ``[B, 1, S, 1]``, 8-bit caches only: the real latent row is
       ``k * k_scale`` (keys and values alike), else None.
-    plan: `fdecode.kernels.mosaic_gpu.plan.mla_plan` for these shapes.
+    plan: `fdecode.kernels.mosaic_gpu.mla_plan` for these shapes.
     interpret: None / False: compiled for the GPU (sm_90a); an ``InterpretGPUParams``:
       jax's Mosaic GPU interpreter (CPU), with the substitutions of
       `fdecode.kernels.mosaic_gpu.ops.Ops`.

@@ -1,4 +1,4 @@
-"""How the Hopper GQA rows kernel (`fdecode.kernels.mosaic_gpu.rows_kernel`) reads the
+"""How the Hopper GQA rows kernel (`fdecode.kernels.mosaic_gpu.gqa.kernel`) reads the
 cache of one block: its TMA copies from a contiguous cache or from a paged pool through
 the block table, and the scale operands the API hands it.
 
@@ -25,7 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from fdecode.cache.paged import gather_scale_head_major
-from fdecode.kernels.mosaic_gpu.rows_plan import RowsPlan
+from fdecode.kernels.mosaic_gpu.gqa.plan import RowsPlan
+from fdecode.kernels.mosaic_gpu.ops import contiguous_load_start
 
 
 def load_start(plan: RowsPlan, block):
@@ -34,7 +35,7 @@ def load_start(plan: RowsPlan, block):
   overlapped load: the slots before the block's start are selected away)."""
   if plan.paged:
     return block * plan.block
-  return jnp.minimum(block * plan.block, plan.cache_rows - plan.block)
+  return contiguous_load_start(block, plan.block, plan.cache_rows)
 
 
 def block_pieces(plan: RowsPlan, entry, start, live_end, num_pages: int):
