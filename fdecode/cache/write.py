@@ -24,6 +24,7 @@ import numpy as np
 
 from fdecode.cache.meshes import explicit_sharding, host_values, replicated
 from fdecode.cache.quant import QMAX, canonical_scale, is_quantized, quantize
+from fdecode.cache.slots import contiguous_slot, paged_slot
 from fdecode.validation import as_array, check_int32, to_int32
 
 
@@ -149,7 +150,8 @@ def write_contiguous(k, v, k_new, v_new, positions, *, k_scale=None, v_scale=Non
   k_new, v_new = _as_tokens(k_new), _as_tokens(v_new)
   t = k_new.shape[2]
   slots = to_int32(positions)[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
-  slots = jnp.where((slots >= 0) & (slots < s), slots, s)  # s: out of range -> dropped
+  slot, ok = contiguous_slot(slots, capacity=s)
+  slots = jnp.where(ok, slot, s)  # s: out of range, the scatter drops it
   bi = jnp.arange(b)[:, None]
 
   def put(cache, new, scale, name):
@@ -203,11 +205,9 @@ def write_paged(k_pages, v_pages, block_tables, positions, k_new, v_new, *, k_sc
   # Small index arrays: replicated, so the page lookup's sharding is unambiguous.
   tables = replicated(to_int32(block_tables))  # saturating: an id past int32 is outside the pool
   pos = replicated(to_int32(positions))[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
-  j = pos // ps
-  in_table = (pos >= 0) & (j < tables.shape[1])
-  page = jnp.take_along_axis(tables, jnp.clip(j, 0, tables.shape[1] - 1), axis=1)
-  page = jnp.where(in_table & (page >= 0) & (page < num_pages), page, num_pages)  # invalid -> dropped
-  slot = pos % ps
+  page, slot, ok = paged_slot(pos, lambda j: jnp.take_along_axis(tables, j, axis=1), page_size=ps,
+                              table_len=tables.shape[1], num_pages=num_pages)
+  page = jnp.where(ok, page, num_pages)  # out of the pool: the scatter drops it
 
   def put(pool, new, scale, name):
     new_h = new.transpose(1, 0, 2, 3)  # [Hkv, B, T, D]: pool[:, page, slot] indexes as that

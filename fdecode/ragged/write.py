@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from fdecode.cache.meshes import explicit_sharding
+from fdecode.cache.slots import contiguous_slot, paged_slot
 from fdecode.cache.write import scatter_keeping_sharding
 from fdecode.kernels.triton import write_plan, write_rows
 from fdecode.route import Path, lower, write_path
@@ -51,14 +52,13 @@ def _triton(view, new_k, new_v, seq, pos, interpret, step):
 
 def _scatter(view, new_k, new_v, seq, pos):
   """Scatters the new rows into the caches at (sequence, position) in their own layout;
-  padding rows (pos -1) and positions without a page go out of range and are dropped."""
+  padding rows (pos -1) and positions without a page are dropped (`fdecode.cache.slots`)."""
   k, v, tables, kv_layout = view.k, view.v, view.block_tables, view.layout
   if view.paged:
     ps, num_pages = view.page_size, view.num_pages
-    j = jnp.clip(pos // ps, 0, tables.shape[1] - 1)
-    page = tables[seq, j]
-    page = jnp.where((pos >= 0) & (page >= 0) & (page < num_pages), page, num_pages)
-    slot = jnp.maximum(pos, 0) % ps
+    page, slot, ok = paged_slot(pos, lambda j: tables[seq, j], page_size=ps, table_len=tables.shape[1],
+                                num_pages=num_pages)
+    page = jnp.where(ok, page, num_pages)  # out of the pool: the scatter drops it
     if kv_layout == "NHD":  # pool[page, slot]: [N, Hkv, D]
       index = (page, slot)
       put = lambda cache, new: scatter_keeping_sharding(cache, index, new)
@@ -66,7 +66,8 @@ def _scatter(view, new_k, new_v, seq, pos):
       index = (slice(None), page, slot)
       put = lambda cache, new: scatter_keeping_sharding(cache, index, new.swapaxes(0, 1))
   else:
-    p = jnp.where(pos >= 0, pos, view.capacity)
+    slot, ok = contiguous_slot(pos, capacity=view.capacity)
+    p = jnp.where(ok, slot, view.capacity)  # out of range: the scatter drops it
     if kv_layout == "NHD":  # cache[seq, pos]: [N, Hkv, D]
       index = (seq, p)
     else:  # cache[seq, :, pos]: advanced indices split by a slice -> [N, Hkv, D]

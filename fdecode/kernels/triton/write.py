@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fdecode.cache.slots import contiguous_slot, paged_slot
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.triton.geometry import StepPart, row_position
 from fdecode.kernels.triton.launch import pow2_at_least
@@ -75,19 +76,18 @@ def _kernel(*refs, plan: WritePlan, layout):
     seq_ref, pos_ref = ins.positions
     seq, pos = seq_ref[r], pos_ref[r]
   table_ref, news = ins.table, ins.news
-  ok = pos >= 0
-  p = jnp.maximum(pos, 0)
-  if plan.paged:
+  if plan.paged:  # the dropped-write rule: fdecode.cache.slots
     ps, n = plan.page_size, plan.table_len
-    page = table_ref[jnp.clip(seq, 0, table_ref.shape[0] // n - 1) * n + jnp.minimum(p // ps, n - 1)]
-    ok = ok & (page >= 0) & (page < plan.num_pages)
-    page, slot = jnp.clip(page, 0, plan.num_pages - 1), p % ps
+    base = jnp.clip(seq, 0, table_ref.shape[0] // n - 1) * n
+    page, slot, ok = paged_slot(pos, lambda j: table_ref[base + j], page_size=ps, table_len=n,
+                                num_pages=plan.num_pages)
     row = ((page * ps + slot) * plan.hkv + h if plan.layout == "NHD"
            else (h * plan.num_pages + page) * ps + slot)
   else:
     m = outs[0].shape[0] // (plan.hkv * plan.capacity)
-    ok = ok & (pos < plan.capacity) & (seq >= 0) & (seq < m)
-    s, seq = jnp.minimum(p, plan.capacity - 1), jnp.clip(seq, 0, m - 1)
+    s, ok = contiguous_slot(pos, capacity=plan.capacity)
+    ok = ok & (seq >= 0) & (seq < m)
+    seq = jnp.clip(seq, 0, m - 1)
     row = (seq * plan.capacity + s) * plan.hkv + h if plan.layout == "NHD" else (seq * plan.hkv + h) * plan.capacity + s
   row = jnp.where(ok, row, 0)
   for new_ref, out_ref in zip(news, outs):
