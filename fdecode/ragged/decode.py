@@ -291,8 +291,8 @@ def monotone_offsets(cu_q_lens, n_rows: int):
   ``[0, N]``: sequence i keeps its count ``clip(cu[i + 1], 0, N) - clip(cu[i], 0, N)``
   where that is positive (else 0), counted on from ``clip(cu[0], 0, N)`` and capped at N.
   Valid offsets come out as they are. (The same the Triton kernels derive in registers,
-  `fdecode.kernels.triton.geometry.load_seqs`: a running sum, which Triton has; before, a
-  running maximum, which it has not.) The sum runs over all pairs (one fusion; XLA's
+  `fdecode.kernels.triton.geometry.load_seqs`, as a running sum: Triton has one, and no
+  running maximum.) The sum runs over all pairs (one fusion; XLA's
   cumulative sum is a reduce-window, a few tiny kernels on GPU), past ~1M pairs as it."""
   c = jnp.clip(cu_q_lens, 0, n_rows)
   count = jnp.concatenate([jnp.zeros((1,), c.dtype), jnp.maximum(c[1:] - c[:-1], 0)])
