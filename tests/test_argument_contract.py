@@ -17,7 +17,7 @@ import fdecode
 from fdecode.decoding.serving import Engine
 from fdecode.models.base import Transformer
 from fdecode.validation import describe
-from test_serving import CFG
+from helpers.serving import CFG
 
 B, HQ, HKV, S, D = 2, 4, 2, 16, 8
 RNG = np.random.default_rng(0)

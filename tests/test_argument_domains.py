@@ -13,7 +13,7 @@ from fdecode.cache import copy_pages, write_contiguous
 from fdecode.flax import DecodeAttention, MLADecodeAttention, alibi_slopes
 from fdecode.reference import reference_decode
 from fdecode.validation import to_int32
-from conftest import TPU_INTERPRET, assert_close
+from helpers import TPU_INTERPRET, assert_close
 
 B, HQ, HKV, S, D = 2, 4, 2, 16, 8
 LENGTHS = np.array([5, 16], np.int32)

@@ -10,7 +10,7 @@ import pytest
 import fdecode
 import fdecode.flax
 from fdecode.cache.quant import dequantize, quantize
-from conftest import assert_close, tol
+from helpers import assert_close, tol
 
 B, HQ, HKV, D, SP, S = 4, 8, 2, 32, 100, 24
 

@@ -11,7 +11,7 @@ import pytest
 
 import fdecode
 from fdecode.combine import apply_sinks, merge_states
-from conftest import impl_param, make_problem
+from helpers import impl_param, make_problem
 
 S = 64
 LENGTHS = jnp.array([40, 64])

@@ -12,20 +12,8 @@ import pytest
 
 import fdecode
 from fdecode.cache.quant import quantize
-from conftest import make_problem
-from test_paged_quant import paged_problem, with_garbage
-
-GARBAGE = np.array([np.inf, -np.inf, np.nan, 3e38, -3e38], np.float32)
-
-
-def pour(x, dead, seed):
-  """``x`` with every slot where ``dead`` (broadcastable) holds random garbage."""
-  rng = np.random.default_rng(seed)
-  junk = rng.choice(GARBAGE, size=x.shape)
-  if jnp.issubdtype(x.dtype, jnp.integer):  # int8 has no inf / NaN: any byte
-    junk = rng.integers(-128, 128, size=x.shape)
-  junk = jnp.asarray(junk).astype(x.dtype)
-  return jnp.where(jnp.broadcast_to(dead, x.shape), junk, x)
+from helpers import make_problem
+from helpers.paged import paged_problem, pour, with_garbage
 
 
 def assert_same(a, b):

@@ -8,7 +8,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import fdecode
 from fdecode.reference import reference_decode
-from conftest import TPU_INTERPRET, assert_close, make_problem, tol
+from helpers import TPU_INTERPRET, assert_close, make_problem, tol
 
 B, HQ, HKV, S, D = 2, 4, 2, 16, 8
 

@@ -7,7 +7,7 @@ import pytest
 
 import fdecode
 from fdecode.reference import reference_decode
-from conftest import assert_close, make_problem, tol
+from helpers import assert_close, make_problem, tol
 
 BLOCK = 16  # small block so that short caches have several blocks
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 import fdecode
 import fdecode.flax as fflax
-from conftest import assert_close, assert_reordered, max_abs, tol
+from helpers import assert_close, assert_reordered, max_abs, tol
 
 F32 = tol(jnp.float32)
 

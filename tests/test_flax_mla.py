@@ -10,7 +10,7 @@ from flax import nnx
 
 import fdecode
 import fdecode.flax as fflax
-from conftest import assert_close
+from helpers import assert_close
 
 E, HQ, DN, DR, DC, DV = 64, 8, 16, 8, 32, 16
 # One batch / capacity / prompt width everywhere: flash_decode compiles once per shape.

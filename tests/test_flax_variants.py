@@ -10,7 +10,7 @@ from flax import nnx
 from fdecode.flax import DecodeAttention
 from fdecode.flax.decode_attention import alibi_slopes
 from fdecode.reference import reference_decode
-from conftest import assert_close
+from helpers import assert_close
 
 E, HQ, HKV, D = 32, 4, 2, 8
 

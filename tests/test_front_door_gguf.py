@@ -15,13 +15,13 @@ gguf = pytest.importorskip("gguf")
 from fdecode.models.gemma3 import Gemma3Config, load_gemma3  # noqa: E402
 from fdecode.models.gguf import GGUFFile  # noqa: E402
 from fdecode.models.tokenizer import GGUFTokenizer  # noqa: E402
-from test_gemma3 import _vocab, _weights, write_gguf  # noqa: E402
+from helpers.gguf import tiny_vocab, tiny_weights, write_gguf  # noqa: E402
 
 T = gguf.GGUFValueType
 
 
 def _file(tmp_path, name="meta.gguf", **kw):
-  return write_gguf(tmp_path / name, _weights(), **kw)
+  return write_gguf(tmp_path / name, tiny_weights(), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_gemma3_with_q4_0_and_q8_0_weights_loads(tmp_path):
   """A Gemma 3 file whose embedding and linear weights are Q4_0 / Q8_0 (alternating by
   block) loads through load_gemma3, each weight as gguf dequantizes it; such files were
   refused with "unsupported quantization type Q4_0" by a hand-kept list of types."""
-  weights, raw, kinds = _weights(), {}, [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0]
+  weights, raw, kinds = tiny_weights(), {}, [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q8_0]
   for name in [n for n, x in weights.items() if x.ndim == 2]:  # norms stay F32, as llama.cpp writes them
     block = int(name.split(".")[1]) if name.startswith("blk.") else 0
     raw[name] = (gguf.quants.quantize(weights.pop(name), kinds[block % 2]), kinds[block % 2])
@@ -117,7 +117,7 @@ def test_config_checks_its_own_fields():
 # ---- tokenizer ----
 
 def _metadata(tokens=None, **extra):
-  t, scores, types = _vocab()
+  t, scores, types = tiny_vocab()
   tokens = t if tokens is None else tokens
   return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
           "tokenizer.ggml.scores": np.asarray(scores, np.float32),
@@ -142,7 +142,7 @@ def test_encode_rejects_text_that_is_not_unicode():
 
 def test_vocabulary_pieces_checked_at_load():
   """Duplicate or empty pieces gave sentencepiece "INTERNAL:" errors."""
-  tokens = _vocab()[0]
+  tokens = tiny_vocab()[0]
   dup = list(tokens)
   dup[290] = dup[270]  # "▁the" twice, both normal pieces
   with pytest.raises(ValueError, match=r"tokens\[290\] = '▁the' repeats tokens\[270\]; pieces must be "
@@ -179,7 +179,7 @@ def test_gemma_demo_rejects_bad_arguments_cleanly(tiny, tmp_path, capsys):
   assert "--prompt number 2 is not valid UTF-8 text: U+DCFF at index 0" in err, err
   err = _cli_error(capsys, demo.main, ["--gguf", str(tiny), "--mesh", "100000x100000"])
   assert "at most 512 devices" in err
-  bad = write_gguf(tmp_path / "bad.gguf", _weights(), meta={"gemma3.block_count": (5, T.UINT32)})
+  bad = write_gguf(tmp_path / "bad.gguf", tiny_weights(), meta={"gemma3.block_count": (5, T.UINT32)})
   err = _cli_error(capsys, demo.main, ["--gguf", str(bad)])
   assert "cannot use the GGUF file" in err and "'gemma3.block_count' = 5 disagrees" in err, err
 

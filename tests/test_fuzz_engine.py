@@ -23,8 +23,8 @@ from hypothesis import given, settings, strategies as st
 from fdecode.decoding.generate import generate
 from fdecode.models.base import Transformer
 from fdecode.decoding.serving import Engine, Request
-from test_fuzz import PROFILE
-from test_serving import CFG
+from helpers.fuzz import PROFILE
+from helpers.serving import CFG
 
 MAX_SEQS, BUDGET, MAX_LEN, PAGE = 3, 8, 24, 4
 MAX_PROMPT, MAX_NEW, MAX_REQUESTS = 14, 8, 6

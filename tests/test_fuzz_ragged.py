@@ -36,8 +36,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import fdecode
-from conftest import tpu_interpret
-from test_fuzz import BOOLS, FLOATS, GARBAGE, IMPLS, INTS, INVALID_PROFILE, LONG, PROFILE, Case, assert_matches, oracle
+from helpers import tpu_interpret
+from helpers.fuzz import (BOOLS, FLOATS, GARBAGE, IMPLS, INTS, INVALID_PROFILE, LONG, PROFILE, Case, assert_matches,
+                          oracle)
 
 M, N, HQ, HKV, D, S = 3, 80, 4, 2, 16, 96
 MODS = {"none": {}, "window+cap+sinks": dict(window=24, logits_soft_cap=5.0, softmax_scale=0.3,

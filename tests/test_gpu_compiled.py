@@ -25,7 +25,7 @@ import numpy as np
 import fdecode
 from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
-from conftest import assert_close, make_problem, tol
+from helpers import assert_close, make_problem, tol
 
 GPU_TOLERANCES = {
     jnp.float32: dict(atol=5e-3, rtol=5e-3, lse=5e-3),  # TF32 dots
@@ -291,7 +291,7 @@ def test_sparse_index_lists(form, dtype):
   live slots itself (`kernel._index_bounds`): lengths 0, 1, block±1 and past a block
   multiple, -1 and out-of-cache entries, duplicates, a window; 3 splits
   (tests/test_sparse.py, here compiled)."""
-  from test_sparse import index_mask, random_indices  # pylint: disable=g-import-not-at-top
+  from helpers.sparse import index_mask, random_indices  # pylint: disable=g-import-not-at-top
   q, k, v = make_problem(0, b=5, t=3, hq=8, hkv=2, s=S_TAIL, dk=128, dtype=dtype)
   shape = {"[B,K]": (5, 70), "[B,T,K]": (5, 3, 70), "[B,T,Hkv,K]": (5, 3, 2, 70)}[form]
   idx = random_indices(1, shape, S_TAIL)
@@ -321,7 +321,7 @@ def test_ragged_decode(mix, cache, layout, dtype):
   """Issue 19: ragged_decode on the compiled kernels (the Triton step: one split launch for
   the decode part and the prefill blocks, one combine into the packed rows) against each
   sequence alone through the float32 reference; padding rows give 0 and lse -inf."""
-  from test_ragged import batch, per_sequence  # pylint: disable=g-import-not-at-top
+  from helpers.ragged import batch, per_sequence  # pylint: disable=g-import-not-at-top
   q_lens, kv_lens = RAGGED_MIXES[mix]
   p = batch(1, q_lens, kv_lens, max_seqs=8, d=128, paged=cache != "contiguous", layout=layout, dtype=dtype)
   out, lse = fdecode.ragged_decode(**p, kv_layout=layout, impl="pallas", return_lse=True)
@@ -341,7 +341,7 @@ def test_ragged_per_row_modifiers(cache, layout, dtype):
   """The compiled Triton step with a per-row, per-head mask and a per-row bias
   (`ragged_decode`'s ``[N, Hq, S]`` / ``[N, S]``), each program reading them at its rows'
   packed rows (tests/test_ragged_modifiers.py, here compiled)."""
-  from test_ragged import batch, per_sequence  # pylint: disable=g-import-not-at-top
+  from helpers.ragged import batch, per_sequence  # pylint: disable=g-import-not-at-top
   q_lens, kv_lens = RAGGED_MIXES["mixed"]
   p = batch(1, q_lens, kv_lens, max_seqs=8, d=128, paged=cache != "contiguous", layout=layout, dtype=dtype)
   n_rows, hq = p["q"].shape[:2]
@@ -365,8 +365,8 @@ def test_step_geometry_compiled(seed, paged, layout):
   """The compiled Triton step's in-kernel geometry (`fdecode.kernels.triton.geometry`) on
   traced, unchecked offsets and lengths equals XLA's (tests/test_step_geometry.py, here
   compiled): outputs within float32 tolerance, the fused write's slots bit for bit."""
-  from test_step_geometry import _step  # pylint: disable=g-import-not-at-top
-  p, (nk, nv) = _step(seed, paged, layout)
+  from helpers.step_geometry import step  # pylint: disable=g-import-not-at-top
+  p, (nk, nv) = step(seed, paged, layout)
   run = lambda impl: jax.jit(lambda p, nk, nv: fdecode.ragged_decode(
       **p, kv_layout=layout, new_k=nk, new_v=nv, return_lse=True, impl=impl))(p, nk, nv)
   with jax.default_matmul_precision("highest"):
@@ -385,7 +385,7 @@ def test_write_kernel_equals_the_scatter(name):
   (float values cast into bfloat16, 8-bit bytes, MLA latents of D = 24, page size 1, and
   the rows that write nothing)."""
   from fdecode.ragged.write import write_new_tokens  # pylint: disable=g-import-not-at-top
-  from test_ragged_write import bits, write_step  # pylint: disable=g-import-not-at-top
+  from helpers.ragged_write import bits, write_step  # pylint: disable=g-import-not-at-top
   view, nk, nv, seq, pos = write_step(name)
   want = jax.jit(lambda: write_new_tokens(view, nk, nv, seq, pos, impl="xla"))()
   kernel = jax.jit(lambda: write_new_tokens(view, nk, nv, seq, pos))
@@ -401,7 +401,7 @@ def test_ragged_fused_write(layout):
   """The fused write on the GPU (the Triton write kernel, `fdecode.ragged.write`): equals
   writing the rows first (the same ragged call on caches that already hold them), the
   returned caches hold exactly those rows, bit for bit what XLA's scatter writes."""
-  from test_ragged import batch  # pylint: disable=g-import-not-at-top
+  from helpers.ragged import batch  # pylint: disable=g-import-not-at-top
   p = batch(2, [1, 9, 70, 1], [5, 9, 90, 40], max_seqs=6, d=128, layout=layout, dtype=jnp.bfloat16)
   n, hkv = p["q"].shape[0], 2
   rng = np.random.default_rng(7)

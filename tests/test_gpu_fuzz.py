@@ -25,8 +25,8 @@ if jax.default_backend() != "gpu":
 
 from hypothesis import given, settings
 
-import test_fuzz
-from test_fuzz import _COMMON, valid_cases
+from helpers import fuzz
+from helpers.fuzz import COMMON, valid_cases
 
 GPU_SHAPES = dict(
     b=[1, 2, 3], t=[None, 1, 2, 3, 5, 9, 12, 16],
@@ -37,7 +37,7 @@ GPU_SHAPES = dict(
 EXAMPLES = int(os.environ.get("FDECODE_GPU_FUZZ_EXAMPLES", 25))
 
 
-_CPU_TOLERANCES = test_fuzz._tolerances  # pylint: disable=protected-access
+_CPU_TOLERANCES = fuzz.tolerances
 
 
 def _gpu_tolerances(c):
@@ -46,12 +46,12 @@ def _gpu_tolerances(c):
   return _CPU_TOLERANCES(c)
 
 
-test_fuzz._tolerances = _gpu_tolerances  # this module loads on a GPU only  # pylint: disable=protected-access
+fuzz.tolerances = _gpu_tolerances  # this module loads on a GPU only
 
 
 @pytest.mark.parametrize("shard", range(8))
-@settings(max_examples=EXAMPLES, derandomize=False, **_COMMON)
+@settings(max_examples=EXAMPLES, derandomize=False, **COMMON)
 @given(c=valid_cases(shapes=GPU_SHAPES))
 def test_compiled_kernels_match_float64_oracle(shard, c):
   del shard  # one hypothesis run per xdist worker; each draws its own random examples
-  test_fuzz._check_valid("pallas", c)  # pylint: disable=protected-access
+  fuzz.check_valid("pallas", c)

@@ -9,24 +9,17 @@ PTX or run it (scripts/gpu_check does, on a GPU).
 import jax
 import jax.numpy as jnp
 import pytest
-from jax import export
 
 import fdecode
 from fdecode.kernels.triton import make_plan
-from test_tpu_kernel import MODIFIER_CASES, modifier_call
+from helpers.lowering import MODIFIER_CASES, TRITON_CALL, lower_for_cuda, modifier_call
 
-TRITON_CALL = "__gpu$xla.gpu.triton"
+
 HEAD_DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (576, 512)]
 
 
 def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def lower_for_cuda(fn, *args):
-  exp = export.export(jax.jit(fn), platforms=["cuda"],
-                      disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
-  return exp.mlir_module()
 
 
 def _problem(*, dk, dv, dtype, page_size=None, t=1, g=4, s=300, tiles=1):

@@ -93,7 +93,7 @@ import dataclasses
 
 import fdecode
 from fdecode.kernels.triton import make_plan, row_tiling
-from conftest import assert_close, make_problem, tol
+from helpers import assert_close, make_problem, tol
 
 
 @pytest.mark.parametrize("d", [64, 128, 256, 576])
@@ -182,7 +182,7 @@ def test_issue31_int8_t5_g8_matches_the_reference():
 def test_issue31_ragged_chunk40_g4_matches_per_sequence():
   """The ragged step that crashed the GPU: a 40-token prefill chunk at G=4 (160 rows) beside
   decodes, paged, interpreted with the H100 plan, against each sequence alone."""
-  from test_ragged import batch, check, per_sequence  # pylint: disable=g-import-not-at-top
+  from helpers.ragged import batch, check, per_sequence  # pylint: disable=g-import-not-at-top
   p = batch(7, [1, 40, 1], [20, 40, 70], max_seqs=4, hq=8, hkv=2, d=64)
   out, lse = fdecode.ragged_decode(**p, impl="pallas", interpret=True, return_lse=True)
   check(p, out, lse, per_sequence(p))

@@ -4,9 +4,6 @@ read a head-major view), within float32 reordering, since the two are different 
 programs; dead-slot garbage changes nothing, bit for bit; and the float32 reference's
 within tolerance."""
 
-import math
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,19 +11,12 @@ import pytest
 
 import fdecode
 from fdecode.cache.layout import QUANT_ARRAYS, CacheView, head_major
-from fdecode.devtools.compile_check import _HLO_BYTES
 from fdecode.kernels.xla.plan import CHUNK_TOKENS as XLA_CHUNK_TOKENS
 from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
-from conftest import assert_attention_reordered, assert_close, impl_param, make_problem, max_abs, tol
-from test_paged_quant import paged_problem, with_garbage
-
-
-def nhd(x, paged):
-  """A head-major cache-shaped array in the token-major layout."""
-  if x is None or jnp.ndim(x) < 4:  # absent, or a per-tensor scale
-    return x
-  return x.transpose(1, 2, 0, 3) if paged else x.swapaxes(1, 2)
+from helpers import assert_attention_reordered, assert_close, impl_param, make_problem, max_abs, tol
+from helpers.layout import largest_new_array_bytes, nhd
+from helpers.paged import paged_problem, with_garbage
 
 
 def both_layouts(q, k, v, lengths, *, paged=False, k_rope=None, k_scale=None, v_scale=None, k_offset=None,
@@ -296,31 +286,6 @@ def test_cache_view_geometry_and_read_rule(hkv):
     CacheView.of(k, k, kv_layout="NHD")
   with pytest.raises(ValueError, match=r"kv_layout=.NHD., k must be \[B, S, Hkv, D\]"):
     fdecode.flash_decode(jnp.zeros((b, hkv, d)), k, k, jnp.array([40, 3]), kv_layout="NHD")
-
-
-# An optimized-HLO instruction and its result: `%name = dtype[dims]{layout} opcode(`.
-_RESULT = re.compile(r"%\S+ = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(")
-# Results that name an existing buffer rather than compute a new one.
-_NO_NEW_BUFFER = {"parameter", "get-tuple-element", "tuple", "while", "bitcast", "conditional", "call"}
-
-
-def largest_new_array_bytes(hlo_text):
-  """Bytes of the largest array an optimized HLO module writes to memory: results of the
-  instructions outside fusion bodies (a fusion's body is computed in registers; its
-  result is the fusion's). A copy, transpose or float32 widening of a whole cache shows
-  up here."""
-  fused = set(re.findall(r"kind=k\w+, calls=(%[\w.-]+)", hlo_text))
-  best, inside = 0, False
-  for line in hlo_text.splitlines():
-    if line and not line[0].isspace():  # a computation's header (or the module's)
-      name = line.split(" ")[1] if line.startswith("ENTRY") else line.split(" ")[0]
-      inside = name in fused
-      continue
-    m = _RESULT.search(line)
-    if m and not inside and m.group(3) not in _NO_NEW_BUFFER:
-      dtype, dims, _ = m.groups()
-      best = max(best, _HLO_BYTES.get(dtype, 4) * math.prod(int(d) for d in filter(None, dims.split(","))))
-  return best
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fdecode
-from conftest import assert_close, assert_reordered, make_problem, max_abs
+from helpers import assert_close, assert_reordered, make_problem, max_abs
 
 
 @pytest.mark.parametrize("cut", [0, 1, 17, 33, 63, 64])

@@ -17,9 +17,8 @@ import fdecode
 from fdecode.cache.paged import gather_pages
 from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
-from conftest import assert_close, interpreted_once, tol
-from test_gpu_lowering import TRITON_CALL, lower_for_cuda
-from test_tpu_kernel import TPU_CALL, lower_for_tpu
+from helpers import assert_close, interpreted_once, tol
+from helpers.lowering import TPU_CALL, TRITON_CALL, lower_for_cuda, lower_for_tpu
 
 BLOCK = 16
 S = 3 * BLOCK + 5

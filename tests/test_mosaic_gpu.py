@@ -34,13 +34,13 @@ import numpy as np
 import pytest
 
 import fdecode
-from conftest import assert_close, tol
+from helpers import assert_close, tol
 from fdecode.combine import merge_states
 from fdecode.kernels import mosaic_gpu
 from fdecode.cache.quant import quantize
 from fdecode.kernels.mosaic_gpu import mla_plan, split_count, unsupported
 
-from mosaic_gpu_interpret import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
+from helpers.mosaic_gpu import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
 
 DK, DV = 576, 512
 pytestmark = pytest.mark.usefixtures("interpreter")

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 import fdecode
-from conftest import assert_close, tol
+from helpers import assert_close, tol
 from fdecode.kernels import mosaic_gpu
 from fdecode.kernels.common import chips
 from fdecode.cache.quant import quantize
 from fdecode.dispatch import recording_plans
-from test_ragged import batch
+from helpers.ragged import batch
 
-from mosaic_gpu_interpret import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
+from helpers.mosaic_gpu import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
 
 BF16 = tol(jnp.bfloat16)
 

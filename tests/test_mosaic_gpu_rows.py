@@ -25,14 +25,14 @@ import numpy as np
 import pytest
 
 import fdecode
-from conftest import assert_close, tol
+from helpers import assert_close, tol
 from fdecode.combine import merge_states
 from fdecode.kernels import mosaic_gpu
 from fdecode.kernels.common import chips
 from fdecode.cache.quant import quantize
 from fdecode.kernels.mosaic_gpu import rows_plan, rows_unsupported
 
-from mosaic_gpu_interpret import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
+from helpers.mosaic_gpu import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 

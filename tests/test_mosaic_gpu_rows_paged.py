@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 
 import fdecode
-from conftest import assert_close, tol
+from helpers import assert_close, tol
 from fdecode.kernels import mosaic_gpu
 from fdecode.kernels.common import chips
 from fdecode.cache.quant import quantize
 from fdecode.kernels.mosaic_gpu import rows_plan, rows_unsupported
 from fdecode.kernels.mosaic_gpu.gqa.paging import block_pieces  # the paged-copy rule itself, not a public name
 
-from mosaic_gpu_interpret import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
+from helpers.mosaic_gpu import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
 
 GARBAGE_IDS = (2**30, -7, 2**31 - 1, -(2**31))
 

@@ -11,30 +11,8 @@ import fdecode
 from fdecode.cache import PageAllocator, PoolExhaustedError, gather_pages, write_contiguous, write_paged
 from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
-from conftest import assert_close, impl_param, make_problem, tol
-
-
-def paged_problem(seed, *, b, t, hq, hkv, pages_per_seq, page_size, dk, dtype=jnp.float32, spare=3):
-  """A shuffled page pool with garbage in unused table entries; returns the contiguous view too."""
-  num_pages = b * pages_per_seq + spare
-  kq, kk, kv, kp = jax.random.split(jax.random.key(seed), 4)
-  q_shape = (b, hq, dk) if t is None else (b, t, hq, dk)
-  q = jax.random.normal(kq, q_shape).astype(dtype)
-  k_pages = jax.random.normal(kk, (hkv, num_pages, page_size, dk)).astype(dtype)
-  v_pages = jax.random.normal(kv, (hkv, num_pages, page_size, dk)).astype(dtype)
-  perm = np.asarray(jax.random.permutation(kp, num_pages))
-  tables = perm[: b * pages_per_seq].reshape(b, pages_per_seq).astype(np.int32)
-  return q, k_pages, v_pages, tables
-
-
-def with_garbage(tables, lengths, page_size, num_pages):
-  """Entries past each sequence's pages: -1, a huge id, or a page of another sequence."""
-  t = tables.copy()
-  for i, n in enumerate(np.asarray(lengths)):
-    used = -(-int(n) // page_size)
-    for j in range(used, t.shape[1]):
-      t[i, j] = [-1, 10 ** 6, tables[(i + 1) % len(t), 0]][j % 3]
-  return t
+from helpers import assert_close, impl_param, make_problem, tol
+from helpers.paged import paged_problem, with_garbage
 
 
 @pytest.mark.parametrize("page_size", [1, 8, 16, 64])

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import fdecode
-from conftest import assert_close, tol, tpu_interpret
-from test_ragged import batch, per_sequence
+from helpers import assert_close, tol, tpu_interpret
+from helpers.ragged import batch, per_sequence
 
 
 def _step(**over):

@@ -11,8 +11,7 @@ import pytest
 import fdecode
 from fdecode.kernels.common import chips
 from fdecode.cache.quant import quantize
-from test_ragged import batch, check, per_sequence
-from test_ragged_modifiers import spy_step
+from helpers.ragged import batch, check, per_sequence, spy_step
 
 
 @pytest.mark.parametrize("cache", ["paged16", "contiguous"])

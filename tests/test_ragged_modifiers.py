@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import fdecode
-from conftest import assert_close, tol
-from test_ragged import batch, check, per_sequence
+from helpers import assert_close, tol
+from helpers.ragged import batch, check, per_sequence, spy_step
 
 FORMS = {"mask-rows": ("mask", True, False), "mask-rows-heads": ("mask", True, True),
          "mask-one-heads": ("mask", False, True), "bias-rows": ("bias", True, False),
@@ -25,15 +25,6 @@ def _per_row(name, per_row, per_head, n_rows, hq, s, seed):
   if name == "mask":
     return jnp.asarray(rng.random(shape) > 0.3)
   return jnp.asarray(rng.standard_normal(shape), jnp.float32)
-
-
-def spy_step(monkeypatch):
-  """Counts the Triton step's part calls (`fdecode.ragged.triton_step.canonical_call`)."""
-  import fdecode.ragged.triton_step as step_module
-  calls = []
-  real = step_module.canonical_call
-  monkeypatch.setattr(step_module, "canonical_call", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-  return calls
 
 
 @pytest.mark.parametrize("form", list(FORMS))

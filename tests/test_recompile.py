@@ -11,9 +11,7 @@ and token ids laid out otherwise than they came in (weights split over "heads", 
 tables over "seq"), so step 2 saw new input types.
 """
 
-import contextlib
 import functools
-import logging
 
 import jax
 import numpy as np
@@ -24,37 +22,10 @@ import fdecode
 from fdecode.decoding.beam import beam_search, sample_n
 from fdecode.decoding.generate import generate
 from fdecode.models.base import ModelConfig, Transformer
+from helpers import counting_compiles
 
 # Shapes used by no other test module (a cached compile would hide the first one).
 CFG = ModelConfig(vocab=40, dim=24, layers=2, num_heads=4, num_kv_heads=2, head_dim=6, mlp_dim=40)
-_PXLA = logging.getLogger("jax._src.interpreters.pxla")
-
-
-class _Compiles(logging.Handler):
-  """Counts JAX compilations by function name while installed."""
-
-  def __init__(self):
-    super().__init__(logging.DEBUG)
-    self.names = []
-
-  def emit(self, record):
-    if record.msg.startswith("Compiling %s"):
-      self.names.append(str(record.args[0]))
-
-  def count(self, fn: str) -> int:
-    return sum(name == f"jit({fn})" for name in self.names)
-
-
-@contextlib.contextmanager
-def counting_compiles():
-  handler, level = _Compiles(), _PXLA.level
-  _PXLA.addHandler(handler)
-  _PXLA.setLevel(logging.DEBUG)
-  try:
-    yield handler
-  finally:
-    _PXLA.removeHandler(handler)
-    _PXLA.setLevel(level)
 
 
 def _prompts(b, seed=0):

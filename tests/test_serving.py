@@ -13,9 +13,8 @@ from flax import nnx
 from fdecode.decoding.generate import generate
 from fdecode.models.base import ModelConfig, Transformer
 from fdecode.decoding.serving import Engine, Request, StepLimitError, sample, token_buckets
-from test_recompile import counting_compiles
-
-CFG = ModelConfig(vocab=97, dim=64, layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96)
+from helpers import counting_compiles
+from helpers.serving import CFG
 
 
 def alone(prompt, n):

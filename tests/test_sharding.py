@@ -11,7 +11,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import fdecode
 from fdecode.reference import reference_decode
 from fdecode.devtools.collectives import collective_bytes
-from conftest import assert_attention_reordered, assert_close, make_problem, max_abs, tol
+from helpers import assert_attention_reordered, assert_close, make_problem, max_abs, tol
+from helpers.paged import paged_shards
 
 AUTO3 = (AxisType.Auto,) * 3
 # S = 64 on 4 sequence shards: chunks of 16. With T = 4 the causal window straddles a
@@ -209,21 +210,6 @@ def test_errors_shapes_and_values():
                                  mesh=mesh, seq_axis="x")
 
 
-def _paged_shards(k, n_s, page_size, seed):
-  """Contiguous [B, Hkv, S, D] -> a pool [Hkv, P, ps, D] and table [B, n] in which the pages
-  of token range d (columns d*n/n_s...) sit, shuffled, in pool shard d."""
-  b, hkv, s, d = k.shape
-  n = s // page_size
-  per = b * n // n_s  # pages per pool shard
-  rng = np.random.default_rng(seed)
-  table = np.zeros((b, n), np.int32)
-  cols = n // n_s
-  for shard in range(n_s):
-    ids = shard * per + rng.permutation(per)
-    table[:, shard * cols:(shard + 1) * cols] = ids.reshape(b, cols)
-  return table
-
-
 @pytest.mark.parametrize("roles,shape,names", [
     (dict(seq_axis="s"), (4,), ("s",)),
     (dict(batch_axis="b", head_axis="h", seq_axis="s"), (2, 2, 2), ("b", "h", "s")),
@@ -233,7 +219,7 @@ def test_paged_cache_sharded(roles, shape, names):
   page_size = 4
   q, k, v = make_problem(10, b=2, t=2, hq=8, hkv=2, s=32, dk=16)
   n_s = dict(zip(names, shape)).get(roles.get("seq_axis"), 1)
-  table = _paged_shards(k, n_s, page_size, seed=0)
+  table = paged_shards(k, n_s, page_size, seed=0)
   hkv, b, n = 2, 2, 32 // page_size
   to_pool = lambda x: x.reshape(b, hkv, n, page_size, 16).transpose(1, 0, 2, 3, 4).reshape(hkv, b * n, page_size, 16)
   inv = np.argsort(table.reshape(-1))
@@ -277,7 +263,7 @@ def test_token_major_caches_split_on_the_same_logical_axes(paged, roles, shape, 
   kw = dict(mesh=mesh, impl="xla", return_lse=True, **roles)
   if paged:
     n_s = dict(zip(names, shape)).get(roles.get("seq_axis"), 1)
-    table = _paged_shards(k, n_s, page_size, seed=1)
+    table = paged_shards(k, n_s, page_size, seed=1)
     inv = np.argsort(table.reshape(-1))
     to_pool = lambda x: x.reshape(b, hkv, s // page_size, page_size, x.shape[-1]).transpose(
         1, 0, 2, 3, 4).reshape(hkv, -1, page_size, x.shape[-1])[:, inv]

@@ -15,31 +15,14 @@ import fdecode
 from fdecode.cache.paged import gather_pages
 from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
-from conftest import (assert_attention_reordered, assert_close, impl_param, interpreted_once, make_problem,
-                      max_abs, tol)
-from test_gpu_lowering import TRITON_CALL, lower_for_cuda
-from test_tpu_kernel import TPU_CALL, lower_for_tpu
+from helpers import (assert_attention_reordered, assert_close, impl_param, interpreted_once, make_problem,
+                     max_abs, tol)
+from helpers.layout import largest_new_array_bytes, nhd
+from helpers.lowering import TPU_CALL, TRITON_CALL, lower_for_cuda, lower_for_tpu
+from helpers.sparse import index_mask, random_indices
 
 BLOCK = 16
 S = 3 * BLOCK + 5
-
-
-def index_mask(indices, q_shape, hkv, s, kv_offset=0):
-  """bool ``[B, T, Hq, S]``: cache slot j (sequence position ``kv_offset + j``) is selected."""
-  idx = np.asarray(indices)
-  single = len(q_shape) == 3
-  b, hq = q_shape[0], q_shape[-2]
-  t = 1 if single else q_shape[1]
-  if idx.ndim == 2:
-    idx = idx[:, None, None]
-  elif idx.ndim == 3:
-    idx = idx[:, None] if single else idx[:, :, None]
-  g = hq // hkv
-  pos = kv_offset + np.arange(s)
-  sel = (idx[..., None] == pos) & (idx[..., None] >= 0)       # [B, T|1, Hi, K, S]
-  sel = sel.any(axis=3)                                       # [B, T|1, Hi, S]
-  sel = np.repeat(sel, g, axis=2) if sel.shape[2] > 1 else sel
-  return np.broadcast_to(sel, (b, t, hq, s))
 
 
 def check(q, k, v, lengths, indices, *, impl, dtype=jnp.float32, kv_offset=0, ref_kv=None, **kw):
@@ -58,15 +41,6 @@ def check(q, k, v, lengths, indices, *, impl, dtype=jnp.float32, kv_offset=0, re
   assert_close(out, ref, atol=t["atol"], rtol=t["rtol"], what="out")
   assert_close(lse, ref_lse, atol=t["lse"], rtol=t["lse"], what="lse")
   return out, lse
-
-
-def random_indices(seed, shape, s, *, dup=True):
-  """Positions in [-1, S + 3): -1 (none), out of the cache, and (``dup``) repeats."""
-  r = np.random.default_rng(seed)
-  idx = r.integers(-1, s + 3, size=shape)
-  if dup:
-    idx[..., 1] = idx[..., 0]
-  return idx.astype(np.int32)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -247,7 +221,6 @@ def test_token_major_in_place(request, impl, kind):
   that arrive beside a selected row, and the slots never read. Within tolerance of the
   float32 reference; the XLA path and Triton the head-major call's (within float32
   reordering: another compiled program)."""
-  from test_layout import nhd  # pylint: disable=g-import-not-at-top
   paged = "paged16" in kind
   hkv = int(kind.split("hkv")[1][0])
   b, s, dk = 2, 48, 32
@@ -302,7 +275,6 @@ def test_xla_path_gathers_token_major_rows_in_place(dtype, paged):
   """The XLA path gathers the listed rows of a token-major cache where they lie: the
   compiled call makes no array of a quarter of the cache. (It gathers from the
   head-major view, whose transpose XLA fuses into the gather; this guards that.)"""
-  from test_layout import largest_new_array_bytes  # pylint: disable=g-import-not-at-top
   b, s, hkv, d, kk = 2, 8192, 2, 64, 256
   shape = (b * s // 16, 16, hkv, d) if paged else (b, s, hkv, d)
   kw = dict(block_tables=jnp.arange(b * s // 16, dtype=jnp.int32).reshape(b, s // 16)) if paged else {}

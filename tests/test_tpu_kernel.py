@@ -22,9 +22,10 @@ import fdecode
 from fdecode.kernels.mosaic_tpu.operands import Operand, by_name, flatten
 from fdecode.kernels.mosaic_tpu.plan import dma_unit, plan as mosaic_plan
 from fdecode.cache.quant import quantize
-from conftest import TPU_INTERPRET, assert_close, make_problem, tol, tpu_interpret
+from helpers import TPU_INTERPRET, assert_close, make_problem, tol, tpu_interpret
+from helpers.lowering import MODIFIER_CASES, TPU_CALL, lower_for_tpu, modifier_call
 
-TPU_CALL = "tpu_custom_call"
+
 HEAD_DIMS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 192), (256, 256), (576, 512)]
 QUANT = (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2)
 MiB = 1024 * 1024
@@ -32,13 +33,6 @@ MiB = 1024 * 1024
 
 def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def lower_for_tpu(fn, *args, chip="TPU v5 lite"):
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=jax.sharding.AbstractDevice(
-      device_kind=chip, num_cores=1, platform="tpu"))
-  with jax.sharding.use_abstract_mesh(mesh):
-    return export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
 
 
 def _abstract_problem(*, dk, dv, dtype, page_size=None, t=1, g=4, s=1000, tiles=1):
@@ -98,27 +92,6 @@ def test_public_api_exports_the_tpu_kernel(chip, page_size):
 def test_tile_wise_scales_lower_for_tpu():
   args, opts = _abstract_problem(dk=512, dv=512, dtype=jnp.float8_e4m3fn, tiles=4, page_size=32)
   assert TPU_CALL in lower_for_tpu(_decode_fn(impl="pallas"), *args, opts)
-
-
-MODIFIER_CASES = ["window+softcap+alibi+sinks", "mask[B,T,S]", "mask+bias per head"]
-
-
-def modifier_call(case, args, opts, page_size):
-  """(fn, *operands) of a ``flash_decode(impl="pallas")`` call with the score modifiers of
-  ``case`` (issue 9) on an abstract problem (T=2); shared with the CUDA lowering tests."""
-  q, k = args[:2]
-  b, t, hq = q.shape[:3]
-  s = k.shape[2] if page_size is None else opts["block_tables"].shape[1] * page_size
-  f32 = jnp.float32
-  static, arrays = {
-      "window+softcap+alibi+sinks": (dict(window=100, logits_soft_cap=30.0),
-                                     dict(alibi_slopes=_sds((hq,), f32), sinks=_sds((hq,), f32))),
-      "mask[B,T,S]": (dict(causal=False), dict(mask=_sds((b, t, s), jnp.bool_))),
-      "mask+bias per head": ({}, dict(mask=_sds((1, t, hq, s), jnp.bool_), bias=_sds((b, 1, hq, s), q.dtype))),
-  }[case]
-  fn = lambda q, k, v, n, opts, arrays: fdecode.flash_decode(q, k, v, n, **opts, **arrays, **static,
-                                                             impl="pallas", num_splits=2)
-  return (fn, *args, opts, arrays)
 
 
 @pytest.mark.parametrize("case", MODIFIER_CASES)

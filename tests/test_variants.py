@@ -15,9 +15,8 @@ from fdecode.kernels.common import block as blk
 from fdecode.kernels.common.modifiers import Modifiers
 from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
-from conftest import assert_attention_reordered, assert_close, make_problem, max_abs, tol
-from test_dead_slots import pour
-from test_paged_quant import paged_problem, with_garbage
+from helpers import assert_attention_reordered, assert_close, make_problem, max_abs, tol
+from helpers.paged import paged_problem, pour, with_garbage
 
 B, T, HQ, HKV, S, D = 4, 3, 8, 2, 77, 32
 # 0, 1, a block of 16 +- 1, S: with block_k=16 (Triton) the lengths straddle block ends.

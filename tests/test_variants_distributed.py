@@ -9,8 +9,8 @@ from jax.sharding import AxisType
 
 import fdecode
 from fdecode.reference import reference_decode
-from conftest import assert_close, make_problem
-from test_sharding import _paged_shards
+from helpers import assert_close, make_problem
+from helpers.paged import paged_shards
 
 B, T, HQ, HKV, S, D = 2, 2, 8, 2, 64, 16
 AUTO = lambda n: (AxisType.Auto,) * n
@@ -63,7 +63,7 @@ def test_window_devices_outside_it_contribute_nothing():
 def test_paged_mask_sharded_over_seq():
   page_size, n_s = 4, 4
   q, k, v = make_problem(3, b=B, t=T, hq=HQ, hkv=HKV, s=32, dk=D)
-  table = _paged_shards(k, n_s, page_size, seed=0)
+  table = paged_shards(k, n_s, page_size, seed=0)
   n = 32 // page_size
   to_pool = lambda x: x.reshape(B, HKV, n, page_size, D).transpose(1, 0, 2, 3, 4).reshape(HKV, B * n, page_size, D)
   inv = np.argsort(table.reshape(-1))
