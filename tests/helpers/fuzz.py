@@ -52,7 +52,7 @@ PAGES = [(1, 9), (4, 5), (5, 3), (16, 2)]         # (page_size, pages per sequen
 SPLITS = [None, 1, 2, 3, 64]                      # 64: more splits than blocks
 BLOCK_K = [None, 8, 16]
 ROPE = 8
-# The shape sets a valid call draws from (tests/test_gpu_fuzz.py passes wider ones).
+# The shape sets a valid call draws from (tests/kernels/test_gpu_fuzz.py passes wider ones).
 SHAPES = dict(b=[1, 3], t=[None, 1, 3], heads=HEADS, head_dims=HEAD_DIMS, contiguous_s=CONTIGUOUS_S,
               pages=PAGES, splits=SPLITS, block_k=BLOCK_K)
 

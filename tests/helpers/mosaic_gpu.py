@@ -1,4 +1,4 @@
-"""Test support for jax's Mosaic GPU interpreter (tests/test_mosaic_gpu*.py): its params
+"""Test support for jax's Mosaic GPU interpreter (tests/kernels/mosaic_gpu/test_mosaic_gpu*.py): its params
 and a per-test reset, and one compilation per interpreted kernel thread.
 
 The interpreter (jax 0.10.2) runs each program of a grid by tracing, lowering and

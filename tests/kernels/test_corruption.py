@@ -1,7 +1,7 @@
 """Corruption never hides: a NaN a query sees propagates to its row on every impl, split
 count and device count, while "no visible key" (out 0, lse -inf) is decided by positions.
 
-The counterpart of tests/test_dead_slots.py (garbage a query may not see never leaks).
+The counterpart of tests/kernels/test_dead_slots.py (garbage a query may not see never leaks).
 """
 
 import jax
@@ -180,7 +180,7 @@ def test_corrupt_value_reaches_only_rows_that_see_it(request, impl, form, bad):
 def test_bias_garbage_a_row_may_not_see_stays_in_its_row(impl, bad):
   """A per-token bias entry of an earlier token at a later token's slot (causally hidden)
   may hold anything. The Mosaic kernel expands bias rows by a one-hot matmul, which once
-  carried 0 * NaN / 0 * inf from that entry into every row (found by tests/test_fuzz.py)."""
+  carried 0 * NaN / 0 * inf from that entry into every row (found by tests/kernels/test_fuzz.py)."""
   q, k, v = make_problem(5, b=2, t=3, hq=4, hkv=2, s=S, dk=32)
   lengths = jnp.array([40, 64])
   bias = jax.random.normal(jax.random.key(6), (2, 3, 4, S))

@@ -21,13 +21,13 @@ under ``jit``) and accept only a ValueError / TypeError whose message names the 
 call may take: a Python list for an array, a numpy / concrete jax scalar for a static
 option; accepted, they must give the plain call's result.
 
-tests/test_fuzz_ragged.py (`ragged_decode` steps) and tests/test_fuzz_engine.py (the
+tests/ragged/test_fuzz_ragged.py (`ragged_decode` steps) and tests/serving/test_fuzz_engine.py (the
 serving `Engine`) use these profiles, this oracle and `assert_matches`, from
 tests/helpers/fuzz.py.
 
 Profiles (hypothesis settings profiles, applied per test so no other file is affected):
   * ``fdecode-ci`` (default): derandomized (fixed seed), bounded examples, impl="xla".
-  * ``fdecode-long``: ``FDECODE_FUZZ=long python -m pytest tests/test_fuzz.py``: many more
+  * ``fdecode-long``: ``FDECODE_FUZZ=long python -m pytest tests/kernels/test_fuzz.py``: many more
     examples, random seeds, and also the interpreted kernels (Triton in Pallas'
     interpreter, Mosaic in the TPU interpreter) and the float32 reference impl.
     ``FDECODE_FUZZ_EXAMPLES=N`` overrides its example count.
@@ -80,7 +80,7 @@ def _base(paged=False, t=None):
 
 NONFINITE_STATICS = [float("nan"), float("inf"), -float("inf"), 1e39, -1e39, np.float64(1e39)]
 INT_OVER = [2 ** 31, 2 ** 32 + 3, 2 ** 63 - 1, np.int64(2 ** 40)]
-# Scalar types a static option may come as (tests/test_fuzz_ragged.py draws them too).
+# Scalar types a static option may come as (tests/ragged/test_fuzz_ragged.py draws them too).
 # flash_decode's static options: (name, a valid value for `_base`, the scalar types to try).
 STATIC_SCALARS = [("softmax_scale", 0.3, FLOATS), ("logits_soft_cap", 5.0, FLOATS), ("window", 5, INTS),
                   ("num_splits", 2, INTS), ("block_k", 8, INTS), ("causal", True, BOOLS), ("v_head_dim", D, INTS)]

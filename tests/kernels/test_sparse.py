@@ -132,7 +132,7 @@ def test_unselected_garbage_never_leaks(impl, dtype):
 @pytest.mark.parametrize("paged", [False, True])
 def test_one_token_cache(paged):
   """S = 1 (contiguous) or one page of one slot: the XLA gather once took a token axis of
-  1 for a per-head scale's and failed to reshape (found by tests/test_fuzz.py)."""
+  1 for a per-head scale's and failed to reshape (found by tests/kernels/test_fuzz.py)."""
   q, k, v = make_problem(17, b=2, t=None, hq=4, hkv=2, s=1, dk=16)
   lengths, idx = np.array([1, 0]), np.array([[0, 0, -1, 0, 1], [0, 0, 0, 0, 0]], np.int32)
   if not paged:

@@ -7,7 +7,7 @@ no engine), cut at its EOS or max_new_tokens, and the scheduling must keep its p
 The two are different compiled programs, so a greedy token may differ only where the
 reference's top two logits are within float32 noise of each other (checked: then the
 rest of that request is not compared). Shapes are fixed, so the step and the reference
-compile once each. Profiles as tests/test_fuzz.py (CI: a fixed seed, a few examples).
+compile once each. Profiles as tests/kernels/test_fuzz.py (CI: a fixed seed, a few examples).
 
 Refused calls: an Engine built with one bad argument (buckets, num_pages, a size, eos_id)
 raises ValueError naming it and leaves the model exactly as it was (its nnx state, leaf

@@ -5,7 +5,7 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MACHINE = "test machine, 2 cores, backend cpu (cpu), jax 0"
 # The PNGs and their (width, height) in pixels: plot.py fixes figsize and dpi.
 EXPECTED = {"decode_floor_fraction.png": (800, 500), "cache_formats.png": (800, 500), "modifiers.png": (800, 500),

@@ -7,7 +7,7 @@ import sys
 import tomllib
 import zipfile
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_wheel_has_license_and_py_typed(tmp_path):

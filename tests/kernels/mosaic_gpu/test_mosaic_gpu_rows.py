@@ -2,7 +2,7 @@
 GPU interpreter (CPU, race detection on), against the float32 reference.
 
 What the interpreter runs and what it does not is as for the MLA kernel
-(tests/test_mosaic_gpu.py): the body, its two warpgroups as threads, the TMA copies and
+(tests/kernels/mosaic_gpu/test_mosaic_gpu.py): the body, its two warpgroups as threads, the TMA copies and
 barriers (byte counts and phases checked), smem tiles as plain arrays, the PV wgmma, the
 masks, the operand preparation and the NaN guard run; the Q K^T wgmma with a transposed
 operand, ``pl.run_state``, register layouts (the scales' column layout included),
@@ -12,7 +12,7 @@ Tolerances: bfloat16's (`conftest.TOLERANCES`): the kernel rounds P (with ``v_sc
 folded in, for 8-bit caches) to bf16 for the PV wgmma; 8-bit tiles convert to bf16
 exactly. Cost: the interpreter compiles the kernel body for each program (64 rows x
 one split of one sequence and kv head) and warpgroup thread, about 2.5 s of CPU a
-program whatever its blocks; `mosaic_gpu_interpret.compiled_once` compiles it once per
+program whatever its blocks; `helpers.mosaic_gpu.compiled_once` compiles it once per
 call, so a call costs about that once plus well under 1 s a program. The file runs 10
 programs in 4 calls, each call's batch holding several cases: about 25 s of CPU in all.
 """

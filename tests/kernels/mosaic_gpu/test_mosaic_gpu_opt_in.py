@@ -5,7 +5,7 @@ refusals (a modifier, a token-major cache, a compile not for an sm_90 GPU), each
 ValueError with its reason, never a silent fallback.
 
 Cost: 6 interpreted calls (GQA contiguous, paged int8, MLA int8, ragged: decode part and
-prefill blocks), about 17 s on 2 CPU cores (`mosaic_gpu_interpret.compiled_once`).
+prefill blocks), about 17 s on 2 CPU cores (`helpers.mosaic_gpu.compiled_once`).
 """
 
 import jax

@@ -20,7 +20,7 @@ error 2^-9 per weight) and accumulates in float32.
 codes and scales in float32, so the tolerances are bf16's too (P, with the scale folded
 in, is rounded to bf16).
 
-Cost: the kernel body compiles once per call (`mosaic_gpu_interpret.compiled_once`),
+Cost: the kernel body compiles once per call (`helpers.mosaic_gpu.compiled_once`),
 about 2.5 s of CPU, and each program (one sequence x split x 64 rows) runs in well under
 1 s more; the file runs 28 programs in 7 calls (about 42 s on one core; the three 8-bit
 calls, 17 programs, about 17 s of it).

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fdecode"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "fdecode"
 
 LAYERS = (
     ("fdecode.cli", "fdecode.devtools"),                           # tools over everything

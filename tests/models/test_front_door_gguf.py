@@ -2,7 +2,7 @@
 range (block_count against the blk.N tensors, RMS epsilon, sliding_window_pattern...),
 tokenizer vocabularies and texts, and the demos' arguments, each rejected with a readable
 ValueError or a clean argparse error (exit 2, no traceback). Tiny GGUF files come from
-tests/test_gemma3.py's writer."""
+tests/models/test_gemma3.py's writer."""
 
 import subprocess
 import sys

@@ -8,10 +8,10 @@ and 16 (a block is 8 or 4 TMA copies onto one barrier; 8-bit scales gathered per
 the page). Every slot no live token owns (spare pages, pages past a length, a page's
 tail) holds garbage (NaN, +-huge, extreme 8-bit codes, NaN / inf scales) and table
 entries past a sequence's length hold ids far outside the pool; neither may fault or
-leak. What the interpreter runs and does not is as in tests/test_mosaic_gpu_rows.py.
+leak. What the interpreter runs and does not is as in tests/kernels/mosaic_gpu/test_mosaic_gpu_rows.py.
 
 Cost: 5 interpreted calls, 32 programs, about 30 s of CPU (most of it one compilation
-of the kernel body per call, `mosaic_gpu_interpret.compiled_once`).
+of the kernel body per call, `helpers.mosaic_gpu.compiled_once`).
 """
 
 import jax

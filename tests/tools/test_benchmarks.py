@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCHEMA = {"bench", "contender", "shape", "dtype", "median_ms", "gb_per_s", "floor_fraction", "machine"}
 
 

@@ -290,7 +290,7 @@ def test_sparse_index_lists(form, dtype):
   """Sparse index lists on the compiled Triton kernel, which counts each sorted list's
   live slots itself (`kernel._index_bounds`): lengths 0, 1, block±1 and past a block
   multiple, -1 and out-of-cache entries, duplicates, a window; 3 splits
-  (tests/test_sparse.py, here compiled)."""
+  (tests/kernels/test_sparse.py, here compiled)."""
   from helpers.sparse import index_mask, random_indices  # pylint: disable=g-import-not-at-top
   q, k, v = make_problem(0, b=5, t=3, hq=8, hkv=2, s=S_TAIL, dk=128, dtype=dtype)
   shape = {"[B,K]": (5, 70), "[B,T,K]": (5, 3, 70), "[B,T,Hkv,K]": (5, 3, 2, 70)}[form]
@@ -340,7 +340,7 @@ def test_ragged_decode(mix, cache, layout, dtype):
 def test_ragged_per_row_modifiers(cache, layout, dtype):
   """The compiled Triton step with a per-row, per-head mask and a per-row bias
   (`ragged_decode`'s ``[N, Hq, S]`` / ``[N, S]``), each program reading them at its rows'
-  packed rows (tests/test_ragged_modifiers.py, here compiled)."""
+  packed rows (tests/ragged/test_ragged_modifiers.py, here compiled)."""
   from helpers.ragged import batch, per_sequence  # pylint: disable=g-import-not-at-top
   q_lens, kv_lens = RAGGED_MIXES["mixed"]
   p = batch(1, q_lens, kv_lens, max_seqs=8, d=128, paged=cache != "contiguous", layout=layout, dtype=dtype)
@@ -363,7 +363,7 @@ def test_ragged_per_row_modifiers(cache, layout, dtype):
 @pytest.mark.parametrize("seed", range(3))
 def test_step_geometry_compiled(seed, paged, layout):
   """The compiled Triton step's in-kernel geometry (`fdecode.kernels.triton.geometry`) on
-  traced, unchecked offsets and lengths equals XLA's (tests/test_step_geometry.py, here
+  traced, unchecked offsets and lengths equals XLA's (tests/kernels/triton/test_step_geometry.py, here
   compiled): outputs within float32 tolerance, the fused write's slots bit for bit."""
   from helpers.step_geometry import step  # pylint: disable=g-import-not-at-top
   p, (nk, nv) = step(seed, paged, layout)
@@ -381,7 +381,7 @@ def test_step_geometry_compiled(seed, paged, layout):
                                   "nhd-contiguous-f32"])
 def test_write_kernel_equals_the_scatter(name):
   """The compiled Triton cache write (`fdecode.ragged.write`, impl=None on GPU) writes bit
-  for bit what XLA's scatter writes, in each geometry of tests/test_ragged_write.py
+  for bit what XLA's scatter writes, in each geometry of tests/ragged/test_ragged_write.py
   (float values cast into bfloat16, 8-bit bytes, MLA latents of D = 24, page size 1, and
   the rows that write nothing)."""
   from fdecode.ragged.write import write_new_tokens  # pylint: disable=g-import-not-at-top

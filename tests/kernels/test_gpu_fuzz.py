@@ -1,4 +1,4 @@
-"""The differential fuzzer (tests/test_fuzz.py) on the compiled GPU kernels (issue 31):
+"""The differential fuzzer (tests/kernels/test_fuzz.py) on the compiled GPU kernels (issue 31):
 random valid `flash_decode` calls, ``impl="pallas"`` compiled for the local GPU, against
 the float64 numpy oracle. Skipped unless ``jax.default_backend() == "gpu"``;
 `scripts/gpu_check` runs it.

@@ -1,4 +1,4 @@
-"""Differential fuzzer for `fdecode.ragged_decode` (issue 32), beside tests/test_fuzz.py's
+"""Differential fuzzer for `fdecode.ragged_decode` (issue 32), beside tests/kernels/test_fuzz.py's
 `flash_decode` fuzzer and with its profiles, float64 oracle and comparison.
 
 Valid calls draw a serving step: up to M = 3 live sequences mixing decodes (1 new token),

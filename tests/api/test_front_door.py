@@ -1,7 +1,7 @@
 """The model front door rejects bad input with a readable error: token ids (`generate`,
 `beam_search`, `sample_n`), sampling temperatures (checked in float32, where they are
 used; tiny ones sample the argmax instead of token 0). GGUF, tokenizer and CLI checks:
-tests/test_front_door_gguf.py."""
+tests/models/test_front_door_gguf.py."""
 
 import jax
 import numpy as np
