@@ -1,5 +1,6 @@
 """flash_decode against the float32 reference over shapes that break tiling."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,9 +69,21 @@ def test_t_larger_than_length(impl):
   assert np.isneginf(np.asarray(lse[0, :2])).all() and np.isfinite(np.asarray(lse[0, 2:])).all()
 
 
-def test_softmax_scale_and_default_impl():
-  q, k, v = make_problem(5, b=2, t=None, hq=4, hkv=2, s=33, dk=32)
-  check(q, k, v, jnp.array([33, 9]), impl=None, softmax_scale=0.3)
+class DefaultImplVariantsTest(chex.TestCase):
+  """The default impl (``impl=None``), called as it is and under ``jax.jit`` (lengths traced)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_softmax_scale_and_default_impl(self):
+    q, k, v = make_problem(5, b=2, t=None, hq=4, hkv=2, s=33, dk=32)
+    lengths = jnp.array([33, 9])
+    decode = self.variant(lambda q, k, v, n: fdecode.flash_decode(q, k, v, n, softmax_scale=0.3, return_lse=True))
+    out, lse = decode(q, k, v, lengths)
+    ref_out, ref_lse = reference_decode(q[:, None], k, v, lengths, softmax_scale=0.3)
+    chex.assert_shape(out, q.shape[:-1] + (v.shape[-1],))
+    chex.assert_shape(lse, q.shape[:-1])
+    chex.assert_type((out, lse), (q.dtype, jnp.float32))
+    t = tol(q.dtype)  # float32: one bound for out and lse
+    chex.assert_trees_all_close((out, lse), (ref_out[:, 0], ref_lse[:, 0]), atol=t["atol"], rtol=t["rtol"])
 
 
 def test_under_jit_with_traced_lengths(impl):

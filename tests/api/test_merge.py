@@ -1,5 +1,6 @@
 """merge_states: the one implementation of the LSE combine."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,16 +38,20 @@ def test_empty_parts_contribute_nothing_and_all_empty_is_zero():
   assert np.isneginf(out_lse[1])
 
 
-def test_axis_and_order_invariance():
-  o = jax.random.normal(jax.random.key(1), (2, 4, 3, 8))
-  lse = jax.random.normal(jax.random.key(2), (2, 4, 3))
-  a = fdecode.merge_states(o, lse, axis=1)
-  perm = jnp.array([2, 0, 3, 1])
-  b = fdecode.merge_states(o[:, perm], lse[:, perm], axis=-2)  # negative axes count on lse
-  c = fdecode.merge_states(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0), axis=0)
-  for x in (b, c):
-    np.testing.assert_allclose(x[0], a[0], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(x[1], a[1], rtol=1e-6)
+class MergeStatesVariantsTest(chex.TestCase):
+  """`merge_states` called as it is and under ``jax.jit`` (``axis`` static)."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_axis_and_order_invariance(self):
+    merge = self.variant(fdecode.merge_states, static_argnames="axis")
+    o = jax.random.normal(jax.random.key(1), (2, 4, 3, 8))
+    lse = jax.random.normal(jax.random.key(2), (2, 4, 3))
+    a = merge(o, lse, axis=1)
+    perm = jnp.array([2, 0, 3, 1])
+    b = merge(o[:, perm], lse[:, perm], axis=-2)  # negative axes count on lse
+    c = merge(jnp.moveaxis(o, 1, 0), jnp.moveaxis(lse, 1, 0), axis=0)
+    chex.assert_trees_all_close((b[0], c[0]), (a[0], a[0]), rtol=1e-5, atol=1e-6)  # out
+    chex.assert_trees_all_close((b[1], c[1]), (a[1], a[1]), rtol=1e-6)  # lse
 
 
 def test_single_part_is_identity():

@@ -1,17 +1,20 @@
-"""benchmarks/plot.py turns small JSON results into PNGs of the fixed sizes; no pixel compare."""
+"""benchmarks/plot.py turns small JSON results into PNG figures (each decodes and has something
+drawn on it); no pixel compare, and no figure size pinned."""
 
 import json
 import pathlib
 import subprocess
 import sys
 
+import numpy as np
+from PIL import Image  # pillow: a dependency of matplotlib, which plot.py draws with
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MACHINE = "test machine, 2 cores, backend cpu (cpu), jax 0"
-# The PNGs and their (width, height) in pixels: plot.py fixes figsize and dpi.
-EXPECTED = {"decode_floor_fraction.png": (800, 500), "cache_formats.png": (800, 500), "modifiers.png": (800, 500),
-            "compile_report.png": (1000, 600), "gpu_floor_fraction.png": (1000, 500),
-            "gpu_cache_formats.png": (800, 500), "mla_sparse.png": (1000, 500), "cascade.png": (800, 500),
-            "ragged.png": (1100, 500), "serving.png": (1100, 500)}
+# The figures plot.py draws from a full set of results.
+EXPECTED = {"decode_floor_fraction.png", "cache_formats.png", "modifiers.png", "compile_report.png",
+            "gpu_floor_fraction.png", "gpu_cache_formats.png", "mla_sparse.png", "cascade.png", "ragged.png",
+            "serving.png"}
 GPU_ONLY = ("gpu_floor_fraction.png", "gpu_cache_formats.png")
 
 
@@ -75,13 +78,16 @@ def run_plot(src, out):
                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
 
 
-def png_size(path):
-  data = path.read_bytes()
-  assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
-  return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+def assert_figure(path):
+  """``path`` is a PNG that decodes to an image with something drawn on it (not one flat colour)."""
+  with Image.open(path) as image:
+    assert image.format == "PNG", path
+    pixels = np.asarray(image.convert("RGB"))
+  assert pixels.shape[0] > 0 and pixels.shape[1] > 0, path
+  assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 1, f"{path}: a blank image"
 
 
-def test_plot_writes_every_figure_at_its_size(tmp_path):
+def test_plot_writes_every_figure(tmp_path):
   src, out = tmp_path / "results", tmp_path / "plots"
   src.mkdir()
   write(src, "bench_decode", decode_records())
@@ -109,9 +115,9 @@ def test_plot_writes_every_figure_at_its_size(tmp_path):
         steps=[dict(step=i, decodes=i, prefill_tokens=0, running=i, rows=r, seqs=min(r, 16), ms=20.0 + i)
                for i, r in enumerate((1, 2, 4, 4, 8, 16, 32))], generate_ms=dict(batch4=90.0, batch1=60.0))
   log = run_plot(src, out).stderr
-  assert {p.name for p in out.iterdir()} == set(EXPECTED), log
-  for name, size in EXPECTED.items():
-    assert png_size(out / name) == size, name
+  assert {p.name for p in out.iterdir()} == EXPECTED, log
+  for name in sorted(EXPECTED):
+    assert_figure(out / name)
 
 
 def test_plot_skips_missing_results(tmp_path):
@@ -121,4 +127,4 @@ def test_plot_skips_missing_results(tmp_path):
   assert sorted(p.name for p in tmp_path.glob("*.png")) == sorted(GPU_ONLY), log
   assert "decode_floor_fraction.png: skipped, no" in log
   for name in GPU_ONLY:
-    assert png_size(tmp_path / name) == EXPECTED[name]
+    assert_figure(tmp_path / name)
