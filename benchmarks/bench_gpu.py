@@ -28,7 +28,7 @@ extra fields ``format``, ``compile_s``, ``note``); `benchmarks/plot.py` draws it
   python benchmarks/bench_gpu.py --out DIR            # the full grid (minutes on an H100)
   python benchmarks/bench_gpu.py --out DIR --quick    # smoke run: B 1, 8 x S 4k, 32k, few samples
 
-On CPU the same code builds the tables (tests/test_benchmarks.py, tiny shapes): fdecode runs
+On CPU the same code builds the tables (tests/tools/test_benchmarks.py, tiny shapes): fdecode runs
 in interpret mode and the GPU-only peers (cudnn, the Triton gqa kernel) read "n/a (needs GPU)".
 """
 

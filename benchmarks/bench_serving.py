@@ -74,7 +74,7 @@ def load(quick: bool):
 @contextlib.contextmanager
 def counting_compiles():
   """Names of the functions JAX compiles while inside (its "Compiling <name>" DEBUG record,
-  as tests/test_recompile.py counts them)."""
+  as tests/api/test_recompile.py counts them)."""
   names, log = [], logging.getLogger("jax._src.interpreters.pxla")
   handler, level = logging.Handler(logging.DEBUG), log.level
   handler.emit = lambda r: names.append(str(r.args[0])) if r.msg.startswith("Compiling %s") else None

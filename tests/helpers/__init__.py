@@ -1,0 +1,160 @@
+"""Shared test helpers: random decode problems, dtype-keyed tolerances, comparisons, the TPU
+interpreter, compile counting. Topic helpers live in the submodules (`helpers.fuzz`,
+`helpers.ragged`, `helpers.lowering`, `helpers.paged`, `helpers.serving`, `helpers.gguf`...).
+tests/ is on ``sys.path`` (pyproject's ``pythonpath``), so any test imports ``helpers``."""
+
+import contextlib
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # the race detector's state
+from jax.experimental.pallas import tpu as pltpu
+
+
+# Tolerances keyed by the dtype of q/k/v. bfloat16 keeps 8 mantissa bits and the
+# kernels feed softmax weights to the PV matmul in the cache dtype.
+TOLERANCES = {
+    jnp.float32: dict(atol=3e-5, rtol=3e-5, lse=3e-5),
+    jnp.bfloat16: dict(atol=2.5e-2, rtol=2.5e-2, lse=2e-3),
+}
+
+
+def tol(dtype):
+  return TOLERANCES[jnp.dtype(dtype).type]
+
+
+def make_problem(seed, *, b=2, t=1, hq=4, hkv=2, s=64, dk=64, dv=None, dtype=jnp.float32):
+  """q [B, T, Hq, Dk] (or [B, Hq, Dk] if t is None), k [B, Hkv, S, Dk], v [B, Hkv, S, Dv]."""
+  dv = dk if dv is None else dv
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  q_shape = (b, hq, dk) if t is None else (b, t, hq, dk)
+  q = jax.random.normal(kq, q_shape, jnp.float32).astype(dtype)
+  k = jax.random.normal(kk, (b, hkv, s, dk), jnp.float32).astype(dtype)
+  v = jax.random.normal(kv, (b, hkv, s, dv), jnp.float32).astype(dtype)
+  return q, k, v
+
+
+def assert_close(actual, expected, *, atol, rtol, what="output"):
+  """FlashMLA-style: inf/NaN positions must agree first, then the finite values."""
+  a = np.asarray(jnp.asarray(actual, jnp.float32))
+  e = np.asarray(jnp.asarray(expected, jnp.float32))
+  assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+  assert not np.isnan(a).any(), f"{what}: NaN in result"
+  np.testing.assert_array_equal(np.isinf(a), np.isinf(e), err_msg=f"{what}: inf positions differ")
+  np.testing.assert_array_equal(np.sign(a[np.isinf(a)]), np.sign(e[np.isinf(e)]),
+                                err_msg=f"{what}: inf signs differ")
+  fin = np.isfinite(e)
+  np.testing.assert_allclose(a[fin], e[fin], atol=atol, rtol=rtol, err_msg=what)
+
+
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+def max_abs(*arrays) -> float:
+  """The largest finite magnitude in the arrays (a `assert_reordered` scale)."""
+  vals = [np.abs(np.asarray(jnp.asarray(x, jnp.float32), np.float64)) for x in arrays]
+  return max(float(np.max(np.where(np.isfinite(x), x, 0.0), initial=0.0)) for x in vals)
+
+
+def assert_reordered(actual, expected, *, terms, scale, what="output"):
+  """``actual`` and ``expected`` are the same float math compiled into *different*
+  programs (fused or not, another layout, sharding or op): XLA may order, fuse and
+  vectorize their float32 sums differently, and how depends on the CPU (a fused ragged
+  step differed from its two-step twin by up to 4.8e-7 on one AMD EPYC and not at all on
+  another), so they are never compared bit for bit. Instead each element may differ by
+  the rounding of reordering float32 sums of up to ``terms`` terms of magnitude up to
+  ``scale`` (``terms * eps32 * scale``: for attention, terms = keys + Dk, scale = max|v|;
+  both derived by the caller from the inputs), plus one rounding step of the result's
+  dtype at ``scale`` and at the value itself (a bfloat16 result, or a bfloat16 softmax
+  weight, may round either way). NaN and inf positions (and signs) must agree exactly."""
+  dtype = jnp.result_type(actual)
+  a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+  e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+  assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+  np.testing.assert_array_equal(np.isnan(a), np.isnan(e), err_msg=f"{what}: NaN positions differ")
+  np.testing.assert_array_equal(np.where(np.isinf(a), np.sign(a), 0), np.where(np.isinf(e), np.sign(e), 0),
+                                err_msg=f"{what}: inf positions differ")
+  eps = float(jnp.finfo(dtype).eps) if jnp.issubdtype(dtype, jnp.floating) else 0.0
+  fin = np.isfinite(e)
+  np.testing.assert_allclose(a[fin], e[fin], atol=(terms * F32_EPS + eps) * scale, rtol=eps,
+                             err_msg=f"{what}: more than reordered float32 sums of {terms} terms of "
+                                     f"magnitude {scale:.3g} explain")
+
+
+def assert_attention_reordered(actual, expected, *, keys, dk, values, what="out"):
+  """`assert_reordered` for an attention result ``out`` or ``(out, lse)`` from two
+  different programs: a row's sums run over up to ``keys`` weighted values and ``dk``
+  score products (``keys + dk`` terms); ``values`` is the largest |value| (dequantized)
+  a row may see, the scale of out; lse's scale is its own magnitude (at least 1)."""
+  pairs = zip(actual, expected) if isinstance(actual, (tuple, list)) else [(actual, expected)]
+  for i, (a, e) in enumerate(pairs):
+    lse = i == 1
+    assert_reordered(a, e, terms=int(keys) + int(dk), scale=max(1.0, max_abs(e)) if lse else values,
+                     what="lse" if lse else what)
+
+
+# The TPU kernel's interpreter: simulated HBM / VMEM / SMEM, DMAs and semaphores, race
+# detection, and NaN in every uninitialized buffer (so a read of unwritten memory shows).
+TPU_INTERPRET = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
+
+
+@contextlib.contextmanager
+def tpu_interpret():
+  """Runs ``impl="pallas"`` calls as the TPU (Mosaic) kernel under `TPU_INTERPRET`, and
+  fails if the interpreter saw a data race."""
+  try:
+    with pltpu.force_tpu_interpret_mode(TPU_INTERPRET):
+      yield
+  except BaseException:
+    pltpu.reset_tpu_interpret_mode_state()
+    raise
+  races = interpret_pallas_call.races
+  assert races is None or not races.races_found, "TPU interpreter detected a data race"
+
+
+def impl_param(request) -> str:
+  """Which kernel the ``impl`` fixture runs in this test: "xla", "pallas" (Triton,
+  interpreted) or "mosaic" (TPU interpreter)."""
+  return request.node.callspec.params["impl"]
+
+
+def interpreted_once(request, reason: str, **only) -> None:
+  """Skips an interpreted-kernel run ("pallas" / "mosaic") of a case whose code path the
+  kernel already runs in the case named by ``only`` (parameter -> value); the XLA path
+  runs every case. Keeps the suite's interpreter time to the distinct kernel paths."""
+  params = request.node.callspec.params
+  if params["impl"] != "xla" and any(params[name] != value for name, value in only.items()):
+    pytest.skip(f"interpreted kernels run this path once ({reason})")
+
+
+_PXLA = logging.getLogger("jax._src.interpreters.pxla")
+
+
+class _Compiles(logging.Handler):
+  """Counts JAX compilations by function name while installed."""
+
+  def __init__(self):
+    super().__init__(logging.DEBUG)
+    self.names = []
+
+  def emit(self, record):
+    if record.msg.startswith("Compiling %s"):
+      self.names.append(str(record.args[0]))
+
+  def count(self, fn: str) -> int:
+    return sum(name == f"jit({fn})" for name in self.names)
+
+
+@contextlib.contextmanager
+def counting_compiles():
+  handler, level = _Compiles(), _PXLA.level
+  _PXLA.addHandler(handler)
+  _PXLA.setLevel(logging.DEBUG)
+  try:
+    yield handler
+  finally:
+    _PXLA.removeHandler(handler)
+    _PXLA.setLevel(level)
