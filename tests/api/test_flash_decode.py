@@ -8,7 +8,7 @@ import pytest
 
 import fdecode
 from fdecode.reference import reference_decode
-from helpers import assert_close, make_problem, tol
+from helpers import assert_close, interpreted_pairwise, make_problem, tol
 
 BLOCK = 16  # small block so that short caches have several blocks
 
@@ -32,11 +32,16 @@ S_TAIL = 3 * BLOCK + 5
 LENGTHS = [0, 1, BLOCK - 1, BLOCK + 1, S_TAIL]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa4", "mqa6"])
-@pytest.mark.parametrize("t", [None, 3], ids=["T1", "T3"])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_matches_reference(impl, dtype, hq, hkv, t, num_splits):
+DTYPES, HEADS, NEW_TOKENS, SPLITS = [jnp.float32, jnp.bfloat16], [(4, 4), (8, 2), (6, 1)], [None, 3], [1, 3]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv", HEADS, ids=["mha", "gqa4", "mqa6"])
+@pytest.mark.parametrize("t", NEW_TOKENS, ids=["T1", "T3"])
+@pytest.mark.parametrize("num_splits", SPLITS)
+def test_matches_reference(request, impl, dtype, hq, hkv, t, num_splits):
+  interpreted_pairwise(request, "the kernels' paths by dtype, head grouping, rows and splits", dtype=DTYPES,
+                       **{"hq,hkv": HEADS}, t=NEW_TOKENS, num_splits=SPLITS)
   q, k, v = make_problem(0, b=len(LENGTHS), t=t, hq=hq, hkv=hkv, s=S_TAIL, dk=32, dtype=dtype)
   out, lse = check(q, k, v, jnp.array(LENGTHS), impl=impl, num_splits=num_splits, block_k=BLOCK)
   assert np.all(np.asarray(out[0]) == 0) and np.all(np.isneginf(np.asarray(lse[0])))

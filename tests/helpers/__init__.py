@@ -4,6 +4,7 @@ interpreter, compile counting. Topic helpers live in the submodules (`helpers.fu
 tests/ is on ``sys.path`` (pyproject's ``pythonpath``), so any test imports ``helpers``."""
 
 import contextlib
+import itertools
 import logging
 
 import jax
@@ -128,6 +129,45 @@ def interpreted_once(request, reason: str, **only) -> None:
   params = request.node.callspec.params
   if params["impl"] != "xla" and any(params[name] != value for name, value in only.items()):
     pytest.skip(f"interpreted kernels run this path once ({reason})")
+
+
+def covering_pairs(**factors) -> list[tuple]:
+  """A pairwise covering set of ``factors`` (name -> its values; a name ``"a,b"`` takes
+  tuples of two parameters): cases, each a tuple of one value per factor in ``factors``'
+  order, in which every pair of values of any two factors occurs (so every value of
+  every factor does). Chosen greedily from the full product in its order: deterministic."""
+  names = list(factors)
+  values = [list(v) for v in factors.values()]
+  product = list(itertools.product(*values))
+  pairs = lambda case: {(i, case[i], j, case[j]) for i, j in itertools.combinations(range(len(names)), 2)}
+  uncovered = set().union(*map(pairs, product)) if len(names) > 1 else set()
+  cases = [] if uncovered else [product[0]] if len(names) > 1 else product
+  while uncovered:
+    best = max(product, key=lambda case: len(pairs(case) & uncovered))
+    cases.append(best)
+    uncovered -= pairs(best)
+  return cases
+
+
+def _case(request, names):
+  params = request.node.callspec.params
+  return tuple(tuple(params[n] for n in name.split(",")) if "," in name else params[name] for name in names)
+
+
+def pairwise_only(request, reason: str, **factors) -> None:
+  """Skips a case outside `covering_pairs` of ``factors`` (parameter names as in the test's
+  parametrize): for a test whose every case runs an interpreter, where each pair of
+  factor values exercises the code paths (``reason`` says why) and the full product
+  repeats them."""
+  if _case(request, factors) not in covering_pairs(**factors):
+    pytest.skip(f"a pairwise cover of {', '.join(factors)} ({reason})")
+
+
+def interpreted_pairwise(request, reason: str, **factors) -> None:
+  """`pairwise_only` for the interpreted kernels ("pallas" / "mosaic"); the XLA path runs
+  every case."""
+  if request.node.callspec.params["impl"] != "xla":
+    pairwise_only(request, reason, **factors)
 
 
 _PXLA = logging.getLogger("jax._src.interpreters.pxla")

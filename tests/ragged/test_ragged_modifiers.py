@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fdecode
-from helpers import assert_close, tol
+from helpers import assert_close, pairwise_only, tol
 from helpers.ragged import batch, check, per_sequence, spy_step
 
 FORMS = {"mask-rows": ("mask", True, False), "mask-rows-heads": ("mask", True, True),
@@ -27,10 +27,15 @@ def _per_row(name, per_row, per_head, n_rows, hq, s, seed):
   return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
 
+CACHES, LAYOUTS = ["paged16", "contiguous"], ["HND", "NHD"]
+
+
 @pytest.mark.parametrize("form", list(FORMS))
-@pytest.mark.parametrize("cache,layout", [("paged16", "HND"), ("paged16", "NHD"), ("contiguous", "HND"),
-                                          ("contiguous", "NHD")])
-def test_triton_step_reads_per_row_modifiers(form, cache, layout, monkeypatch):
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_triton_step_reads_per_row_modifiers(request, form, cache, layout, monkeypatch):
+  pairwise_only(request, "each form with each cache and each layout", form=list(FORMS), cache=CACHES,
+                layout=LAYOUTS)
   calls = spy_step(monkeypatch)
   name, per_row, per_head = FORMS[form]
   p = batch(6, [1, 9, 70, 2, 65], [50, 9, 90, 2, 70], max_seqs=6, paged=cache != "contiguous", layout=layout)
