@@ -32,13 +32,14 @@ import contextlib
 import json
 import os
 import sys
-import threading
 import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from fdecode.devtools.interpret import compiled_once
 
 FAMILIES = ("contiguous", "paged", "token_major", "quant", "mla", "sparse", "splits", "ragged", "hopper")
 TOL = {"bf16": 2.5e-2, "f32": 3e-5, "f32_gpu": 5e-3}
@@ -62,42 +63,6 @@ def compare(got, want, tol):
     errs.append(float(diff.max()) if diff.size else 0.0)
     ok = ok and bool(np.all(diff <= tol * (1 + np.abs(np.where(fin, w, 0.0)))))
   return {"status": "pass" if ok else "fail", "err_out": errs[0], "err_lse": errs[1] if len(errs) > 1 else None}
-
-
-@contextlib.contextmanager
-def _compiled_once():
-  """jax's Mosaic GPU interpreter compiles each thread's jaxpr anew for every program (no
-  cache hits); within, each compiles once per argument signature, as tests/helpers/mosaic_gpu.py
-  does. Where jax moved that function, the interpreter runs as it is (slower)."""
-  try:
-    from jax._src.pallas.mosaic.interpret import thread_map
-  except ImportError:
-    yield
-    return
-  original = getattr(thread_map, "_run_jaxpr", None)
-  if original is None or original.__code__.co_varnames[:2] != ("jaxpr", "consts"):
-    yield
-    return
-  from jax._src import core as jax_core
-  executables, lock = {}, threading.Lock()
-
-  def _eval(jaxpr, consts, *args):
-    jax_core.eval_jaxpr(jaxpr, consts, *args)
-
-  def run(jaxpr, consts, *args):
-    signature = tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves((consts, args)))
-    key = (jaxpr, jax.tree.structure((consts, args)), signature)
-    with lock:
-      if key not in executables:
-        executables[key] = jax.jit(_eval, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
-      executable = executables[key]
-    executable(consts, *args)
-
-  thread_map._run_jaxpr = run
-  try:
-    yield
-  finally:
-    thread_map._run_jaxpr = original
 
 
 def _hopper_skip_reason(interpret):
@@ -274,7 +239,7 @@ def run(interpret=False, families=None):
       if family == "hopper" and hopper_skip:
         rec.update(status="skipped", error=f"skipped: {hopper_skip}")
       else:
-        with _compiled_once() if (interpret and family == "hopper") else contextlib.nullcontext():
+        with compiled_once() if (interpret and family == "hopper") else contextlib.nullcontext():
           res = fn()
         if isinstance(res[0], list):  # several (got, want) pairs, one tolerance
           pairs, tol = res

@@ -1,64 +1,21 @@
-"""Test support for jax's Mosaic GPU interpreter (tests/kernels/mosaic_gpu/test_mosaic_gpu*.py): its params
-and a per-test reset, and one compilation per interpreted kernel thread.
-
-The interpreter (jax 0.10.2) runs each program of a grid by tracing, lowering and
-compiling the kernel body for each of its warpgroup threads
-(``jax._src.pallas.mosaic.interpret.thread_map._run_jaxpr``): a new ``jax.jit`` each
-time, so no cache hits, about 1.2 s of XLA:CPU compilation per thread per program,
-nearly all of an interpreted program's cost. Its own comment expects JAX's caches to
-compile the jaxpr once. `compiled_once` does that: the executable of one thread jaxpr
-(the same object for every program of a call), for arguments of the same shapes and
-dtypes, is compiled once and run for each program and thread, with that program's
-arguments (thread id, grid point, buffers), exactly as a cached ``jax.jit`` would. What
-runs is unchanged; only the repeated compilation goes. Where jax moves that function,
-or changes its arguments, the interpreter runs as it is (slower, the same results).
+"""Test support for jax's Mosaic GPU interpreter (tests/kernels/mosaic_gpu/test_mosaic_gpu*.py): its
+params, a per-test fixture that compiles each interpreted kernel thread once
+(`fdecode.devtools.interpret.compiled_once`) and resets the interpreter's state, the race
+check, and the bf16 comparison and dead-slot garbage the tests share.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
-import jax
-import numpy as np
+import jax.numpy as jnp
 import pytest
 
 interpret_gpu = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call")
-from jax._src import core as jax_core  # noqa: E402
-from jax._src.pallas.mosaic.interpret import thread_map  # noqa: E402
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: E402
 
+from fdecode.devtools.interpret import compiled_once  # noqa: E402
+from helpers import assert_close, tol  # noqa: E402
+
 INTERPRET = InterpretGPUParams(detect_races=True)
-
-
-def _eval(jaxpr, consts, *args):
-  jax_core.eval_jaxpr(jaxpr, consts, *args)
-
-
-@contextlib.contextmanager
-def compiled_once():
-  """Within: each interpreted thread jaxpr compiles once per argument signature."""
-  original = getattr(thread_map, "_run_jaxpr", None)
-  if original is None or original.__code__.co_varnames[:2] != ("jaxpr", "consts"):
-    yield
-    return
-  executables = {}  # (jaxpr, signature) -> compiled; holds the jaxpr, so no id is reused
-  lock = threading.Lock()
-
-  def run(jaxpr, consts, *args):
-    signature = tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves((consts, args)))
-    key = (jaxpr, jax.tree.structure((consts, args)), signature)
-    with lock:  # the other threads of the first program wait for this one compilation
-      if key not in executables:
-        executables[key] = jax.jit(_eval, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
-      executable = executables[key]
-    executable(consts, *args)
-
-  thread_map._run_jaxpr = run
-  try:
-    yield
-  finally:
-    thread_map._run_jaxpr = original
 
 
 @pytest.fixture
@@ -73,3 +30,16 @@ def interpreter():
 def assert_no_races():
   races = interpret_gpu.get_races()
   assert races is None or not races.races_found, "the Mosaic GPU interpreter detected a data race"
+
+
+def check(out, lse, want_out, want_lse):
+  """A bf16 kernel's (out, lse) against the reference's, at bf16's tolerances."""
+  t = tol(jnp.bfloat16)
+  assert_close(out, want_out, atol=t["atol"], rtol=t["rtol"])
+  assert_close(lse, want_lse, atol=t["lse"], rtol=t["lse"], what="lse")
+
+
+def with_garbage_past(x, lengths, value):
+  """``x`` [B, Hkv, S, ...] with ``value`` (NaN, inf) in every slot at or past each sequence's length."""
+  dead = jnp.arange(x.shape[2])[None, None, :, None] >= jnp.asarray(lengths)[:, None, None, None]
+  return jnp.where(dead, jnp.asarray(value, jnp.float32).astype(x.dtype), x)

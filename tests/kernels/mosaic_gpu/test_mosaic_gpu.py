@@ -34,13 +34,12 @@ import numpy as np
 import pytest
 
 import fdecode
-from helpers import assert_close, tol
 from fdecode.combine import merge_states
 from fdecode.kernels import mosaic_gpu
 from fdecode.cache.quant import quantize
 from fdecode.kernels.mosaic_gpu import mla_plan, split_count, unsupported
 
-from helpers.mosaic_gpu import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
+from helpers.mosaic_gpu import INTERPRET, assert_no_races, check, interpreter, with_garbage_past  # noqa: F401  (interpreter: a fixture)
 
 DK, DV = 576, 512
 pytestmark = pytest.mark.usefixtures("interpreter")
@@ -61,18 +60,6 @@ def run_kernel(q, k, lengths, num_splits=None):
   out, lse = mosaic_gpu.mla_decode(q, k, lengths, num_splits=num_splits, return_lse=True, interpret=INTERPRET)
   assert_no_races()
   return out, lse
-
-
-def check(out, lse, want_out, want_lse):
-  t = tol(jnp.bfloat16)
-  assert_close(out, want_out, atol=t["atol"], rtol=t["rtol"])
-  assert_close(lse, want_lse, atol=t["lse"], rtol=t["lse"], what="lse")
-
-
-def with_garbage_past(k, lengths, value):
-  """k with ``value`` (NaN, inf) in every slot at or past each sequence's length."""
-  dead = jnp.arange(k.shape[2])[None, None, :, None] >= jnp.asarray(lengths)[:, None, None, None]
-  return jnp.where(dead, value, k).astype(k.dtype)
 
 
 def test_lengths_around_the_block_with_garbage_tails():

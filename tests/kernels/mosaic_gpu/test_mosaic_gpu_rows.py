@@ -25,14 +25,13 @@ import numpy as np
 import pytest
 
 import fdecode
-from helpers import assert_close, tol
 from fdecode.combine import merge_states
 from fdecode.kernels import mosaic_gpu
 from fdecode.kernels.common import chips
 from fdecode.cache.quant import quantize
 from fdecode.kernels.mosaic_gpu import rows_plan, rows_unsupported
 
-from helpers.mosaic_gpu import INTERPRET, assert_no_races, interpreter  # noqa: F401  (interpreter: a fixture)
+from helpers.mosaic_gpu import INTERPRET, assert_no_races, check, interpreter, with_garbage_past  # noqa: F401  (interpreter: a fixture)
 
 pytestmark = pytest.mark.usefixtures("interpreter")
 
@@ -59,18 +58,6 @@ def run_kernel(q, k, v, lengths, ks=None, vs=None, num_splits=None):
                                     return_lse=True, interpret=INTERPRET)
   assert_no_races()
   return out, lse
-
-
-def check(out, lse, want_out, want_lse):
-  t = tol(jnp.bfloat16)
-  assert_close(out, want_out, atol=t["atol"], rtol=t["rtol"])
-  assert_close(lse, want_lse, atol=t["lse"], rtol=t["lse"], what="lse")
-
-
-def with_garbage_past(x, lengths, value):
-  """``x`` [B, Hkv, S, ...] with ``value`` in every slot at or past each sequence's length."""
-  dead = jnp.arange(x.shape[2])[None, None, :, None] >= jnp.asarray(lengths)[:, None, None, None]
-  return jnp.where(dead, jnp.asarray(value, jnp.float32).astype(x.dtype), x)
 
 
 def nan_rows_and_reference(out, lse, sees, want_out, want_lse):
