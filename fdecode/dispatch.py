@@ -155,17 +155,10 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
           q, view.read(view.read_layout).k, ends, softmax_scale=softmax_scale, num_splits=cfg.num_splits, note=_note),
   }
   triton_takes = triton_supports(view, v_head_dim)
-
-  def hopper_takes():  # asked only of a GPU lowered for, where the Triton kernel would run
-    rv = view.read(view.read_layout)
-    return mosaic_gpu.takes_mla(q, rv, mods, sinks, sparse, v_head_dim, mod_arrays["mask"], mod_arrays["bias"],
-                                mod_arrays["alibi"], cfg)
-
-  def choice(platform):
-    path = route.decode_path(impl, interpret, platform, triton_takes=triton_takes)
-    return route.Path.MOSAIC_GPU if path is route.Path.TRITON and hopper_takes() else path
-
-  return route.lower(choice, branches)
+  hopper_takes = lambda: mosaic_gpu.takes_mla(q, view.read(view.read_layout), mods, sinks, sparse, v_head_dim,
+                                              mod_arrays["mask"], mod_arrays["bias"], mod_arrays["alibi"], cfg)
+  return route.lower(lambda platform: route.decode_path(impl, interpret, platform, triton_takes=triton_takes,
+                                                        hopper_takes=hopper_takes), branches)
 
 
 def _xla(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, platform, mods, **extra):

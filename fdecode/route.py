@@ -69,10 +69,12 @@ def resolve_interpret(impl, interpret):
   return bool(interpret) if isinstance(interpret, np.bool_) else interpret
 
 
-def decode_path(impl, interpret, platform: str, *, triton_takes: bool = True, hopper_takes: bool = False) -> Path:
+def decode_path(impl, interpret, platform: str, *, triton_takes: bool = True,
+                hopper_takes: Callable[[], bool] = lambda: False) -> Path:
   """A decode's path when lowered for ``platform``. ``triton_takes``: the compiled Triton
-  kernel tiles the call's head dims; ``hopper_takes``: the Hopper MLA kernel takes it in the
-  default dispatch (both decided by the kernels' packages)."""
+  kernel tiles the call's head dims; ``hopper_takes()``: the Hopper MLA kernel takes it in
+  the default dispatch, asked only on a GPU where the Triton kernel would run (both decided
+  by the kernels' packages)."""
   if impl == "reference":
     return Path.REFERENCE
   if impl == "xla":
@@ -86,11 +88,10 @@ def decode_path(impl, interpret, platform: str, *, triton_takes: bool = True, ho
   if platform == "cpu":
     return Path.TRITON_INTERPRET if impl == "pallas" else Path.XLA
   if platform == "gpu":
-    if hopper_takes:
-      return Path.MOSAIC_GPU
     # impl="pallas" traced on a GPU host never falls back silently: the Triton plan raises.
-    triton = triton_takes or (impl == "pallas" and jax.default_backend() == "gpu")
-    return Path.TRITON if triton else Path.XLA
+    if not (triton_takes or (impl == "pallas" and jax.default_backend() == "gpu")):
+      return Path.XLA
+    return Path.MOSAIC_GPU if hopper_takes() else Path.TRITON
   return Path.MOSAIC_TPU
 
 
