@@ -41,7 +41,8 @@ def recording_plans():
   log = []
   token = _PLANS.set(log)
   try:
-    yield log
+    with route.every_branch():  # every platform's branch traced now, its plans noted
+      yield log
   finally:
     _PLANS.reset(token)
 
@@ -89,10 +90,10 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   platform's kernel.
   """
   b, t, hq, dk = q.shape
-  hm = view.head_major()  # built once, here, before the platform branches that may read it
   hkv = view.kv_heads
   g = hq // hkv
   if impl == "reference":
+    hm = view.head_major()
     tables = hm.block_tables
     kf = _materialize(hm.k, tables, hm.k_scale, hm.k_offset)
     vf = kf[..., :v_head_dim] if hm.v is None else _materialize(hm.v, tables, hm.v_scale, hm.v_offset)
@@ -120,15 +121,14 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   cd = compute_dtype(q.dtype, *(None if x is None else x.dtype for x in (view.k, view.v, view.k_rope)))
   lists = dict(lists)
   runs = lists.pop("index_runs", None)  # the Triton kernel's lists: it drops the repeats itself
-  kw = dict(num_tokens=t, softmax_scale=softmax_scale, cfg=cfg, mods=mods, v_head_dim=v_head_dim,
-            **lists, **mod_arrays)
+  statics = dict(num_tokens=t, softmax_scale=softmax_scale, cfg=cfg, mods=mods, v_head_dim=v_head_dim)
   if sparse is not None:
-    kw["sparse"] = sparse
+    statics["sparse"] = sparse
 
-  def q_rows():  # rows of one kv head, r = t * G + g, in the compute dtype (XLA and Mosaic)
+  def q_rows(q):  # rows of one kv head, r = t * G + g, in the compute dtype (XLA and Mosaic)
     return q.reshape(b, t, hkv, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dk).astype(cd)
 
-  def finish(states):  # a path's per-split states -> the output (the branches' split counts differ)
+  def finish(states, sinks):  # a path's per-split states -> the output (the branches' split counts differ)
     if states[1].shape[2] == 1:  # one split: its state is the merge (merge_states of one part is exact)
       o, lse = states[0][:, :, 0], states[1][:, :, 0]
     else:
@@ -140,25 +140,31 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
       out, lse = apply_sinks(out, lse, sinks)
     return out.astype(q.dtype), lse
 
-  triton_kw = kw if runs is None else dict(kw, indices=runs)
-  # The Triton kernels finish the output themselves (split kernel, then combine).
-  branches = {
-      route.Path.XLA: lambda platform: finish(_xla(q_rows(), view, ends, platform=platform or jax.default_backend(),
-                                                   **kw)),
-      route.Path.TRITON: lambda _: _triton(q, view, ends, interpret=False, compute=cd, sinks=sinks, source=source,
-                                           **triton_kw),
-      route.Path.TRITON_INTERPRET: lambda _: _triton(q, view, ends, interpret=True, compute=cd, sinks=sinks,
-                                                     source=source, **triton_kw),
-      route.Path.MOSAIC_TPU: lambda _: finish(_mosaic(q_rows(), view, ends, interpret=False, **kw)),
-      route.Path.MOSAIC_TPU_INTERPRET: lambda _: finish(_mosaic(q_rows(), view, ends, interpret=interpret, **kw)),
-      route.Path.MOSAIC_GPU: lambda _: mosaic_gpu.decode_mla(  # the default dispatch's Hopper MLA path
-          q, view.read(view.read_layout).k, ends, softmax_scale=softmax_scale, num_splits=cfg.num_splits, note=_note),
-  }
+  def branch(path):  # a path's branch: it reads the call's arrays only through its operands
+    def run(platform, q, view, ends, lists, runs, mod_arrays, sinks, source):
+      kw = dict(statics, **lists, **mod_arrays)
+      if path is route.Path.XLA:
+        return finish(_xla(q_rows(q), view, ends, platform=platform or jax.default_backend(), **kw), sinks)
+      if path in (route.Path.TRITON, route.Path.TRITON_INTERPRET):  # the kernels finish the output themselves
+        return _triton(q, view, ends, interpret=path is route.Path.TRITON_INTERPRET, compute=cd, sinks=sinks,
+                       source=source, **(kw if runs is None else dict(kw, indices=runs)))
+      if path in (route.Path.MOSAIC_TPU, route.Path.MOSAIC_TPU_INTERPRET):
+        return finish(_mosaic(q_rows(q), view, ends, interpret=interpret if path is route.Path.MOSAIC_TPU_INTERPRET
+                              else False, **kw), sinks)
+      # The default dispatch's Hopper MLA path.
+      return mosaic_gpu.decode_mla(q, view.read(view.read_layout).k, ends, softmax_scale=softmax_scale,
+                                   num_splits=cfg.num_splits, note=_note)
+    return run
+
+  branches = {path: branch(path) for path in (route.Path.XLA, route.Path.TRITON, route.Path.TRITON_INTERPRET,
+                                              route.Path.MOSAIC_TPU, route.Path.MOSAIC_TPU_INTERPRET,
+                                              route.Path.MOSAIC_GPU)}
   triton_takes = triton_supports(view, v_head_dim)
   hopper_takes = lambda: mosaic_gpu.takes_mla(q, view.read(view.read_layout), mods, sinks, sparse, v_head_dim,
                                               mod_arrays["mask"], mod_arrays["bias"], mod_arrays["alibi"], cfg)
   return route.lower(lambda platform: route.decode_path(impl, interpret, platform, triton_takes=triton_takes,
-                                                        hopper_takes=hopper_takes), branches)
+                                                        hopper_takes=hopper_takes),
+                     branches, q, view, ends, lists, runs, mod_arrays, sinks, source)
 
 
 def _xla(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, platform, mods, **extra):

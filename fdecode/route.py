@@ -5,8 +5,10 @@ A call's path is decided per platform (`path`), so ``jax.export(..., platforms=[
 on a CPU host embeds the TPU kernel (STYLE habit 5: the platform *lowered for*, never
 ``jax.default_backend()``). `lower` runs a caller's branches: once, when its choice is the
 same whatever the platform (``impl="xla"``, an interpreter: nothing else is traced), or
-each platform's under one ``lax.platform_dependent``, which traces every branch and lowers
-the target's. Nothing else in fdecode calls ``platform_dependent``.
+each platform's when a program is lowered for that platform (a primitive whose lowering
+rule traces the target's branch), so a call traces no kernel of a platform it is not
+lowered for. `fdecode.plan` traces every branch at once, under one
+``lax.platform_dependent``; nothing else in fdecode calls it.
 
 The rules, by the call:
 
@@ -32,11 +34,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import functools
 from typing import Callable, Hashable, Mapping, TypeVar
 
 import jax
+import jax.extend.core  # pylint: disable=unused-import
 import numpy as np
 from jax import lax
+from jax.interpreters import batching, mlir
 from jax.experimental.pallas import tpu as pltpu
 
 __all__ = ["PLATFORMS", "Path", "branch_platform", "decode_path", "lower", "resolve_interpret", "step_path",
@@ -122,12 +127,25 @@ def write_path(impl, interpret, platform: str) -> Path:
 
 
 _BRANCH = contextvars.ContextVar("fdecode_branch", default=None)
+_EVERY_BRANCH = contextvars.ContextVar("fdecode_every_branch", default=False)
 
 
 def branch_platform() -> str | None:
   """The platform whose branch of `lower` is being traced (None: a choice made for every
   platform at once): `fdecode.plan` keeps the plans of the platform it asks about."""
   return _BRANCH.get()
+
+
+@contextlib.contextmanager
+def every_branch():
+  """Inside, `lower` traces every platform's branch when the call is made (under one
+  ``lax.platform_dependent``) rather than each when lowered for it: `fdecode.plan`
+  records the plans of platforms the host never lowers for."""
+  token = _EVERY_BRANCH.set(True)
+  try:
+    yield
+  finally:
+    _EVERY_BRANCH.reset(token)
 
 
 @contextlib.contextmanager
@@ -139,24 +157,136 @@ def _tracing(platform):
     _BRANCH.reset(token)
 
 
-def lower(choice: Callable[[str], K], branches: Mapping[K, Callable[[str | None], T]]) -> T:
-  """``branches[choice(platform)](platform)`` for the platform lowered for.
+def lower(choice: Callable[[str], K], branches: Mapping[K, Callable[..., T]], *operands) -> T:
+  """``branches[choice(platform)](platform, *operands)`` for the platform lowered for.
 
   ``choice`` maps each of `PLATFORMS` to a key of ``branches`` (a `Path`, or any value the
   caller's branches are keyed by). When it is the same for all three, that branch is traced
   once, with ``platform`` None (a host-independent choice: it runs as chosen on whatever
-  lowers it); otherwise each platform's branch is traced, with its platform, under one
-  ``lax.platform_dependent`` (ROCm as CUDA), and only the target's is lowered.
+  lowers it). Otherwise each platform's branch is traced only when a program is lowered
+  for that platform (`_Branches`): the host's (``jax.default_backend()``, which gives
+  the call's result types) when the call is traced, another's (a ``jax.export`` for TPU
+  or CUDA from a CPU host, a deviceless compile) when lowered for it. So a decode on a GPU
+  never traces the TPU kernel, nor a CPU test the GPU's. Inside `every_branch` (and for
+  branches with effects) every branch is traced at once under one
+  ``lax.platform_dependent`` (ROCm as CUDA), and the target's is lowered.
+
+  ``operands``: pytrees of what the branches read that is traced (arrays and the pytrees
+  holding them: `fdecode.cache.layout.CacheView`, `RowSource`, dicts); a branch reads
+  traced values only through them (a branch traced at lowering time cannot reach the
+  caller's tracers; a host branch that closes over one raises here).
   """
   keys = {p: choice(p) for p in PLATFORMS}
   if len(set(keys.values())) == 1:
-    return branches[keys["cpu"]](None)
+    return branches[keys["cpu"]](None, *operands)
+  fns = {p: _branch_fn(branches[keys[p]], p) for p in PLATFORMS}
+  if _EVERY_BRANCH.get():
+    return _every(fns, operands)
+  return _Branches.bind(fns, operands)
 
-  def branch(platform):
-    def run():
-      with _tracing(platform):
-        return branches[keys[platform]](platform)
-    return run
 
-  gpu = branch("gpu")
-  return lax.platform_dependent(cpu=branch("cpu"), cuda=gpu, rocm=gpu, tpu=branch("tpu"))
+def _branch_fn(branch, platform):
+  def run(*operands):
+    with _tracing(platform):
+      return branch(platform, *operands)
+  return run
+
+
+def _every(fns, operands):
+  gpu = fns["gpu"]
+  return lax.platform_dependent(*operands, cpu=fns["cpu"], cuda=gpu, rocm=gpu, tpu=fns["tpu"])
+
+
+def _host() -> str:
+  backend = jax.default_backend()
+  return backend if backend in PLATFORMS else "gpu"  # ROCm, CUDA
+
+
+class _Branches:
+  """A call's per-platform branches as one primitive (``fdecode_route``) whose lowering
+  rule traces the branch of the platform lowered for: the host's jaxpr, traced when
+  the call is (it gives the primitive's result types), and any other platform's when a
+  program is lowered for it. Its operands are the traced leaves of the call's operand
+  pytrees; the other leaves (static values: strings, numbers, numpy arrays) are kept
+  as given."""
+
+  def __init__(self, fns, leaves, treedef, traced, host, jaxpr, out_tree):
+    self.fns, self.leaves, self.treedef, self.traced = fns, leaves, treedef, traced
+    self.host, self.jaxpr, self.out_tree = host, jaxpr, out_tree
+
+  @classmethod
+  def bind(cls, fns, operands):
+    leaves, treedef = jax.tree_util.tree_flatten(operands)
+    traced = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]  # tracers included
+    args = [leaves[i] for i in traced]
+    host = _host()
+    out_tree = []
+
+    def flat(*xs):
+      out = fns[host](*cls._operands(leaves, treedef, traced, xs))
+      flat_out, tree = jax.tree_util.tree_flatten(out)
+      out_tree.append(tree)
+      return flat_out
+
+    jaxpr = jax.make_jaxpr(flat)(*args)
+    if any(isinstance(c, jax.core.Tracer) for c in jaxpr.consts):
+      raise AssertionError(f"fdecode.route.lower: the {host} branch {fns[host]} closes over a traced value; "
+                           "pass it among the operands")
+    if jaxpr.effects:  # lowered under a platform switch, as effects are threaded
+      return _every(fns, operands)
+    statics = [None if i in traced else x for i, x in enumerate(leaves)]  # no tracer kept past this trace
+    branches = cls(fns, statics, treedef, traced, host, jaxpr, out_tree[0])
+    out = _route_p.bind(*args, branches=branches)
+    return jax.tree_util.tree_unflatten(out_tree[0], out)
+
+  @staticmethod
+  def _operands(leaves, treedef, traced, xs):
+    leaves = list(leaves)
+    for i, x in zip(traced, xs):
+      leaves[i] = x
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+  def flat(self, platform):
+    """``platform``'s branch as a function of the primitive's operands to its flat results."""
+    if platform == self.host:
+      return jax.extend.core.jaxpr_as_fun(self.jaxpr)
+
+    def flat(*xs):
+      out = self.fns[platform](*self._operands(self.leaves, self.treedef, self.traced, xs))
+      flat_out, tree = jax.tree_util.tree_flatten(out)
+      if tree != self.out_tree:
+        raise AssertionError(f"fdecode.route.lower: the {platform} branch returns {tree}, the {self.host} "
+                             f"branch {self.out_tree}")
+      return flat_out
+    return flat
+
+
+def _route_abstract_eval(*avals, branches):
+  del avals
+  return branches.jaxpr.out_avals
+
+
+def _route_impl(*args, branches):
+  """Outside ``jit`` (``jax.disable_jit``): the host's branch, as traced."""
+  return branches.flat(branches.host)(*args)
+
+
+def _route_batch(args, dims, *, branches):
+  """``vmap``: each platform's branch vmapped, still traced only when lowered for."""
+  fns = {p: jax.vmap(branches.flat(p), in_axes=dims) for p in PLATFORMS}
+  out = _Branches.bind(fns, tuple(args))
+  return out, [0] * len(out)
+
+
+def _route_lowering(ctx, *args, branches, platform):
+  return mlir.lower_fun(branches.flat(platform), multiple_results=True)(ctx, *args)
+
+
+_route_p = jax.extend.core.Primitive("fdecode_route")
+_route_p.multiple_results = True
+_route_p.def_abstract_eval(_route_abstract_eval)
+_route_p.def_impl(_route_impl)
+if hasattr(batching, "primitive_batchers"):  # a JAX without the registry: vmap raises JAX's own error
+  batching.primitive_batchers[_route_p] = _route_batch
+for _lowered, _platform in (("cpu", "cpu"), ("cuda", "gpu"), ("rocm", "gpu"), ("tpu", "tpu")):
+  mlir.register_lowering(_route_p, functools.partial(_route_lowering, platform=_platform), platform=_lowered)

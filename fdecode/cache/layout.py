@@ -211,8 +211,8 @@ class CacheView:
 
   def head_major(self) -> CacheView:
     """The head-major view: this view if stored so, else its k, v and k_rope transposed
-    (`head_major`), built once per view. Inside a jit program, build it before any
-    `platform_dependent` branch reads it (a value made inside one branch cannot serve another)."""
+    (`head_major`), built once per view (a branch of `fdecode.route.lower` gets a view of
+    its own operands, and builds its own)."""
     if self.layout == "HND":
       return self
     view = self.__dict__.get("head_major_view")

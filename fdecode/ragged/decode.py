@@ -248,8 +248,9 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
             opts=opts, dv=dv)
   # Whether the GPU's Triton kernels take these head dims (else its flash_decode runs XLA).
   triton_tiles = triton_supports(view.with_arrays(**{n: arrays.get(n) for n in ("k_scale", "v_scale", "k_rope")}), dv)
-  step = lambda interpret: triton_step(*triton_calls(st), given, block=st.block, capacity=view.capacity,
-                                      interpret=interpret, options=dict(opts, kv_layout=view.layout))
+  capacity, options = view.capacity, dict(opts, kv_layout=view.layout)
+  step = lambda st, interpret: triton_step(*triton_calls(st), st.given, block=st.block, capacity=capacity,
+                                           interpret=interpret, options=options)
   # Compiled for a GPU, the step's kernels skip contiguous MLA latents whose decode part the
   # Hopper MLA kernel takes (sm_90, bf16, G a multiple of 16: `triton_step.hopper_takes_decode_part`).
   compiled_takes = lambda: triton_tiles and not (v is None and not paged and hopper_takes_decode_part(
@@ -257,9 +258,9 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   step_takes = "indices" not in arrays and opts.get("num_splits") in (None, "balance")
   out, lse = lower(
       lambda platform: step_path(impl, interp, platform, step_takes=step_takes, compiled_takes=compiled_takes), {
-          None: lambda platform: two_parts(st, triton_tiles),
-          Path.TRITON: lambda platform: step(False),
-          Path.TRITON_INTERPRET: lambda platform: step(True)})
+          None: lambda platform, st: two_parts(st, triton_tiles),
+          Path.TRITON: lambda platform, st: step(st, False),
+          Path.TRITON_INTERPRET: lambda platform, st: step(st, True)}, st)
   return out, lse, k, v
 
 

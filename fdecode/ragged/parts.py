@@ -135,9 +135,8 @@ def _batched(st: Step, triton_tiles: bool):
   CPU, interpreted) a step with no block skips the call (lax.cond)."""
   q, opts = st.q, st.opts
   tb, num_blocks, hq = st.block, st.num_blocks, q.shape[1]
-  nb, ends = _blocks(st)
 
-  def run():
+  def run(st):
     # num_splits "balance": the Triton kernel deals the real blocks' keys over a grid that
     # fills the GPU, whichever blocks are real (`fdecode.kernels.triton`).
     call, idx = _prefill_call(st)
@@ -148,7 +147,9 @@ def _batched(st: Step, triton_tiles: bool):
   # (head dims the Triton kernel cannot tile) reads every block: it keeps it.
   skips = (Path.TRITON, Path.MOSAIC_GPU)
   o, l = lower(lambda platform: platform == "gpu" and _path(st, platform, triton_tiles) in skips, {
-      True: lambda platform: run(), False: lambda platform: lax.cond(ends[-1] > 0, run, none)})
+      True: lambda platform, st: run(st),
+      False: lambda platform, st: lax.cond(_blocks(st)[1][-1] > 0, lambda: run(st), none)}, st)
+  nb, ends = _blocks(st)
   j, t = _block_rows(st.geometry[0], st.geometry[3], ends - nb, tb, num_blocks)
   return o[j, t], l[j, t]
 
@@ -161,19 +162,19 @@ def two_parts(st: Step, triton_tiles: bool):
   n_rows, hq = q.shape[:2]
   call, last = _decode_call(st)
   dec_o, dec_l = _call(st)(**call, **_per_row(st, last, (last.shape[0], 1)))
-  looped, batched = (lambda platform: _looped(st)), (lambda platform: _batched(st, triton_tiles))
+  looped, batched = (lambda platform, st: _looped(st)), (lambda platform, st: _batched(st, triton_tiles))
   if n_rows < 2:  # no sequence has a row before its last: no prefill block
     pre_o, pre_l = jnp.zeros((n_rows, hq, st.dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32)
   elif not view.paged:  # batched only where the Triton kernels read each block's cache row in place
     # Sparse calls read the call's own (gathered) caches; so do Mosaic (TPU) and XLA: they loop.
     triton = (Path.TRITON, Path.TRITON_INTERPRET)
     pre_o, pre_l = lower(lambda platform: "indices" not in arrays and _path(st, platform, triton_tiles) in triton,
-                         {True: batched, False: looped})
+                         {True: batched, False: looped}, st)
   else:  # the XLA path reads every block's whole table where it runs as chosen or on CPU, so it loops
     xla_loops = lambda path, platform: path is Path.REFERENCE or (
         path is Path.XLA and (platform == "cpu" or opts.get("impl") == "xla"))
     pre_o, pre_l = lower(lambda platform: xla_loops(_path(st, platform, triton_tiles), platform),
-                         {True: looped, False: batched})
+                         {True: looped, False: batched}, st)
   cu, _, _, seq, pos = st.geometry
   return _gather_rows(cu, seq, pos, (dec_o[:, 0], dec_l[:, 0]), (pre_o, pre_l))
 

@@ -37,9 +37,10 @@ def write_new_tokens(view, new_k, new_v, seq, pos, *, impl=None, interpret=None,
   if explicit_sharding(view.k) is not None:  # the scatter states the caches' sharding
     return _scatter(view, new_k, new_v, seq, pos)
   return lower(lambda platform: write_path(impl, interpret, platform), {
-      Path.XLA: lambda platform: _scatter(view, new_k, new_v, seq, pos),
-      Path.TRITON: lambda platform: _triton(view, new_k, new_v, seq, pos, False, step),
-      Path.TRITON_INTERPRET: lambda platform: _triton(view, new_k, new_v, seq, pos, True, step)})
+      Path.XLA: lambda platform, *args: _scatter(*args[:5]),
+      Path.TRITON: lambda platform, *args: _triton(*args[:5], False, args[5]),
+      Path.TRITON_INTERPRET: lambda platform, *args: _triton(*args[:5], True, args[5])},
+      view, new_k, new_v, seq, pos, step)
 
 
 def _triton(view, new_k, new_v, seq, pos, interpret, step):

@@ -8,6 +8,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers.lowering import lower_for_cuda
 
 from fdecode import config as config_lib
 from fdecode.cache.layout import CacheView, read_layout
@@ -129,11 +130,17 @@ def test_public_plan_is_the_plan_a_call_runs(monkeypatch):
   q = rng.standard_normal((1, 1, 4, 24), np.float32)
   k = rng.standard_normal((1, 3000, 2, 24), np.float32)  # token-major, 2 kv heads
   lengths = np.array([2999], np.int32)
-  out = fdecode.flash_decode(q, k, k, lengths, kv_layout="NHD")  # traces the cpu and gpu (D=24: XLA) branches
-  traced = sorted(seen)
+  out = fdecode.flash_decode(q, k, k, lengths, kv_layout="NHD")  # traces the host's (cpu) branch only
+  traced = list(seen)
+  seen.clear()  # exported for CUDA (D=24: the GPU's XLA path): the gpu branch, traced as it is lowered
+  lower_for_cuda(lambda q: fdecode.flash_decode(q, k, k, lengths, kv_layout="NHD"), q)
+  exported = list(seen)
   (cpu,) = fdecode.plan(q, k, k, lengths, kv_layout="NHD", platform="cpu")
   (gpu,) = fdecode.plan(q, k, k, lengths, kv_layout="NHD", platform="gpu")
-  assert traced == sorted([(cpu.num_splits, cpu.kv_layout), (gpu.num_splits, gpu.kv_layout)]), (traced, cpu, gpu)
+  assert traced == [(cpu.num_splits, cpu.kv_layout)], (traced, cpu)
+  assert exported == [(gpu.num_splits, gpu.kv_layout)], (exported, cpu, gpu)
+  assert gpu.num_splits != cpu.num_splits  # each branch traced its own platform's plan
+  assert gpu.num_splits != cpu.num_splits  # the two branches' plans differ: the gpu one was traced
   assert cpu.kv_layout == "NHD"
   assert np.isfinite(np.asarray(out)).all()
   (tpu,) = fdecode.plan(q, k, k, lengths, kv_layout="NHD", platform="tpu")
