@@ -1,7 +1,7 @@
 """The one backend dispatch of `flash_decode`: by the platform being lowered for (XLA on
 CPU, Triton on GPU, Mosaic on TPU, or the float32 reference), each path's split count,
 and the merge of its per-split states. Arguments arrive validated and canonical
-(`fdecode.api`)."""
+(`fdecode.call`)."""
 
 from __future__ import annotations
 

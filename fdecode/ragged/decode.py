@@ -27,14 +27,17 @@ Where they run:
   fixed ``num_splits``, contiguous MLA latents whose decode part `flash_decode` would send
   to the Hopper MLA kernel (compiled for sm_90: bf16, G a multiple of 16), and head dims
   Triton cannot tile (the GPU's flash_decode runs XLA for those).
-* **The two-part path** (every other case): a `flash_decode` call per part, the rows
-  gathered from both outputs. The decode part is one batched call (a step of pure
-  decodes costs what `flash_decode` costs). On the XLA path (and for contiguous caches off
+* **The two-part path** (every other case): a call per part, the rows gathered from
+  both outputs. The step's arguments are checked and canonicalized once, as `flash_decode`
+  checks its own (`fdecode.call.canonical_call`, as the decode part's call); the prefill
+  calls are built from it (`fdecode.call.part`) and run as `flash_decode` runs its call.
+  The decode part is one batched call (a step of pure decodes costs what `flash_decode`
+  costs). On the XLA path (and for contiguous caches off
   the Triton kernels) a ``lax.while_loop`` runs only the real prefill blocks, ``sum_i
   ceil((q_len_i - 1) / QUERY_BLOCK)``: padding rows and dead sequences cost nothing, a
   step with no prefill runs no block, and no work scales with ``max_seqs * max(q_len)``.
   With the Pallas kernels (TPU, ``impl="mosaic_gpu"``, and the Triton fallbacks above) a
-  paged step's blocks go to *one* `flash_decode` call (``num_splits="balance"`` where
+  paged step's blocks go to *one* call (``num_splits="balance"`` where
   the kernel takes it); off GPU a step with no prefill block skips that call
   (``lax.cond``; on GPU XLA would copy the predicate to the host and wait for the
   stream, so the call runs and finds no block). ``impl="mosaic_gpu"`` (opt-in) runs both
@@ -64,11 +67,11 @@ import jax.numpy as jnp
 from jax import Array, lax
 from jax.typing import ArrayLike
 
-from fdecode.api import KvLayout, ScoreOptions
 from fdecode.cache.layout import CacheView, check_layout
+from fdecode.call import KvLayout, ScoreOptions
 from fdecode.dispatch import triton_supports
 from fdecode.ragged.checks import CALLER, check_shapes, check_values
-from fdecode.ragged.parts import Step, searchsorted, triton_calls, two_parts
+from fdecode.ragged.parts import Step, searchsorted, triton_calls, two_parts, with_call
 from fdecode.ragged.triton_step import hopper_takes_decode_part, triton_step
 from fdecode.ragged.write import write_new_tokens
 from fdecode.route import Path, lower, resolve_interpret, step_path
@@ -244,17 +247,16 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
     k, v = write_new_tokens(view, new_k, new_v, *geometry[3:], impl=impl, interpret=interp, step=given)
   # The caches in the caller's layout: flash_decode reads token-major ones in place (`fdecode.cache.layout`).
   caches = dict(k=k, v=v, **{n: arrays.get(n) for n in ("k_rope", "k_scale", "v_scale", "k_offset", "v_offset")})
-  st = Step(q=q, caches=caches, view=view.with_arrays(k=k, v=v), geometry=geometry, given=given, arrays=arrays,
-            opts=opts, dv=dv)
+  st = with_call(Step(q=q, caches=caches, view=view.with_arrays(k=k, v=v), geometry=geometry, given=given,
+                      arrays=arrays, opts=opts, dv=dv))
   # Whether the GPU's Triton kernels take these head dims (else its flash_decode runs XLA).
   triton_tiles = triton_supports(view.with_arrays(**{n: arrays.get(n) for n in ("k_scale", "v_scale", "k_rope")}), dv)
-  capacity, options = view.capacity, dict(opts, kv_layout=view.layout)
+  capacity = view.capacity
   step = lambda st, interpret: triton_step(*triton_calls(st), st.given, block=st.block, capacity=capacity,
-                                           interpret=interpret, options=options)
+                                           interpret=interpret)
   # Compiled for a GPU, the step's kernels skip contiguous MLA latents whose decode part the
   # Hopper MLA kernel takes (sm_90, bf16, G a multiple of 16: `triton_step.hopper_takes_decode_part`).
-  compiled_takes = lambda: triton_tiles and not (v is None and not paged and hopper_takes_decode_part(
-      triton_calls(st)[0] | dict(source=None), dict(opts, kv_layout=view.layout)))
+  compiled_takes = lambda: triton_tiles and not (v is None and not paged and hopper_takes_decode_part(st.call))
   step_takes = "indices" not in arrays and opts.get("num_splits") in (None, "balance")
   out, lse = lower(
       lambda platform: step_path(impl, interp, platform, step_takes=step_takes, compiled_takes=compiled_takes), {

@@ -1,24 +1,26 @@
 """A ragged step's two parts (`fdecode.ragged.decode` describes them): their geometry in
-XLA, the two-part path that runs them as `flash_decode` calls (every backend but the
-Triton step), and the calls the Triton step (`fdecode.ragged.triton_step`) is made of.
+XLA, the two-part path that runs them as canonical calls (`fdecode.call`; every backend
+but the Triton step), and the calls the Triton step (`fdecode.ragged.triton_step`) is made of.
 
 `Step` holds what both read: the packed rows, the caches, the clipped geometry
-(`fdecode.ragged.row_positions`) and the options.
+(`fdecode.ragged.row_positions`), the options, and the step's arguments checked and
+canonicalized once (`with_call`): each part's call is built from it
+(`fdecode.call.part`), never checked or canonicalized again.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fdecode.api import flash_decode_with_source
-from fdecode.cache.layout import CacheView
+from fdecode.cache.layout import QUANT_ARRAYS, CacheView
+from fdecode.call import Call, canonical_call, part, run
 from fdecode.kernels.triton import RowSource
-from fdecode.ragged.checks import CALLER, PER_ROW
+from fdecode.ragged.checks import PER_ROW
 from fdecode.route import Path, decode_path, lower
 
 QUERY_BLOCK = 64  # rows of a prefill query block
@@ -29,7 +31,8 @@ class Step(NamedTuple):
   offsets in ``view``'s layout (``view``: the caches' `CacheView`, its int32 block tables
   when paged); ``geometry``: `fdecode.ragged.row_positions`' ``(cu, lens, q_len, seq,
   pos)``; ``given``: the step's ``(cu_q_lens, kv_lens, num_seqs)`` as given (int32); ``arrays``:
-  the per-call option arrays (modifiers, sinks); ``opts``: the static options; ``dv``: Dv."""
+  the per-call option arrays (modifiers, sinks); ``opts``: the static options; ``dv``: Dv;
+  ``call``: the step's `fdecode.call.Call` (`with_call`)."""
   q: object
   caches: dict
   view: CacheView
@@ -38,6 +41,7 @@ class Step(NamedTuple):
   arrays: dict
   opts: dict
   dv: int
+  call: Call | None = None
 
   @property
   def block(self) -> int:  # rows of a prefill block
@@ -83,8 +87,17 @@ def block_geometry(st: Step, j):
   return s, jnp.clip(blk, 0, n_rows - 1), jnp.where(live, lens[s] - 1 - jj * tb, 0), dest, hi - tb
 
 
-def _call(st: Step):
-  return functools.partial(flash_decode_with_source, return_lse=True, kv_layout=st.view.layout, **st.opts)
+def with_call(st: Step) -> Step:
+  """``st`` with its ``call``: the step's arguments checked and canonicalized once
+  (`fdecode.call.canonical_call`: every `flash_decode` check, the cache view with its
+  canonical scales, the static options, the modifiers, the knobs, impl and interpret), as
+  its decode part's call: each live sequence's last row (T = 1) over the whole caches.
+  The prefill blocks' calls are built from it (`fdecode.call.part`)."""
+  last, lengths = _last_rows(st)
+  c = canonical_call(st.q[last][:, None], st.caches["k"], st.caches["v"], lengths,
+                     block_tables=st.view.block_tables, kv_layout=st.view.layout, **_cache_opts(st.caches),
+                     **_shared(st), **_per_row(st, last, (last.shape[0], 1)), **st.opts)
+  return st._replace(call=c)
 
 
 def _shared(st: Step):
@@ -104,15 +117,13 @@ def _last_rows(st: Step):
 
 def _looped(st: Step):
   """One flash_decode per real block, scattered to its rows: nothing runs for padding or decodes."""
-  q, caches, paged, tables = st.q, st.caches, st.view.paged, st.view.block_tables
+  q = st.q
   n_rows, hq = q.shape[:2]
 
   def block(j, carry):
     s, idx, length, dest, _ = block_geometry(st, j)
-    seq_cache = _sequence_cache(caches, s, paged)
-    o, l = _call(st)(q[idx][None], seq_cache["k"], seq_cache["v"], length[None],
-                     block_tables=None if not paged else lax.dynamic_slice_in_dim(tables, s, 1, 0),
-                     **_cache_opts(seq_cache), **_shared(st), **_per_row(st, idx, (1, st.block)))
+    o, l = run(part(st.call, q[idx][None], _cache_rows(st.call.view, s), length[None], source=None,
+                    rows=_per_row(st, idx, (1, st.block))), return_lse=True)
     dest = dest.reshape(-1)
     out, lse = carry
     return (out.at[dest].set(o.reshape(dest.shape[0], *o.shape[-2:]), mode="drop"),
@@ -133,22 +144,23 @@ def _batched(st: Step, triton_tiles: bool):
   conditional there would cost more (XLA:GPU's runs on the host, copying its predicate
   and waiting for the stream, once per call). Elsewhere (TPU: control flow on the chip;
   CPU, interpreted) a step with no block skips the call (lax.cond)."""
-  q, opts = st.q, st.opts
+  q = st.q
   tb, num_blocks, hq = st.block, st.num_blocks, q.shape[1]
 
-  def run(st):
-    # num_splits "balance": the Triton kernel deals the real blocks' keys over a grid that
-    # fills the GPU, whichever blocks are real (`fdecode.kernels.triton`).
-    call, idx = _prefill_call(st)
-    return _call(st)(**call, num_splits=opts.get("num_splits") or "balance", **_per_row(st, idx, idx.shape))
+  def blocks(st):
+    # num_splits None becomes "balance": the Triton kernel deals the real blocks' keys over a
+    # grid that fills the GPU, whichever blocks are real (`fdecode.kernels.triton`).
+    cfg = st.call.cfg
+    return run(_prefill_call(st, cfg=dataclasses.replace(cfg, balance=True) if cfg.num_splits is None else cfg)[0],
+               return_lse=True)
   none = lambda: (jnp.zeros((num_blocks, tb, hq, st.dv), q.dtype), jnp.full((num_blocks, tb, hq), -jnp.inf,
                                                                           jnp.float32))
   # On GPU the kernels that skip empty blocks run without the cond; the GPU's XLA fallback
   # (head dims the Triton kernel cannot tile) reads every block: it keeps it.
   skips = (Path.TRITON, Path.MOSAIC_GPU)
   o, l = lower(lambda platform: platform == "gpu" and _path(st, platform, triton_tiles) in skips, {
-      True: lambda platform, st: run(st),
-      False: lambda platform, st: lax.cond(_blocks(st)[1][-1] > 0, lambda: run(st), none)}, st)
+      True: lambda platform, st: blocks(st),
+      False: lambda platform, st: lax.cond(_blocks(st)[1][-1] > 0, lambda: blocks(st), none)}, st)
   nb, ends = _blocks(st)
   j, t = _block_rows(st.geometry[0], st.geometry[3], ends - nb, tb, num_blocks)
   return o[j, t], l[j, t]
@@ -160,8 +172,7 @@ def two_parts(st: Step, triton_tiles: bool):
   ``triton_tiles``: the GPU's Triton kernels take these head dims."""
   q, view, arrays, opts = st.q, st.view, st.arrays, st.opts
   n_rows, hq = q.shape[:2]
-  call, last = _decode_call(st)
-  dec_o, dec_l = _call(st)(**call, **_per_row(st, last, (last.shape[0], 1)))
+  dec_o, dec_l = run(_decode_call(st)[0], return_lse=True)
   looped, batched = (lambda platform, st: _looped(st)), (lambda platform, st: _batched(st, triton_tiles))
   if n_rows < 2:  # no sequence has a row before its last: no prefill block
     pre_o, pre_l = jnp.zeros((n_rows, hq, st.dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32)
@@ -180,56 +191,46 @@ def two_parts(st: Step, triton_tiles: bool):
 
 
 def _path(st: Step, platform: str, triton_tiles: bool) -> Path:
-  """The path a part's `flash_decode` call takes when lowered for ``platform``."""
+  """The path a part's call takes when lowered for ``platform``."""
   return decode_path(st.opts.get("impl"), st.opts.get("interpret"), platform, triton_takes=triton_tiles)
 
 
-def _whole_caches(st: Step):
-  """The step's contiguous caches as the `RowSource` the kernels read their rows through."""
-  caches = st.caches
-  return CacheView.of(caches["k"], caches["v"], kv_layout=st.view.layout, caller=CALLER, **_cache_opts(caches))
-
-
 def _decode_call(st: Step, step=None):
-  """The decode part's call (`flash_decode_with_source`'s arguments: each sequence's last
-  row, its q a gather the Triton kernels read in place) and the rows ``[M]``. ``step``:
-  the step's arrays, for the Triton step (a contiguous cache then read through the whole
+  """The decode part's call (the step's: each sequence's last row, its q a gather the
+  Triton kernels read in place through the source) and the rows ``[M]``. ``step``: the
+  step's arrays, for the Triton step (a contiguous cache then read through the whole
   caches, so that the part takes the balanced schedule)."""
-  q, caches, view = st.q, st.caches, st.view
-  last, lengths = _last_rows(st)
-  whole = _whole_caches(st) if step is not None and not view.paged else None
-  return dict(q=q[last][:, None], k=caches["k"], v=caches["v"], lengths=lengths, block_tables=view.block_tables,
-              source=RowSource(q, last, caches=whole, step=step), **_cache_opts(caches), **_shared(st)), last
+  view = st.call.view
+  last, _ = _last_rows(st)
+  whole = view if step is not None and not view.paged else None
+  return st.call._replace(source=RowSource(st.q, last, caches=whole, step=step)), last
 
 
-def _prefill_call(st: Step, step=None):
-  """Every prefill block in one call (`flash_decode_with_source`'s arguments: q, tables and a
-  contiguous cache's rows gathers the Triton kernels read in place through the source) and
-  the rows ``[NB, tb]``. ``step``: the step's arrays, for the Triton step (its kernels then
-  derive the source's rows themselves)."""
-  q, caches, view = st.q, st.caches, st.view
+def _prefill_call(st: Step, step=None, cfg=None):
+  """Every prefill block in one call (`fdecode.call.part` of the step's call: q, tables and
+  a contiguous cache's rows gathers the Triton kernels read in place through the source)
+  and the rows ``[NB, tb]``. ``step``: the step's arrays, for the Triton step (its kernels
+  then derive the source's rows themselves); ``cfg``: the call's knobs (default the step's)."""
+  q, view = st.q, st.call.view
   s, idx, lengths, _, first = block_geometry(st, jnp.arange(st.num_blocks, dtype=jnp.int32))
   if view.paged:
-    call = dict(caches, block_tables=view.block_tables[s], source=RowSource(q, first, view.block_tables, s, step=step))
+    source = RowSource(q, first, view.block_tables, s, step=step)
   else:  # each block's rows of the caches (also at M = 1: the call's batch is the blocks')
-    call = dict(_sequence_cache(caches, s, False),
-                source=RowSource(q, first, caches=_whole_caches(st), cache_rows=s, step=step))
-  return dict(call, q=q[idx], lengths=lengths, **_shared(st)), idx
+    source = RowSource(q, first, caches=view, cache_rows=s, step=step)
+  return part(st.call, q[idx], _cache_rows(view, s), lengths, source=source, rows=_per_row(st, idx, idx.shape),
+              cfg=cfg), idx
 
 
 def triton_calls(st: Step):
   """The two parts' calls as the Triton step takes them (`fdecode.ragged.triton_step`):
-  each a dict of `flash_decode_with_source`'s arguments (``q``, ``lengths`` and the
-  sources' index arrays for their shapes only), the rows read through a `RowSource` whose
-  ``step`` holds the arrays every unit's geometry derives from (the caches in place: a
-  pool through the whole table, a contiguous cache through the whole caches) and whose
-  ``mask`` / ``bias`` are the step's per-row ones (the calls' own are their gathers, for
-  their form only)."""
+  `fdecode.call.Call` s (``q4``, ``ends`` and the sources' index arrays for their shapes
+  only), the rows read through a `RowSource` whose ``step`` holds the arrays every unit's
+  geometry derives from (the caches in place: a pool through the whole table, a
+  contiguous cache through the whole caches) and whose ``mask`` / ``bias`` are the step's
+  per-row ones (the calls' own are their gathers, for their form only)."""
   rows = {n: st.arrays[n] for n in ("mask", "bias") if n in st.arrays}  # read at the packed rows
-  calls = []
-  for (call, idx), t in ((_decode_call(st, st.given), 1), (_prefill_call(st, st.given), st.block)):
-    calls.append(dict(call, source=call["source"]._replace(**rows), **_per_row(st, idx, (idx.shape[0], t))))
-  return tuple(calls)
+  return tuple(c._replace(source=c.source._replace(**rows))
+               for c, _ in (_decode_call(st, st.given), _prefill_call(st, st.given)))
 
 
 def _block_rows(cu, seq, first_block, tb: int, num_blocks: int):
@@ -260,16 +261,18 @@ def _cache_opts(caches):
   return {n: caches[n] for n in ("k_scale", "v_scale", "k_offset", "v_offset", "k_rope") if caches[n] is not None}
 
 
-def _sequence_cache(caches, s, paged):
-  """The cache arrays of sequence ``s`` (int32 scalar: sliced, batch 1) or of sequences
-  ``s`` (``[J]``: gathered, batch J): a paged pool is shared (its table row selects); of a
-  contiguous cache, k, v and k_rope are per sequence, and so are the scales / offsets that
-  are not broadcast over sequences (leading axis 1 or no sequence axis)."""
-  if paged:
-    return caches
-  per_seq = lambda n, x: n in ("k", "v", "k_rope") or (np.ndim(x) == 4 and x.shape[0] > 1)
+def _cache_rows(view: CacheView, s) -> CacheView:
+  """The view of sequence ``s`` (int32 scalar: sliced, batch 1) or of sequences ``s``
+  (``[J]``: gathered, batch J) of the step's canonical ``view``: a paged pool is shared
+  (its table rows select); of a contiguous cache, k, v and k_rope are per sequence, and so
+  are the scales / offsets that are not broadcast over sequences (canonical rank 4,
+  leading axis > 1)."""
   rows = (lambda x: lax.dynamic_slice_in_dim(x, s, 1, 0)) if np.ndim(s) == 0 else (lambda x: x[s])
-  return {n: rows(x) if x is not None and per_seq(n, x) else x for n, x in caches.items()}
+  if view.paged:
+    return view.with_arrays(block_tables=rows(view.block_tables))
+  per_seq = lambda n, x: n in ("k", "v", "k_rope") or x.shape[0] > 1
+  arrays = {n: getattr(view, n) for n in ("k", "v", "k_rope") + QUANT_ARRAYS}
+  return view.with_arrays(**{n: rows(x) for n, x in arrays.items() if x is not None and per_seq(n, x)})
 
 
 def _rows(x, idx, shape):

@@ -16,16 +16,15 @@ caches), so their states are laid out alike and merge in one launch.
 
 from __future__ import annotations
 
-from fdecode.api import canonical_call
+from fdecode.call import Call
 from fdecode.dispatch import compute_dtype, triton_plan_view
 from fdecode.kernels.mosaic_gpu import takes_mla
 from fdecode.kernels.triton import StepPart, combine_step, merges_parts, split_states, split_states_merged
 from fdecode.ragged.checks import CALLER
 
 
-def _part(call: dict, step: StepPart, *, interpret: bool, options: dict):
+def _part(c: Call, step: StepPart, *, interpret: bool):
   """One part's balanced split: ``(plan, its split_states arguments, canonical sinks)``."""
-  c = canonical_call(**call, **options)
   cd = compute_dtype(c.q4.dtype, *(None if x is None else x.dtype for x in (c.view.k, c.view.v, c.view.k_rope)))
   p, rv = triton_plan_view(c.q4, c.view, compute=cd, mods=c.mods, v_head_dim=c.v_head_dim, cfg=c.cfg,
                            interpret=interpret, has_sinks=c.sinks is not None, source=c.source, balance=True,
@@ -38,37 +37,34 @@ def _part(call: dict, step: StepPart, *, interpret: bool, options: dict):
   return (p, c.q4, c.ends, rv.k, rv.v, arrays), c.sinks
 
 
-def hopper_takes_decode_part(decode: dict, options: dict) -> bool:
-  """Whether `flash_decode`'s compiled GPU dispatch sends the decode part (``decode``: its
-  call as the two-part path makes it; ``options``: the step's other keywords) to the
-  Hopper MLA kernel (`fdecode.kernels.mosaic_gpu.takes_mla`: an sm_90 GPU lowered for, bf16
+def hopper_takes_decode_part(c: Call) -> bool:
+  """Whether `flash_decode`'s compiled GPU dispatch sends the decode part (``c``: the
+  step's call, `fdecode.ragged.parts.with_call`) to the Hopper MLA kernel (`fdecode.kernels.mosaic_gpu.takes_mla`: an sm_90 GPU lowered for, bf16
   latents of one contiguous head, G a multiple of 16, no modifiers): the step then keeps
   the two-part path, the decode part on that kernel (2-8x the Triton kernel's speed, H200)."""
-  c = canonical_call(**decode, **{n: x for n, x in options.items() if n != "interpret"})
   m = c.mod_arrays
   return takes_mla(c.q4, c.view.read(c.view.read_layout), c.mods, c.sinks, None, c.v_head_dim, m["mask"],
                    m["bias"], m["alibi"], c.cfg)
 
 
-def triton_step(decode: dict, prefill: dict, step, *, block: int, capacity: int, interpret: bool, options: dict):
+def triton_step(decode: Call, prefill: Call, step, *, block: int, capacity: int, interpret: bool):
   """The step's packed ``(out [N, Hq, Dv] in q's dtype, lse f32 [N, Hq])``.
 
-  ``decode`` / ``prefill``: each part's call as `fdecode.api.flash_decode_with_source`
-  takes it: ``q`` ``[B, T, Hq, Dk]`` (for its shape: a gather of the part's rows, never
-  read), ``k``, ``v``, ``lengths`` int32 ``[B]`` (likewise), ``block_tables`` (paged), the
-  cache's scales / offsets / ``k_rope``, a per-row ``mask`` / ``bias`` (gathers, for
-  their form) and ``source``: the `RowSource` its rows are read through, with ``step``:
-  ``(cu, kv_lens, num_seqs)`` (int32 ``[M + 1]`` clipped non-decreasing, ``[M]``,
-  ``[1]``), the arrays every unit's geometry derives from, and the step's own per-row
-  mask / bias. The decode part's B is M sequences, the prefill part's the NB blocks of
-  ``block`` rows; ``capacity``: S. ``options``: the step's other `flash_decode` keywords
-  (modifiers, sinks, ``v_head_dim``, ``block_k``, ``kv_layout``, ...)."""
-  options = {n: x for n, x in options.items() if n not in ("num_splits", "interpret")}
-  n_rows, m = decode["source"].q.shape[0], decode["q"].shape[0]
-  parts = [StepPart(part=name, rows=n_rows, seqs=m, units=call["q"].shape[0], block=tb, seq_len=capacity)
-           for name, call, tb in (("decode", decode, 1), ("prefill", prefill, block))]
-  dec, sinks = _part(decode, parts[0], interpret=interpret, options=options)
-  pre, _ = _part(prefill, parts[1], interpret=interpret, options=options)
+  ``decode`` / ``prefill``: each part's canonical call (`fdecode.ragged.parts.triton_calls`):
+  ``q4`` ``[B, T, Hq, Dk]`` (for its shape: a gather of the part's rows, never read),
+  ``ends`` int32 ``[B]`` (likewise), the cache view (the part's table rows when paged), the
+  canonical modifiers (a per-row mask / bias: gathers, for their form), sinks and options,
+  and ``source``: the `RowSource` its rows are read through, with ``step``: ``(cu,
+  kv_lens, num_seqs)`` (int32 ``[M + 1]`` clipped non-decreasing, ``[M]``, ``[1]``), the
+  arrays every unit's geometry derives from, and the step's own per-row mask / bias. The
+  decode part's B is M sequences, the prefill part's the NB blocks of ``block`` rows;
+  ``capacity``: S. The knobs' ``num_splits`` is None (the schedule is balanced) and
+  ``interpret`` is the step's."""
+  n_rows, m = decode.source.q.shape[0], decode.q4.shape[0]
+  parts = [StepPart(part=name, rows=n_rows, seqs=m, units=c.q4.shape[0], block=tb, seq_len=capacity)
+           for name, c, tb in (("decode", decode, 1), ("prefill", prefill, block))]
+  dec, sinks = _part(decode, parts[0], interpret=interpret)
+  pre, _ = _part(prefill, parts[1], interpret=interpret)
   if merges_parts():  # one launch for both parts' work items
     decode_states, prefill_states = split_states_merged([dec, pre])
   else:  # (A100: the merged kernel spilled; `fdecode.kernels.triton.plan.MERGE_PARTS_CAPABILITY`)

@@ -71,9 +71,9 @@ def check(p, out, lse, expected, dtype=jnp.float32):
 
 
 def spy_step(monkeypatch):
-  """Counts the Triton step's part calls (`fdecode.ragged.triton_step.canonical_call`)."""
+  """Counts the Triton step's part calls (its plans: `fdecode.ragged.triton_step.triton_plan_view`)."""
   import fdecode.ragged.triton_step as step_module
   calls = []
-  real = step_module.canonical_call
-  monkeypatch.setattr(step_module, "canonical_call", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+  real = step_module.triton_plan_view
+  monkeypatch.setattr(step_module, "triton_plan_view", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
   return calls

@@ -79,16 +79,17 @@ def test_triton_reads_contiguous_cache_rows_in_place(layout, case, monkeypatch):
   import fdecode.ragged.triton_step as step_module
   calls = []
 
-  def spy(module, name):
+  def spy(module, name, q_source):
     real = getattr(module, name)
 
-    def call(q, *args, source=None, **kwargs):
+    def call(*args, **kwargs):
+      q, source = q_source(*args, **kwargs)
       calls.append((q.shape[:2], source is not None and source.caches is not None))
-      return real(q, *args, source=source, **kwargs)
+      return real(*args, **kwargs)
     monkeypatch.setattr(module, name, call)
 
-  spy(ragged_module, "flash_decode_with_source")
-  spy(step_module, "canonical_call")
+  spy(ragged_module, "run", lambda c, *a, **kw: (c.q4, c.source))  # the two-part path's calls
+  spy(step_module, "triton_plan_view", lambda q, *a, source=None, **kw: (q, source))  # the Triton step's parts
   p = batch(9, [1, 9, 70, 2, 65], [50, 9, 90, 2, 70], max_seqs=7, paged=False, layout=layout)
   ax = 2 if layout == "HND" else 1
   k = np.asarray(p["k"]).copy()
@@ -358,16 +359,16 @@ def test_prefill_blocks_in_one_call_on_the_kernels(impl, request, monkeypatch):
   import fdecode.ragged.triton_step as step_module
   batches = []
 
-  def spy(module, name):
+  def spy(module, name, query):
     real = getattr(module, name)
 
-    def call(q, *args, **kwargs):
-      batches.append(q.shape[:2])
-      return real(q, *args, **kwargs)
+    def call(*args, **kwargs):
+      batches.append(query(*args).shape[:2])
+      return real(*args, **kwargs)
     monkeypatch.setattr(module, name, call)
 
-  spy(parts_module, "flash_decode_with_source")
-  spy(step_module, "canonical_call")
+  spy(parts_module, "run", lambda c, *a: c.q4)  # the two-part path's calls
+  spy(step_module, "triton_plan_view", lambda q, *a: q)  # the Triton step's parts
   p = batch(8, [300, 1, 2, 70], [333, 17, 2, 90], max_seqs=6, pad_rows=5)
   k = np.asarray(p["k"]).copy()  # which pages no table names: NaN there (never read)
   k[:, np.setdiff1d(np.arange(k.shape[1]), p["block_tables"])] = np.nan

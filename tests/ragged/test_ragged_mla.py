@@ -11,6 +11,7 @@ import pytest
 import fdecode
 from fdecode.kernels.common import chips
 from fdecode.cache.quant import quantize
+from fdecode.call import canonical_call
 from helpers.ragged import batch, check, per_sequence, spy_step
 
 
@@ -53,4 +54,4 @@ def test_hopper_keeps_only_the_decode_parts_it_takes(gpu, dtype, g, paged, expec
   call = dict(q=jnp.zeros((m, 1, g, 576), jnp.bfloat16), k=k, v=None, lengths=jnp.full((m,), 7, jnp.int32),
               block_tables=jnp.zeros((m, s // 16), jnp.int32) if paged else None,
               **({} if dtype == "bfloat16" else dict(k_scale=0.5)))
-  assert triton_step.hopper_takes_decode_part(call, dict(v_head_dim=512)) is expected
+  assert triton_step.hopper_takes_decode_part(canonical_call(**call, v_head_dim=512)) is expected

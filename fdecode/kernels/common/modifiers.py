@@ -84,7 +84,13 @@ def _canonical_rows(name, x, b, t, hq, hkv, s, want_bool):
     raise ValueError(f"flash_decode: {name} must broadcast to [B, T, Hq, S] = [{b}, {t}, {hq}, {s}] "
                      f"from {forms} (leading axes may be 1; S is the cache capacity, a paged "
                      f"table's n * page_size); got {name}.shape={shape}")
-  x = jnp.asarray(x)
+  return canonical_form(jnp.asarray(x), hq, hkv)
+
+
+def canonical_form(x, hq: int, hkv: int):
+  """A mask / bias ``[Bm, S]``, ``[Bm, Tm, S]`` or ``[Bm, Tm, Hq|1, S]`` (checked, as
+  `canonicalize` checks it) -> ``([Bm, Hm, Tm, Gm, S], (Tm, Gm))``: Hm, Gm 1 or Hkv, G."""
+  shape, s = x.shape, x.shape[-1]
   x4 = x.reshape(shape[0], 1, 1, s) if len(shape) == 2 else (
       x.reshape(shape[0], shape[1], 1, s) if len(shape) == 3 else x)
   bm, tm, hm, _ = x4.shape
