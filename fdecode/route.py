@@ -193,8 +193,13 @@ def _branch_fn(branch, platform):
 
 
 def _every(fns, operands):
-  gpu = fns["gpu"]
-  return lax.platform_dependent(*operands, cpu=fns["cpu"], cuda=gpu, rocm=gpu, tpu=fns["tpu"])
+  """Every platform's branch, traced now under one ``lax.platform_dependent`` (its operands:
+  the traced leaves; the others kept as given)."""
+  leaves, treedef = jax.tree_util.tree_flatten(operands)
+  traced = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+  branch = {p: (lambda *xs, _fn=fns[p]: _fn(*_Branches.operands(leaves, treedef, traced, xs))) for p in PLATFORMS}
+  return lax.platform_dependent(*(leaves[i] for i in traced), cpu=branch["cpu"], cuda=branch["gpu"],
+                                rocm=branch["gpu"], tpu=branch["tpu"])
 
 
 def _host() -> str:
@@ -223,7 +228,7 @@ class _Branches:
     out_tree = []
 
     def flat(*xs):
-      out = fns[host](*cls._operands(leaves, treedef, traced, xs))
+      out = fns[host](*cls.operands(leaves, treedef, traced, xs))
       flat_out, tree = jax.tree_util.tree_flatten(out)
       out_tree.append(tree)
       return flat_out
@@ -240,7 +245,8 @@ class _Branches:
     return jax.tree_util.tree_unflatten(out_tree[0], out)
 
   @staticmethod
-  def _operands(leaves, treedef, traced, xs):
+  def operands(leaves, treedef, traced, xs):
+    """The operand pytrees with the traced leaves (at ``traced``) replaced by ``xs``."""
     leaves = list(leaves)
     for i, x in zip(traced, xs):
       leaves[i] = x
@@ -252,7 +258,7 @@ class _Branches:
       return jax.extend.core.jaxpr_as_fun(self.jaxpr)
 
     def flat(*xs):
-      out = self.fns[platform](*self._operands(self.leaves, self.treedef, self.traced, xs))
+      out = self.fns[platform](*self.operands(self.leaves, self.treedef, self.traced, xs))
       flat_out, tree = jax.tree_util.tree_flatten(out)
       if tree != self.out_tree:
         raise AssertionError(f"fdecode.route.lower: the {platform} branch returns {tree}, the {self.host} "
