@@ -76,3 +76,19 @@ def test_a_branch_reads_traced_values_only_through_its_operands():
 
   with pytest.raises(AssertionError, match="closes over a traced value"):
     jax.jit(closes_over)(jnp.ones(3))
+
+
+def test_branches_with_effects_run_under_one_switch():
+  """A host branch with an effect (a callback: the interpreters') takes the every-branch
+  switch; operand leaves that are not arrays (a step's options) stay as given."""
+  seen = []
+
+  def branch(platform, x, opts):
+    jax.debug.callback(lambda: seen.append(opts["impl"]))
+    return x + (1 if platform == "cpu" else 2)
+
+  choice = lambda platform: "cpu" if platform == "cpu" else "other"
+  out = jax.jit(lambda x: route.lower(choice, {"cpu": branch, "other": branch}, x, {"impl": "pallas"}))(jnp.ones(2))
+  jax.effects_barrier()
+  np.testing.assert_array_equal(out, 2.0)
+  assert seen == ["pallas"]
