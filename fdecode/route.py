@@ -192,11 +192,17 @@ def _branch_fn(branch, platform):
   return run
 
 
+def _split(operands):
+  """The operand pytrees' leaves, their structure, and the indices of the traced leaves
+  (arrays, tracers included); the other leaves are static values kept as given."""
+  leaves, treedef = jax.tree_util.tree_flatten(operands)
+  return leaves, treedef, [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+
+
 def _every(fns, operands):
   """Every platform's branch, traced now under one ``lax.platform_dependent`` (its operands:
   the traced leaves; the others kept as given)."""
-  leaves, treedef = jax.tree_util.tree_flatten(operands)
-  traced = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+  leaves, treedef, traced = _split(operands)
   branch = {p: (lambda *xs, _fn=fns[p]: _fn(*_Branches.operands(leaves, treedef, traced, xs))) for p in PLATFORMS}
   return lax.platform_dependent(*(leaves[i] for i in traced), cpu=branch["cpu"], cuda=branch["gpu"],
                                 rocm=branch["gpu"], tpu=branch["tpu"])
@@ -221,8 +227,7 @@ class _Branches:
 
   @classmethod
   def bind(cls, fns, operands):
-    leaves, treedef = jax.tree_util.tree_flatten(operands)
-    traced = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]  # tracers included
+    leaves, treedef, traced = _split(operands)
     args = [leaves[i] for i in traced]
     host = _host()
     out_tree = []
