@@ -22,6 +22,7 @@ optimized HLO's entry computation.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import glob
 import importlib.util
@@ -317,6 +318,22 @@ def run_cases(target_name: str, cases_path: str, names: list[str], *, timeout: f
         results[failed] = dict(ok=False, error=f"compile worker died (exit {rc}) compiling {failed}: {tail}")
         todo.remove(failed)
   return results
+
+
+def run_targets(cases_path: str, names: dict[str, list[str]], *, lanes: int = 2) -> dict:
+  """`run_cases` for several targets (target -> its case names), ``lanes`` workers at a time
+  (one per core); returns target -> name -> report.
+
+  Each target's cases go to two workers (alternate cases), the longest lists first, so the
+  lanes end about together: whole targets, one a lane, left a lane idle for a minute of
+  the compile tier (v5e 354 s, H100 297 s, A100 259 s of compiles; 2026-11-28, 2 cores)."""
+  jobs = sorted(((t, ns[half::2]) for t, ns in names.items() for half in (0, 1)), key=lambda job: -len(job[1]))
+  out = {t: {} for t in names}
+  with concurrent.futures.ThreadPoolExecutor(lanes) as pool:
+    futures = [(t, pool.submit(run_cases, t, cases_path, ns)) for t, ns in jobs if ns]
+    for t, f in futures:
+      out[t].update(f.result())
+  return out
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ the entries B has (a snapshot of some cases compares with a full one).
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import enum
 import json
@@ -131,11 +130,9 @@ def compile_reports(targets, words=()) -> dict:
   cases = os.path.join(root, "tests", "compile_tier", "cases.py")
   sys.path.insert(0, os.path.dirname(cases))
   from cases import names_for  # pylint: disable=g-import-not-at-top,import-outside-toplevel
-  from fdecode.devtools.compile_check import run_cases  # pylint: disable=g-import-not-at-top
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two targets at a time, one per core
-    chosen = lambda t: [n for n in names_for(t) if not words or any(w in n for w in words)]
-    futures = {t: pool.submit(run_cases, t, cases, chosen(t)) for t in targets}
-    out = {t: f.result() for t, f in futures.items()}
+  from fdecode.devtools.compile_check import run_targets  # pylint: disable=g-import-not-at-top
+  chosen = lambda t: [n for n in names_for(t) if not words or any(w in n for w in words)]
+  out = run_targets(cases, {t: chosen(t) for t in targets})
   for reports in out.values():
     for report in reports.values():
       report.pop("seconds", None)

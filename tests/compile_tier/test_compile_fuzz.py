@@ -1,6 +1,6 @@
 """The randomized leg of the compile tier (issue 31): shapes drawn by hypothesis
 (tests/compile_tier/fuzz.py), each compiled deviceless for H100, A100 and TPU v5e like the
-fixed cases (`fdecode.devtools.compile_check`, one worker process per target).
+fixed cases (`fdecode.devtools.compile_check`, `run_targets`).
 
 CI: a fixed seed and ``FDECODE_COMPILE_FUZZ_EXAMPLES`` draws (default 9: 6 decodes, 1 MLA,
 1 ragged step, 8 distinct shapes; what fits the 30-minute CI beside the rest), each
@@ -10,14 +10,13 @@ shape and chip: it compiles; on GPU every fdecode kernel has no register spills 
 the chip's shared memory, and a decode launches at most two fdecode kernels.
 """
 
-import concurrent.futures
 import os
 
 import pytest
 from hypothesis import given, settings
 
 from fdecode.kernels.common import chips
-from fdecode.devtools.compile_check import run_cases
+from fdecode.devtools.compile_check import run_targets
 
 import fuzz
 
@@ -46,9 +45,7 @@ NAMES = drawn_names()
 
 @pytest.fixture(scope="session")
 def fuzz_reports():
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    futures = {t: pool.submit(run_cases, t, os.path.join(HERE, "cases.py"), NAMES) for t in TARGETS}
-    return {t: f.result() for t, f in futures.items()}
+  return run_targets(os.path.join(HERE, "cases.py"), {t: NAMES for t in TARGETS})
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -11,14 +11,13 @@ caches are read in place on GPU and TPU (no cache-sized transpose or copy); and 
 compiled decode's ``cost_analysis()`` counts the KV bytes within 10%.
 """
 
-import concurrent.futures
 import math
 import os
 
 import pytest
 
 from fdecode.kernels.common import chips
-from fdecode.devtools.compile_check import run_cases
+from fdecode.devtools.compile_check import run_targets
 from fdecode.kernels.triton import merges_parts
 
 from cases import BENCH, CASES, PLAIN_XLA, SM90_ONLY, TPU_XLA, names_for
@@ -29,10 +28,8 @@ TARGETS = os.environ.get("FDECODE_COMPILE_TARGETS", "h100,a100,v5e,v6e").split("
 
 @pytest.fixture(scope="session")
 def reports():
-  """target -> case -> report, compiled two targets at a time (one per core)."""
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    futures = {t: pool.submit(run_cases, t, os.path.join(HERE, "cases.py"), names_for(t)) for t in TARGETS}
-    return {t: f.result() for t, f in futures.items()}
+  """target -> case -> report, compiled two workers at a time (one per core)."""
+  return run_targets(os.path.join(HERE, "cases.py"), {t: names_for(t) for t in TARGETS})
 
 
 # K and V bytes of cases (bf16): B * Hkv * S * (Dk + Dv) * 2.
@@ -186,8 +183,8 @@ TPU_TOKEN_MAJOR_K_BYTES = dict(
        "nhd-modifier-alibi": 2 * 4096 * 2 * 128 * 2})
 
 
-@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.TPUS])
-@pytest.mark.parametrize("name", list(TPU_TOKEN_MAJOR_K_BYTES))
+@pytest.mark.parametrize("target,name", [(t, n) for t in TARGETS if t in chips.TPUS for n in TPU_TOKEN_MAJOR_K_BYTES
+                                         if n in names_for(t)])
 def test_tpu_reads_token_major_caches_in_place(reports, target, name):
   """The Mosaic kernel reads a token-major cache in place (16- / 8-bit ones as words of
   2 / 4 heads or by the whole head axis): the compiled program runs the paged kernel, which reads token-major pages (a
