@@ -141,10 +141,12 @@ def test_head_pairs_with_modifiers_and_nan(impl, paged):
   assert_same(clean, tm)
 
 
-# The contiguous cases the Mosaic interpreter runs: one per read mode (the head axis of one
-# kv head and of an odd Hkv, words of four 8-bit heads with per-token scales, bf16 words of
-# MLA latents with k_rope) and per-tensor scales (their pool view is a scalar).
-PACKED_CONTIGUOUS = {(1, "bf16"), (3, "bf16"), (4, "int8-token"), (2, "mla-bf16-rope"), (8, "e5m2-tensor")}
+# The contiguous cases the Mosaic interpreter runs. A contiguous token-major cache is read
+# as a pool of whole pages (`contiguous_as_pool`) by the kernel page16 runs for every read
+# mode; what the contiguous form adds is that view, which depends on the scales' form and
+# k_rope, not on the read mode: per-token scales, MLA latents with k_rope, and per-tensor
+# scales (their pool view is a scalar).
+PACKED_CONTIGUOUS = {(4, "int8-token"), (2, "mla-bf16-rope"), (8, "e5m2-tensor")}
 
 
 @pytest.mark.parametrize("hkv,kind", [
@@ -171,7 +173,7 @@ def test_packed_heads_in_place(request, impl, hkv, kind, page_size):
                 "token and per scale row, whatever the read mode)")
   if impl_param(request) == "mosaic" and page_size is None and (hkv, kind) not in PACKED_CONTIGUOUS:
     pytest.skip("a contiguous token-major cache is read as a pool of whole pages by the same kernel as "
-                "page16 (`contiguous_as_pool`): interpreted once per read mode")
+                "page16 (`contiguous_as_pool`): interpreted once per form of scales and k_rope")
   if impl_param(request) == "xla" and page_size == 1 and hkv > 1:
     pytest.skip("the XLA path gathers listed pages whatever their size: page size 1 with one kv head")
   b, s, hq, dk = 3, 48, 2 * hkv, 64  # S = 3 pages of 16: Mosaic's contiguous blocks match
