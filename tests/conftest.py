@@ -23,6 +23,19 @@ pytest.register_assert_rewrite("helpers")
 from helpers import tpu_interpret  # noqa: E402
 
 
+def pytest_collection_finish(session):
+  """Python's cyclic garbage collector, set for a process that traces and lowers programs
+  by the thousand: what collection imported (JAX, fdecode, the test modules) moves to the
+  permanent generation, which full collections skip, and the youngest generation collects
+  after 20,000 allocations, not 700. Measured on 8 test modules over 2 workers: the
+  collector's time per worker 7.4 -> 1.0 s, the run 164 -> 156 s. Module teardown still
+  collects in full (`_release_compiled_code`)."""
+  del session
+  gc.collect()
+  gc.freeze()
+  gc.set_threshold(20000, 50, 100)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_code():
   """Drops JAX's compilation caches after each test module. XLA:CPU maps every compiled

@@ -22,8 +22,10 @@ optimized HLO's entry computation.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
+import functools
 import glob
 import importlib.util
 import json
@@ -32,6 +34,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -268,10 +271,13 @@ def _load_cases(path: str) -> dict:
 
 
 def _worker(target_name: str, cases_path: str, names: list[str]) -> None:
-  """Compiles ``names`` one by one, one JSON line each (``START`` before, ``RESULT`` after)."""
+  """Compiles ``names`` one by one (none given: each name read from stdin, a line each,
+  until it closes), one JSON line each (``START`` before, ``RESULT`` after)."""
   cases = _load_cases(cases_path)
   target = Target(target_name).load()
-  for name in names:
+  for name in names or (line.strip() for line in sys.stdin):
+    if not name:
+      continue
     print("START " + name, flush=True)
     try:
       report = compile_one(target, cases[name])
@@ -288,8 +294,7 @@ def run_cases(target_name: str, cases_path: str, names: list[str], *, timeout: f
   status and the end of its stderr; a new worker takes the rest.
   """
   results, todo = {}, list(names)
-  # Workers of several TPU targets run at once; libtpu's lockfile would refuse all but one.
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  env = _worker_env()
   while todo:
     with tempfile.TemporaryFile("w+") as err:
       proc = subprocess.Popen(
@@ -320,19 +325,87 @@ def run_cases(target_name: str, cases_path: str, names: list[str], *, timeout: f
   return results
 
 
-def run_targets(cases_path: str, names: dict[str, list[str]], *, lanes: int = 2) -> dict:
-  """`run_cases` for several targets (target -> its case names), ``lanes`` workers at a time
-  (one per core); returns target -> name -> report.
+def _worker_env() -> dict:
+  # Workers of several TPU targets run at once; libtpu's lockfile would refuse all but one.
+  return dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
 
-  Each target's cases go to two workers (alternate cases), the longest lists first, so the
-  lanes end about together: whole targets, one a lane, left a lane idle for a minute of
-  the compile tier (v5e 354 s, H100 297 s, A100 259 s of compiles; 2026-11-28, 2 cores)."""
-  jobs = sorted(((t, ns[half::2]) for t, ns in names.items() for half in (0, 1)), key=lambda job: -len(job[1]))
+
+def _serve(target_name: str, cases_path: str, take, timeout: float) -> dict:
+  """Compiles the names ``take()`` hands out (None: no more) for one target in a worker
+  process that reads them from its stdin; returns name -> report. A worker that dies or
+  passes ``timeout`` seconds on one case fails that case (with the exit status and the end
+  of its stderr); a new worker takes the next."""
+  results, name = {}, take()
+  while name is not None:
+    with tempfile.TemporaryFile("w+") as err:
+      proc = subprocess.Popen([sys.executable, "-m", "fdecode.devtools.compile_check", target_name, cases_path],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                              env=_worker_env())
+      while name is not None:
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        try:
+          proc.stdin.write(name + "\n")
+          proc.stdin.flush()
+          report = None
+          for line in proc.stdout:
+            if line.startswith("RESULT "):
+              report = json.loads(line[7:])
+              break
+        except BrokenPipeError:
+          report = None
+        finally:
+          timer.cancel()
+        if report is None:  # the worker died (or was killed) compiling ``name``
+          break
+        del report["name"]
+        results[name] = report
+        name = take()
+      try:
+        proc.stdin.close()  # the worker's stdin ends: it exits
+      except BrokenPipeError:
+        pass
+      rc = proc.wait()
+      proc.stdout.close()
+      if name is not None:
+        err.seek(0)
+        tail = err.read()[-3000:]
+        results[name] = dict(ok=False, error=f"compile worker died (exit {rc}) compiling {name}: {tail}")
+        name = take()
+  return results
+
+
+def run_targets(cases_path: str, names: dict[str, list[str]], *, lanes: int = 2, timeout: float = 900) -> dict:
+  """Every target's cases (target -> its case names), compiled by ``lanes`` workers at a
+  time (one per core); returns target -> name -> report.
+
+  Each target's names form a queue. A lane takes the target with the most names left and
+  starts a worker for it, which compiles that queue's names one at a time, so both lanes
+  may serve one target; when the queue empties the lane moves on. The lanes end within
+  one case of each other (fixed halves of each target left one lane idle for up to a
+  minute: the targets' compiles take 124-350 s; 2026-11-28, 2 cores)."""
+  queues = {t: collections.deque(ns) for t, ns in names.items()}
   out = {t: {} for t in names}
+  lock = threading.Lock()
+
+  def take(t):
+    with lock:
+      return queues[t].popleft() if queues[t] else None
+
+  def lane():
+    while True:
+      with lock:
+        left = [t for t in queues if queues[t]]
+        if not left:
+          return
+        target = max(left, key=lambda t: len(queues[t]))
+      done = _serve(target, cases_path, functools.partial(take, target), timeout)
+      with lock:
+        out[target].update(done)
+
   with concurrent.futures.ThreadPoolExecutor(lanes) as pool:
-    futures = [(t, pool.submit(run_cases, t, cases_path, ns)) for t, ns in jobs if ns]
-    for t, f in futures:
-      out[t].update(f.result())
+    for f in [pool.submit(lane) for _ in range(lanes)]:
+      f.result()
   return out
 
 

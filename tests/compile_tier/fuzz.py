@@ -16,8 +16,10 @@ A name is ``fuzz:kind=decode,t=5,g=7,hkv=2,d=128,dtype=bfloat16,...``; kinds:
 from __future__ import annotations
 
 import functools
+import os
 
 import jax.numpy as jnp
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fdecode
@@ -32,6 +34,29 @@ HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256)
 FOUND: list[str] = ["fuzz:kind=decode,t=3,g=12,hkv=3,d=192,dtype=bfloat16,paged=64,layout=HND,s=4096,b=1",
                     "fuzz:kind=decode,t=1,g=2,hkv=1,d=128,dtype=float32,paged=16,layout=HND,s=100,b=5",
                     "fuzz:kind=decode,t=64,g=12,hkv=1,d=64,dtype=float32,paged=0,layout=HND,s=4096,b=1"]
+
+
+# CI: a fixed seed and ``FDECODE_COMPILE_FUZZ_EXAMPLES`` draws (default 9); ``FDECODE_COMPILE_FUZZ=long``:
+# random seeds, 60 shapes. Compiled for H100, A100 and TPU v5e (of ``FDECODE_COMPILE_TARGETS``).
+LONG = os.environ.get("FDECODE_COMPILE_FUZZ") == "long"
+EXAMPLES = int(os.environ.get("FDECODE_COMPILE_FUZZ_EXAMPLES", 60 if LONG else 9))
+TARGETS = [t for t in os.environ.get("FDECODE_COMPILE_TARGETS", "h100,a100,v5e,v6e").split(",")
+           if t in ("h100", "a100", "v5e")]
+
+
+@functools.cache
+def drawn_names() -> list[str]:
+  """The leg's shapes: hypothesis draws (derandomized unless long), named by `name_of`: two
+  thirds flash_decode calls, a sixth each MLA and ragged_decode steps; `FOUND` first.
+  Drawn once a process (random seeds differ from draw to draw)."""
+  names = []
+  for kind, share in (("decode", 4), ("mla", 1), ("ragged", 1)):
+    @settings(max_examples=max(1, EXAMPLES * share // 6), derandomize=not LONG, database=None, deadline=None)
+    @given(spec=specs(kind))
+    def collect(spec):
+      names.append(name_of(spec))
+    collect()
+  return list(dict.fromkeys(FOUND + names))
 
 
 def name_of(spec: dict) -> str:

@@ -1,6 +1,6 @@
 """The randomized leg of the compile tier (issue 31): shapes drawn by hypothesis
 (tests/compile_tier/fuzz.py), each compiled deviceless for H100, A100 and TPU v5e like the
-fixed cases (`fdecode.devtools.compile_check`, `run_targets`).
+fixed cases, in the same workers (the `compiled` fixture, tests/compile_tier/conftest.py).
 
 CI: a fixed seed and ``FDECODE_COMPILE_FUZZ_EXAMPLES`` draws (default 9: 6 decodes, 1 MLA,
 1 ragged step, 8 distinct shapes; what fits the 30-minute CI beside the rest), each
@@ -10,48 +10,19 @@ shape and chip: it compiles; on GPU every fdecode kernel has no register spills 
 the chip's shared memory, and a decode launches at most two fdecode kernels.
 """
 
-import os
-
 import pytest
-from hypothesis import given, settings
 
 from fdecode.kernels.common import chips
-from fdecode.devtools.compile_check import run_targets
 
 import fuzz
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-LONG = os.environ.get("FDECODE_COMPILE_FUZZ") == "long"
-EXAMPLES = int(os.environ.get("FDECODE_COMPILE_FUZZ_EXAMPLES", 60 if LONG else 9))
-TARGETS = [t for t in os.environ.get("FDECODE_COMPILE_TARGETS", "h100,a100,v5e,v6e").split(",")
-           if t in ("h100", "a100", "v5e")]
-
-
-def drawn_names() -> list[str]:
-  """The leg's shapes: hypothesis draws (derandomized unless long), named by `fuzz.name_of`:
-  two thirds flash_decode calls, a sixth each MLA and ragged_decode steps."""
-  names = []
-  for kind, share in (("decode", 4), ("mla", 1), ("ragged", 1)):
-    @settings(max_examples=max(1, EXAMPLES * share // 6), derandomize=not LONG, database=None, deadline=None)
-    @given(spec=fuzz.specs(kind))
-    def collect(spec):
-      names.append(fuzz.name_of(spec))
-    collect()
-  return list(dict.fromkeys(fuzz.FOUND + names))
-
-
-NAMES = drawn_names()
-
-
-@pytest.fixture(scope="session")
-def fuzz_reports():
-  return run_targets(os.path.join(HERE, "cases.py"), {t: NAMES for t in TARGETS})
+TARGETS, NAMES = fuzz.TARGETS, fuzz.drawn_names()
 
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", NAMES)
-def test_drawn_shape_compiles(fuzz_reports, target, name):
-  report = fuzz_reports[target][name]
+def test_drawn_shape_compiles(compiled, target, name):
+  report = compiled[target][name]
   assert report["ok"], f"{name} on {target}: {report.get('error')}"
   if target not in chips.GPUS:
     return

@@ -12,24 +12,19 @@ compiled decode's ``cost_analysis()`` counts the KV bytes within 10%.
 """
 
 import math
-import os
 
 import pytest
 
 from fdecode.kernels.common import chips
-from fdecode.devtools.compile_check import run_targets
 from fdecode.kernels.triton import merges_parts
 
-from cases import BENCH, CASES, PLAIN_XLA, SM90_ONLY, TPU_XLA, names_for
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-TARGETS = os.environ.get("FDECODE_COMPILE_TARGETS", "h100,a100,v5e,v6e").split(",")
+from cases import BENCH, CASES, PLAIN_XLA, SM90_ONLY, TARGETS, TPU_XLA, names_for
 
 
 @pytest.fixture(scope="session")
-def reports():
-  """target -> case -> report, compiled two workers at a time (one per core)."""
-  return run_targets(os.path.join(HERE, "cases.py"), {t: names_for(t) for t in TARGETS})
+def reports(compiled):
+  """target -> case -> report (tests/compile_tier/conftest.py)."""
+  return compiled
 
 
 # K and V bytes of cases (bf16): B * Hkv * S * (Dk + Dv) * 2.

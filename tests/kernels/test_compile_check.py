@@ -51,3 +51,18 @@ def test_host_waits_count_conditionals_and_loops(tmp_path):
       "002: kCustomKernel [source | sink] after\n")
   assert gpu_host_waits(str(tmp_path)) == 1 + 2
 
+
+
+def test_every_case_gets_a_report_when_workers_die(tmp_path):
+  """`run_targets`' lanes: a worker that dies fails the case it was handed, with its exit
+  status and stderr, and a new worker takes the next case (here every worker dies: the
+  cases file does not load). Both lanes end."""
+  from fdecode.devtools.compile_check import run_targets
+  bad = tmp_path / "cases.py"
+  bad.write_text("raise RuntimeError('no cases here')\n")
+  out = run_targets(str(bad), {"h100": ["a", "b", "c"], "v5e": ["d"]}, timeout=120)
+  assert {t: sorted(r) for t, r in out.items()} == {"h100": ["a", "b", "c"], "v5e": ["d"]}
+  for t, reports in out.items():
+    for name, r in reports.items():
+      assert not r["ok"] and f"compile worker died (exit 1) compiling {name}" in r["error"], r
+      assert "no cases here" in r["error"], r
