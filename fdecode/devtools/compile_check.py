@@ -270,12 +270,12 @@ def _load_cases(path: str) -> dict:
   return module.CASES
 
 
-def _worker(target_name: str, cases_path: str, names: list[str]) -> None:
-  """Compiles ``names`` one by one (none given: each name read from stdin, a line each,
-  until it closes), one JSON line each (``START`` before, ``RESULT`` after)."""
+def _worker(target_name: str, cases_path: str) -> None:
+  """Compiles each case name read from stdin (a line each, until it closes), one JSON line
+  each (``START`` before, ``RESULT`` after)."""
   cases = _load_cases(cases_path)
   target = Target(target_name).load()
-  for name in names or (line.strip() for line in sys.stdin):
+  for name in (line.strip() for line in sys.stdin):
     if not name:
       continue
     print("START " + name, flush=True)
@@ -288,41 +288,9 @@ def _worker(target_name: str, cases_path: str, names: list[str]) -> None:
 
 
 def run_cases(target_name: str, cases_path: str, names: list[str], *, timeout: float = 900) -> dict:
-  """Compiles every case for one target in worker processes; returns name -> report.
-
-  A worker that dies (a compiler abort) fails the case it was compiling, with the exit
-  status and the end of its stderr; a new worker takes the rest.
-  """
-  results, todo = {}, list(names)
-  env = _worker_env()
-  while todo:
-    with tempfile.TemporaryFile("w+") as err:
-      proc = subprocess.Popen(
-          [sys.executable, "-m", "fdecode.devtools.compile_check", target_name, cases_path, *todo],
-          stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-      current = None
-      deadline = time.time() + timeout
-      for line in proc.stdout:
-        if line.startswith("START "):
-          current = line[6:].strip()
-        elif line.startswith("RESULT "):
-          report = json.loads(line[7:])
-          results[report.pop("name")] = report
-          todo.remove(current)
-          current = None
-        if time.time() > deadline:
-          proc.kill()
-          break
-      rc = proc.wait()
-      if current is None and todo and rc == 0:
-        raise RuntimeError(f"compile worker for {target_name} ended without compiling {todo}")
-      if current is not None or rc:
-        err.seek(0)
-        tail = err.read()[-3000:]
-        failed = current or todo[0]
-        results[failed] = dict(ok=False, error=f"compile worker died (exit {rc}) compiling {failed}: {tail}")
-        todo.remove(failed)
-  return results
+  """Compiles every case for one target in worker processes, one at a time; returns
+  name -> report (`run_targets` with one target and one lane)."""
+  return run_targets(cases_path, {target_name: names}, lanes=1, timeout=timeout)[target_name]
 
 
 def _worker_env() -> dict:
@@ -410,4 +378,4 @@ def run_targets(cases_path: str, names: dict[str, list[str]], *, lanes: int = 2,
 
 
 if __name__ == "__main__":
-  _worker(sys.argv[1], sys.argv[2], sys.argv[3:])
+  _worker(sys.argv[1], sys.argv[2])
