@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 
 from fdecode.combine import apply_sinks
@@ -30,6 +32,11 @@ def _broadcast4(x, b, t, hq, s):
   return jnp.broadcast_to(x, (b, t, hq, s))
 
 
+# One program rather than ~25 eager ops, each compiled on its own for every new shape (tests
+# call the oracle outside jit). The scalars (scale, window, soft cap) are traced arguments,
+# so the float math is the eager math: XLA would turn a division by a constant into a
+# multiplication by its reciprocal.
+@functools.partial(jax.jit, static_argnames=("causal",))
 def reference_decode(q, k, v, lengths, *, softmax_scale=None, causal=True, mask=None, bias=None,
                      alibi_slopes=None, window=None, logits_soft_cap=None, sinks=None):
   """Softmax attention of the new tokens over a head-major contiguous cache, in float32.

@@ -9,6 +9,7 @@ sequence's length are never needed; ids are clipped to ``[0, P)`` before any rea
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -32,6 +33,11 @@ def gather_token_major_pages(pages, block_tables):
 
 def gather_pages(pages, block_tables):
   """``[Hkv, P, ps, D]`` pages + ``[B, n]`` table -> contiguous ``[B, Hkv, n*ps, D]`` (a copy)."""
+  return _gather_pages(jnp.asarray(pages), jnp.asarray(block_tables))
+
+
+@jax.jit  # one program, not three eager ops (tests and oracles call it outside jit)
+def _gather_pages(pages, block_tables):
   return gather_pages_head_major(pages, block_tables).transpose(1, 0, 2, 3)
 
 

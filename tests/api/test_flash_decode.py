@@ -44,7 +44,7 @@ def test_matches_reference(request, impl, dtype, hq, hkv, t, num_splits):
                        **{"hq,hkv": HEADS}, t=NEW_TOKENS, num_splits=SPLITS)
   q, k, v = make_problem(0, b=len(LENGTHS), t=t, hq=hq, hkv=hkv, s=S_TAIL, dk=32, dtype=dtype)
   out, lse = check(q, k, v, jnp.array(LENGTHS), impl=impl, num_splits=num_splits, block_k=BLOCK)
-  assert np.all(np.asarray(out[0]) == 0) and np.all(np.isneginf(np.asarray(lse[0])))
+  assert np.all(np.asarray(out)[0] == 0) and np.all(np.isneginf(np.asarray(lse)[0]))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

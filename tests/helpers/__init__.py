@@ -4,6 +4,7 @@ interpreter, compile counting. Topic helpers live in the submodules (`helpers.fu
 tests/ is on ``sys.path`` (pyproject's ``pythonpath``), so any test imports ``helpers``."""
 
 import contextlib
+import functools
 import itertools
 import logging
 
@@ -30,18 +31,29 @@ def tol(dtype):
 def make_problem(seed, *, b=2, t=1, hq=4, hkv=2, s=64, dk=64, dv=None, dtype=jnp.float32):
   """q [B, T, Hq, Dk] (or [B, Hq, Dk] if t is None), k [B, Hkv, S, Dk], v [B, Hkv, S, Dv]."""
   dv = dk if dv is None else dv
-  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
   q_shape = (b, hq, dk) if t is None else (b, t, hq, dk)
-  q = jax.random.normal(kq, q_shape, jnp.float32).astype(dtype)
-  k = jax.random.normal(kk, (b, hkv, s, dk), jnp.float32).astype(dtype)
-  v = jax.random.normal(kv, (b, hkv, s, dv), jnp.float32).astype(dtype)
-  return q, k, v
+  return _problem(seed, q_shape, (b, hkv, s, dk), (b, hkv, s, dv), jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _problem(seed, q_shape, k_shape, v_shape, dtype):
+  """`make_problem`'s arrays in one program (the same values as drawing them one eager op at
+  a time, which compiled seven programs per shape)."""
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  return tuple(jax.random.normal(key, shape, jnp.float32).astype(dtype)
+               for key, shape in ((kq, q_shape), (kk, k_shape), (kv, v_shape)))
+
+
+def host_f32(x) -> np.ndarray:
+  """``x`` as a float32 numpy array, converted on the host (exact from bf16 / fp8 / f16):
+  an eager ``jnp`` cast would compile one XLA program per shape and dtype."""
+  return np.asarray(x).astype(np.float32)
 
 
 def assert_close(actual, expected, *, atol, rtol, what="output"):
   """FlashMLA-style: inf/NaN positions must agree first, then the finite values."""
-  a = np.asarray(jnp.asarray(actual, jnp.float32))
-  e = np.asarray(jnp.asarray(expected, jnp.float32))
+  a = host_f32(actual)
+  e = host_f32(expected)
   assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
   assert not np.isnan(a).any(), f"{what}: NaN in result"
   np.testing.assert_array_equal(np.isinf(a), np.isinf(e), err_msg=f"{what}: inf positions differ")
@@ -56,7 +68,7 @@ F32_EPS = float(np.finfo(np.float32).eps)
 
 def max_abs(*arrays) -> float:
   """The largest finite magnitude in the arrays (a `assert_reordered` scale)."""
-  vals = [np.abs(np.asarray(jnp.asarray(x, jnp.float32), np.float64)) for x in arrays]
+  vals = [np.abs(host_f32(x).astype(np.float64)) for x in arrays]
   return max(float(np.max(np.where(np.isfinite(x), x, 0.0), initial=0.0)) for x in vals)
 
 
@@ -72,8 +84,8 @@ def assert_reordered(actual, expected, *, terms, scale, what="output"):
   dtype at ``scale`` and at the value itself (a bfloat16 result, or a bfloat16 softmax
   weight, may round either way). NaN and inf positions (and signs) must agree exactly."""
   dtype = jnp.result_type(actual)
-  a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
-  e = np.asarray(jnp.asarray(expected, jnp.float32), np.float64)
+  a = host_f32(actual).astype(np.float64)
+  e = host_f32(expected).astype(np.float64)
   assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
   np.testing.assert_array_equal(np.isnan(a), np.isnan(e), err_msg=f"{what}: NaN positions differ")
   np.testing.assert_array_equal(np.where(np.isinf(a), np.sign(a), 0), np.where(np.isinf(e), np.sign(e), 0),

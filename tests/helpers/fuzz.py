@@ -21,7 +21,7 @@ import numpy as np
 from hypothesis import HealthCheck, Phase, settings, strategies as st
 
 import fdecode
-from helpers import tpu_interpret
+from helpers import host_f32, tpu_interpret
 
 LONG = os.environ.get("FDECODE_FUZZ") == "long"
 COMMON = dict(deadline=None, database=None, print_blob=True,
@@ -455,7 +455,7 @@ def tolerances(c):
 
 
 def assert_matches(actual, expected, atol, rtol, what):
-  a = np.asarray(jnp.asarray(actual, jnp.float32), np.float64)
+  a = host_f32(actual).astype(np.float64)
   e = np.asarray(expected, np.float64)
   assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
   nan_a, nan_e = np.isnan(a), np.isnan(e)

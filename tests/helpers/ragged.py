@@ -43,31 +43,35 @@ def head_major(x, layout, paged):
 
 
 def per_sequence(p, layout="HND", per_row=None, **opts):
-  """The oracle: each live sequence alone through the float32 reference, T = q_len."""
+  """The oracle: each live sequence alone through the float32 reference, T = q_len.
+  Rows and caches are sliced on the host (numpy): an eager slice of a jax array compiles
+  one XLA program per shape. Returns numpy ``(out, lse)`` of the live rows."""
   paged = p["block_tables"] is not None
-  k, v = (head_major(x, layout, paged) for x in (p["k"], p["v"]))
-  cu, outs, lses = p["cu_q_lens"], [], []
+  k, v = (np.asarray(head_major(x, layout, paged)) for x in (p["k"], p["v"]))
+  q, cu, outs, lses = np.asarray(p["q"]), p["cu_q_lens"], [], []
+  per_row = {n: np.asarray(x) for n, x in (per_row or {}).items()}
   for i in range(p["num_seqs"]):
     lo, hi = int(cu[i]), int(cu[i + 1])
     if hi == lo:
       continue
-    extra = {n: x[lo:hi][None] for n, x in (per_row or {}).items()}
-    cache = dict(block_tables=p["block_tables"][i:i + 1]) if paged else {}
+    extra = {n: x[lo:hi][None] for n, x in per_row.items()}
+    cache = dict(block_tables=np.asarray(p["block_tables"])[i:i + 1]) if paged else {}
     ki, vi = (k, v) if paged else (k[i:i + 1], v[i:i + 1])
-    o, l = fdecode.flash_decode(p["q"][lo:hi][None], ki, vi, p["kv_lens"][i:i + 1], impl="reference",
+    o, l = fdecode.flash_decode(q[lo:hi][None], ki, vi, np.asarray(p["kv_lens"])[i:i + 1], impl="reference",
                                 return_lse=True, **cache, **extra, **opts)
-    outs.append(o[0])
-    lses.append(l[0])
-  return jnp.concatenate(outs), jnp.concatenate(lses)
+    outs.append(np.asarray(o)[0])
+    lses.append(np.asarray(l)[0])
+  return np.concatenate(outs), np.concatenate(lses)
 
 
 def check(p, out, lse, expected, dtype=jnp.float32):
   live = int(p["cu_q_lens"][p["num_seqs"]])
   t = tol(dtype)
+  out, lse = np.asarray(out), np.asarray(lse)
   assert_close(out[:live], expected[0], atol=t["atol"], rtol=t["rtol"])
   assert_close(lse[:live], expected[1], atol=t["lse"], rtol=t["lse"], what="lse")
-  np.testing.assert_array_equal(np.asarray(out[live:], np.float32), 0)  # padding rows
-  assert np.isneginf(np.asarray(lse[live:])).all()
+  np.testing.assert_array_equal(out[live:].astype(np.float32), 0)  # padding rows
+  assert np.isneginf(lse[live:]).all()
 
 
 def spy_step(monkeypatch):

@@ -34,7 +34,9 @@ in XLA.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -111,6 +113,15 @@ def canonicalize(idx, ends, kv_offset, seq_capacity: int, num_tokens: int, mods:
     adjacent slots), for a kernel that selects repeats away itself (the Triton kernel: one
     sort, not two; XLA drops whichever form no lowered path reads).
   """
+  _, tf, hi, _ = idx.shape
+  return (Sparse(fold=tf, heads=hi),
+          *_canonical_lists(idx, ends, kv_offset, seq_capacity=seq_capacity, num_tokens=num_tokens, mods=mods))
+
+
+# One program (integer math only), not a dozen eager ops compiled one by one: `canonicalize`
+# runs outside `flash_decode`'s jit.
+@functools.partial(jax.jit, static_argnames=("seq_capacity", "num_tokens", "mods"))
+def _canonical_lists(idx, ends, kv_offset, *, seq_capacity, num_tokens, mods):
   b, tf, hi, kk = idx.shape
   s = seq_capacity
   local = idx - jnp.reshape(jnp.asarray(kv_offset, jnp.int32), (-1, 1, 1, 1))
@@ -127,7 +138,7 @@ def canonicalize(idx, ends, kv_offset, seq_capacity: int, num_tokens: int, mods:
   count = lambda limit: jnp.sum(local < limit[:, None, None], axis=-1, dtype=jnp.int32)
   hi_slot = count(jnp.clip(ends, 0, s))
   lo_slot = jnp.minimum(count(first), hi_slot)
-  return Sparse(fold=tf, heads=hi), local, jnp.stack([lo_slot, hi_slot], -1), ends, runs
+  return local, jnp.stack([lo_slot, hi_slot], -1), ends, runs
 
 
 def dense_mask(idx, seq_capacity: int):
