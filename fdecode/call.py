@@ -150,7 +150,7 @@ def canonical_call(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale
   if block_tables is not None:
     check_concrete_page_ids(block_tables, lengths, view.num_pages, view.page_size,
                              num_tokens=1 if single_token else q.shape[1], window=window)
-  q4 = q[:, None] if single_token else q
+  q4 = q.reshape(q.shape[0], 1, *q.shape[1:]) if single_token else q  # one reshape, not an expand_dims
   hkv = view.kv_heads
   mods, mod_arrays, sinks = modifiers.canonicalize(
       q4.shape, hkv, view.capacity, causal=causal, mask=mask, bias=bias,
@@ -219,7 +219,11 @@ def run(c: Call, return_lse: bool):
     out, lse = run_decode(q4, view, ends, lists, c.mod_arrays, c.sinks, impl=c.impl, softmax_scale=c.softmax_scale,
                           cfg=c.cfg, interpret=c.interpret, mods=mods, v_head_dim=c.v_head_dim,
                           sparse=sparse, source=None if c.single_token or sparse is not None else c.source)
-    out, lse = out.reshape(b, t, *out.shape[2:]), lse.reshape(b, t, -1)  # undo a sparse fold
+    # Undo a sparse fold; a single-token q drops its token axis in the same reshape (an eager
+    # ``out[:, 0]`` is a slice and a squeeze: two more programs outside jit).
+    rows = (b,) if c.single_token else (b, t)
+    out, lse = out.reshape(*rows, *out.shape[2:]), lse.reshape(*rows, -1)
+    return (out, lse) if return_lse else out
   if c.single_token:
     out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out
