@@ -207,11 +207,11 @@ def run(c: Call, return_lse: bool):
   with last dim Dv (``[B, Hq, Dv]`` or ``[B, T, Hq, Dv]``), and with ``return_lse`` its
   float32 ``lse``."""
   q4, view, ends, mods = c.q4, c.view, c.ends, c.mods
+  rows = q4.shape[:1] if c.single_token else q4.shape[:2]  # the caller's leading axes
   if q4.shape[0] == 0 or q4.shape[1] == 0:  # no sequence or no new token: nothing to attend
-    out = jnp.zeros(q4.shape[:-1] + (c.dv,), q4.dtype)
-    lse = jnp.full(q4.shape[:-1], -jnp.inf, jnp.float32)
+    out = jnp.zeros(rows + q4.shape[2:-1] + (c.dv,), q4.dtype)
+    lse = jnp.full(rows + q4.shape[2:-1], -jnp.inf, jnp.float32)
   else:
-    b, t = q4.shape[:2]
     sparse, lists = None, {}
     if c.indices is not None:
       q4, ends, sparse, lists, view = _sparse_setup(q4, ends, c.indices, view, c.kv_offset, mods)
@@ -221,11 +221,7 @@ def run(c: Call, return_lse: bool):
                           sparse=sparse, source=None if c.single_token or sparse is not None else c.source)
     # Undo a sparse fold; a single-token q drops its token axis in the same reshape (an eager
     # ``out[:, 0]`` is a slice and a squeeze: two more programs outside jit).
-    rows = (b,) if c.single_token else (b, t)
     out, lse = out.reshape(*rows, *out.shape[2:]), lse.reshape(*rows, -1)
-    return (out, lse) if return_lse else out
-  if c.single_token:
-    out, lse = out[:, 0], lse[:, 0]
   return (out, lse) if return_lse else out
 
 
