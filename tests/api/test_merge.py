@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fdecode
-from helpers import assert_close, assert_reordered, make_problem, max_abs
+from helpers import assert_close, assert_reordered, make_problem, max_abs, randn
 
 
 @pytest.mark.parametrize("cut", [0, 1, 17, 33, 63, 64])
@@ -28,7 +28,7 @@ def test_split_anywhere_then_merge_equals_whole(cut):
 
 
 def test_empty_parts_contribute_nothing_and_all_empty_is_zero():
-  o = jax.random.normal(jax.random.key(0), (3, 2, 5))
+  o = randn(0, (3, 2, 5))
   lse = jnp.array([[0.5, -jnp.inf], [-jnp.inf, -jnp.inf], [1.5, -jnp.inf]])
   out, out_lse = fdecode.merge_states(o, lse, axis=0)
   w = jax.nn.softmax(jnp.array([0.5, 1.5]))
@@ -44,8 +44,8 @@ class MergeStatesVariantsTest(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   def test_axis_and_order_invariance(self):
     merge = self.variant(fdecode.merge_states, static_argnames="axis")
-    o = jax.random.normal(jax.random.key(1), (2, 4, 3, 8))
-    lse = jax.random.normal(jax.random.key(2), (2, 4, 3))
+    o = randn(1, (2, 4, 3, 8))
+    lse = randn(2, (2, 4, 3))
     a = merge(o, lse, axis=1)
     perm = jnp.array([2, 0, 3, 1])
     b = merge(o[:, perm], lse[:, perm], axis=-2)  # negative axes count on lse
@@ -55,7 +55,7 @@ class MergeStatesVariantsTest(chex.TestCase):
 
 
 def test_single_part_is_identity():
-  o = jax.random.normal(jax.random.key(3), (1, 4, 8))
+  o = randn(3, (1, 4, 8))
   lse = jnp.array([[0.1, -jnp.inf, 3.0, -2.0]])
   out, out_lse = fdecode.merge_states(o, lse)
   np.testing.assert_allclose(out[jnp.array([0, 2, 3])], o[0, jnp.array([0, 2, 3])], rtol=1e-6)
@@ -105,8 +105,8 @@ def test_merge_segments_is_merge_states_per_segment():
   parts, a NaN lse or o, and +inf; a segment with no part is (0, -inf); parts whose id
   is out of range are dropped, NaN and all."""
   from fdecode.combine import merge_segments
-  o = jax.random.normal(jax.random.key(1), (9, 2, 4))
-  lse = jax.random.normal(jax.random.key(2), (9, 2))
+  o = randn(1, (9, 2, 4))
+  lse = randn(2, (9, 2))
   lse = lse.at[1, 0].set(-jnp.inf).at[3, 1].set(jnp.nan).at[5, 0].set(jnp.inf)
   o = o.at[6, 1].set(jnp.nan).at[8].set(jnp.nan)
   lse = lse.at[8].set(jnp.nan)
@@ -139,8 +139,8 @@ def test_segmented_combine_kernel_is_merge_segments(rows, chunk):
   from fdecode.kernels.triton import CombinePlan, Schedule, balanced_schedule, combine
   n, hkv, t, g, dv, b = 9, 2, 2, 2, 8, 5
   r = t * g
-  o = jax.random.normal(jax.random.key(3), (n, hkv, r, 1, dv))
-  lse = jax.random.normal(jax.random.key(4), (n, hkv, r, 1))
+  o = randn(3, (n, hkv, r, 1, dv))
+  lse = randn(4, (n, hkv, r, 1))
   lse = lse.at[1, 0, 0].set(-jnp.inf).at[3, 1, 2].set(jnp.nan).at[5, 0, 1].set(jnp.inf)
   o = o.at[6, 1, 3].set(jnp.nan).at[8].set(jnp.nan)
   lse = lse.at[8].set(jnp.nan)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import fdecode
+from helpers import randn
 
 B, HQ, HKV, S, D = 2, 4, 2, 16, 8
 PS, NP = 4, 8  # paged: page size, pool pages; tables [B, 4]
@@ -103,7 +104,7 @@ def test_sharded_only_errors(kw, pattern, mesh):
 def test_kv_offset_per_sequence_with_batch_axis(mesh):
   """kv_offset [B] is split with the batch, and lengths past S are valid with it (they count
   the whole sequence), as in flash_decode."""
-  q, k, v = (jax.random.normal(jax.random.key(i), x.shape) for i, x in enumerate(
+  q, k, v = (randn(i, x.shape) for i, x in enumerate(
       (jnp.zeros((B, HQ, D)), jnp.zeros((B, HKV, S, D)), jnp.zeros((B, HKV, S, D)))))
   lengths, offset = jnp.array([20, 5], jnp.int32), jnp.array([8, 0], jnp.int32)
   want = fdecode.flash_decode(q, k, v, lengths, kv_offset=offset, impl="xla")

@@ -9,6 +9,7 @@ import pytest
 
 from fdecode.cache import (PageAllocator, PoolExhaustedError, UnknownSequenceError, copy_pages,
                            write_paged)
+from helpers import randn
 
 
 def _snapshot(alloc):
@@ -185,8 +186,8 @@ def test_error_classes():
 
 
 def _pools(dtype=jnp.float32, hkv=2, pages=6, ps=4, d=8):
-  k = jax.random.normal(jax.random.key(0), (hkv, pages, ps, d)).astype(dtype)
-  v = jax.random.normal(jax.random.key(1), (hkv, pages, ps, d + 8)).astype(dtype)
+  k = randn(0, (hkv, pages, ps, d), dtype)
+  v = randn(1, (hkv, pages, ps, d + 8), dtype)
   return k, v
 
 

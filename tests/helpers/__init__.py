@@ -4,7 +4,6 @@ interpreter, compile counting. Topic helpers live in the submodules (`helpers.fu
 tests/ is on ``sys.path`` (pyproject's ``pythonpath``), so any test imports ``helpers``."""
 
 import contextlib
-import functools
 import itertools
 import logging
 
@@ -29,19 +28,20 @@ def tol(dtype):
 
 
 def make_problem(seed, *, b=2, t=1, hq=4, hkv=2, s=64, dk=64, dv=None, dtype=jnp.float32):
-  """q [B, T, Hq, Dk] (or [B, Hq, Dk] if t is None), k [B, Hkv, S, Dk], v [B, Hkv, S, Dv]."""
+  """q [B, T, Hq, Dk] (or [B, Hq, Dk] if t is None), k [B, Hkv, S, Dk], v [B, Hkv, S, Dv]:
+  standard normal draws (numpy's generator seeded with ``seed``), rounded to ``dtype``."""
   dv = dk if dv is None else dv
   q_shape = (b, hq, dk) if t is None else (b, t, hq, dk)
-  return _problem(seed, q_shape, (b, hkv, s, dk), (b, hkv, s, dv), jnp.dtype(dtype))
+  return tuple(randn(rng, shape, dtype) for rng in [np.random.default_rng(seed)]
+               for shape in (q_shape, (b, hkv, s, dk), (b, hkv, s, dv)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _problem(seed, q_shape, k_shape, v_shape, dtype):
-  """`make_problem`'s arrays in one program (the same values as drawing them one eager op at
-  a time, which compiled seven programs per shape)."""
-  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  return tuple(jax.random.normal(key, shape, jnp.float32).astype(dtype)
-               for key, shape in ((kq, q_shape), (kk, k_shape), (kv, v_shape)))
+def randn(seed, shape, dtype=jnp.float32):
+  """Standard normal draws of ``shape`` as a ``dtype`` array; ``seed`` is an int or a numpy
+  Generator. Drawn on the host: a ``jax.random`` draw compiles (and lowers threefry for)
+  one XLA program per shape, a tenth of a second each, thousands of times a run."""
+  rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+  return jnp.asarray(rng.standard_normal(shape, np.float32).astype(jnp.dtype(dtype)))
 
 
 def host_f32(x) -> np.ndarray:

@@ -1,20 +1,21 @@
 """Paged caches for the tests: shuffled page pools with garbage in unused table entries,
 garbage poured into dead slots, page tables laid out for a sequence-sharded pool."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
+
+from helpers import randn
 
 
 def paged_problem(seed, *, b, t, hq, hkv, pages_per_seq, page_size, dk, dtype=jnp.float32, spare=3):
   """A shuffled page pool with garbage in unused table entries; returns the contiguous view too."""
   num_pages = b * pages_per_seq + spare
-  kq, kk, kv, kp = jax.random.split(jax.random.key(seed), 4)
+  rng = np.random.default_rng(seed)
   q_shape = (b, hq, dk) if t is None else (b, t, hq, dk)
-  q = jax.random.normal(kq, q_shape).astype(dtype)
-  k_pages = jax.random.normal(kk, (hkv, num_pages, page_size, dk)).astype(dtype)
-  v_pages = jax.random.normal(kv, (hkv, num_pages, page_size, dk)).astype(dtype)
-  perm = np.asarray(jax.random.permutation(kp, num_pages))
+  q = randn(rng, q_shape, dtype)
+  k_pages = randn(rng, (hkv, num_pages, page_size, dk), dtype)
+  v_pages = randn(rng, (hkv, num_pages, page_size, dk), dtype)
+  perm = rng.permutation(num_pages)
   tables = perm[: b * pages_per_seq].reshape(b, pages_per_seq).astype(np.int32)
   return q, k_pages, v_pages, tables
 

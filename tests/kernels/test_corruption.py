@@ -11,7 +11,7 @@ import pytest
 
 import fdecode
 from fdecode.combine import apply_sinks, merge_states
-from helpers import impl_param, make_problem
+from helpers import impl_param, make_problem, randn
 
 S = 64
 LENGTHS = jnp.array([40, 64])
@@ -183,7 +183,7 @@ def test_bias_garbage_a_row_may_not_see_stays_in_its_row(impl, bad):
   carried 0 * NaN / 0 * inf from that entry into every row (found by tests/kernels/test_fuzz.py)."""
   q, k, v = make_problem(5, b=2, t=3, hq=4, hkv=2, s=S, dk=32)
   lengths = jnp.array([40, 64])
-  bias = jax.random.normal(jax.random.key(6), (2, 3, 4, S))
+  bias = randn(6, (2, 3, 4, S))
   dirty = bias.at[0, 0, :, 39].set(bad).at[1, 1, 2, 63].set(bad)  # t=0 / t=1 never see these
   call = lambda b: fdecode.flash_decode(q, k, v, lengths, bias=b, impl=impl, num_splits=3, block_k=16,
                                         return_lse=True)

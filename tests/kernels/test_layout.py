@@ -14,7 +14,7 @@ from fdecode.cache.layout import QUANT_ARRAYS, CacheView, head_major
 from fdecode.kernels.xla.plan import CHUNK_TOKENS as XLA_CHUNK_TOKENS
 from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
-from helpers import assert_attention_reordered, assert_close, impl_param, make_problem, max_abs, tol
+from helpers import assert_attention_reordered, assert_close, impl_param, make_problem, max_abs, randn, tol
 from helpers.layout import largest_new_array_bytes, nhd
 from helpers.paged import paged_problem, with_garbage
 
@@ -307,9 +307,9 @@ def test_xla_path_reads_caches_in_place(layout, paged, dtype):
     shape, tables = (b, s, hkv, d), None
   kw = dict(block_tables=tables, kv_layout=layout, impl="xla")
   quantized = dtype == jnp.float8_e4m3fn
-  kf = jax.random.normal(jax.random.key(1), shape, jnp.float32)
-  vf = jax.random.normal(jax.random.key(2), shape, jnp.float32)
-  q = jax.random.normal(jax.random.key(0), (b, hkv * g, d), jnp.bfloat16 if quantized else dtype)
+  kf = randn(1, shape, jnp.float32)
+  vf = randn(2, shape, jnp.float32)
+  q = randn(0, (b, hkv * g, d), jnp.bfloat16 if quantized else dtype)
   lengths = jnp.array([s, s // 2 + 3], jnp.int32)
   if quantized:
     k, kw["k_scale"] = quantize(kf, jnp.float8_e4m3fn)

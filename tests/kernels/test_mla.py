@@ -17,7 +17,7 @@ import fdecode
 from fdecode.cache.paged import gather_pages
 from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
-from helpers import assert_close, interpreted_once, tol
+from helpers import assert_close, interpreted_once, randn, tol
 from helpers.lowering import TPU_CALL, TRITON_CALL, lower_for_cuda, lower_for_tpu
 
 BLOCK = 16
@@ -27,10 +27,10 @@ LENGTHS = [0, 1, BLOCK - 1, BLOCK + 1, S]
 
 def mla_problem(seed, *, b, t, hq, s, dc, dr, dtype):
   """q ``[B, T, Hq, Dc + Dr]`` (T None: ``[B, Hq, ...]``) and one latent kv head ``[B, 1, S, Dc + Dr]``."""
-  kq, kk = jax.random.split(jax.random.key(seed))
+  rng = np.random.default_rng(seed)
   q_shape = (b, hq, dc + dr) if t is None else (b, t, hq, dc + dr)
-  q = jax.random.normal(kq, q_shape, jnp.float32).astype(dtype)
-  k = jax.random.normal(kk, (b, 1, s, dc + dr), jnp.float32).astype(dtype)
+  q = randn(rng, q_shape, dtype)
+  k = randn(rng, (b, 1, s, dc + dr), dtype)
   return q, k
 
 
@@ -90,7 +90,7 @@ def test_paged(request, impl, page_size):
   rng = np.random.default_rng(0)
   pages = b * n + 3
   tables = rng.permutation(pages)[: b * n].reshape(b, n).astype(np.int32)
-  pool = jax.random.normal(jax.random.key(9), (1, pages, page_size, dc + dr))
+  pool = randn(9, (1, pages, page_size, dc + dr))
   lengths = np.array([s, 9, 0])
   tables[1, -(-9 // page_size):] = -1  # past the length: never read
   out, lse = fdecode.flash_decode(q, pool, None, lengths, v_head_dim=dc, block_tables=tables,

@@ -11,7 +11,7 @@ import fdecode
 from fdecode.cache import PageAllocator, PoolExhaustedError, gather_pages, write_contiguous, write_paged
 from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
-from helpers import assert_close, impl_param, make_problem, tol
+from helpers import assert_close, impl_param, make_problem, randn, tol
 from helpers.paged import paged_problem, with_garbage
 
 
@@ -166,8 +166,8 @@ def test_out_of_range_page_ids_under_jit_are_clipped_not_read_out_of_bounds(impl
 def test_write_contiguous_round_trip_and_donation():
   q, k, v = make_problem(9, b=2, t=None, hq=4, hkv=2, s=32, dk=16)
   lengths = jnp.array([5, 30])
-  k_new = jax.random.normal(jax.random.key(1), (2, 2, 2, 16))
-  v_new = jax.random.normal(jax.random.key(2), (2, 2, 2, 16))
+  k_new = randn(1, (2, 2, 2, 16))
+  v_new = randn(2, (2, 2, 2, 16))
   step = jax.jit(write_contiguous, donate_argnums=(0, 1))
   k2, v2 = step(k + 0, v + 0, k_new, v_new, lengths)
   np.testing.assert_array_equal(k2[0, :, 5:7], k_new[0])
@@ -188,8 +188,8 @@ def test_write_then_read_quantized(gran):
   q, k, v = make_problem(10, b=2, t=None, hq=4, hkv=2, s=24, dk=32)
   kq, ks = quantize(k, jnp.int8, **GRANULARITIES[gran])
   vq, vs = quantize(v, jnp.int8, **GRANULARITIES[gran])
-  k_new = jax.random.normal(jax.random.key(3), (2, 2, 32))
-  v_new = jax.random.normal(jax.random.key(4), (2, 2, 32))
+  k_new = randn(3, (2, 2, 32))
+  v_new = randn(4, (2, 2, 32))
   kq2, vq2, ks2, vs2 = write_contiguous(kq, vq, k_new, v_new, jnp.array([10, 3]), k_scale=ks, v_scale=vs)
   kd = dequantize(kq2, ks2 if jnp.ndim(ks2) else jnp.reshape(ks2, (1, 1, 1, 1)))
   np.testing.assert_allclose(kd[0, :, 10], k_new[0], atol=0.03 if gran == "token" else 0.05)
@@ -203,8 +203,8 @@ def test_allocator_write_paged_decode_round_trip():
   page_size, hkv, d = 4, 2, 16
   alloc = PageAllocator(num_pages=10, page_size=page_size, max_pages_per_seq=4)
   kp = jnp.zeros((hkv, 10, page_size, d)); vp = jnp.zeros((hkv, 10, page_size, d))
-  k_full = jax.random.normal(jax.random.key(5), (2, hkv, 13, d))
-  v_full = jax.random.normal(jax.random.key(6), (2, hkv, 13, d))
+  k_full = randn(5, (2, hkv, 13, d))
+  v_full = randn(6, (2, hkv, 13, d))
   alloc.allocate("a", 6); alloc.allocate("b", 13)
   table = alloc.block_table(["a", "b"])
   kp, vp = write_paged(kp, vp, table, jnp.array([0, 0]), k_full[:, :, :6], v_full[:, :, :6])
@@ -212,7 +212,7 @@ def test_allocator_write_paged_decode_round_trip():
   got = gather_pages(kp, jnp.asarray(np.maximum(table, 0)))
   np.testing.assert_array_equal(got[1, :, :13], k_full[1])
   np.testing.assert_array_equal(got[0, :, :8], k_full[0, :, :8])  # "a" owns 2 pages = 8 slots
-  q = jax.random.normal(jax.random.key(7), (2, 4, d))
+  q = randn(7, (2, 4, d))
   out = fdecode.flash_decode(q, kp, vp, jnp.array([6, 13]), block_tables=table, impl="xla")
   ref = fdecode.flash_decode(q, k_full, v_full, jnp.array([6, 13]), impl="reference")
   assert_close(out, ref, atol=3e-5, rtol=3e-5)

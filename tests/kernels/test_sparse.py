@@ -16,7 +16,7 @@ from fdecode.cache.paged import gather_pages
 from fdecode.cache.quant import dequantize, quantize
 from fdecode.reference import reference_decode
 from helpers import (assert_attention_reordered, assert_close, impl_param, interpreted_once, make_problem,
-                     max_abs, tol)
+                     max_abs, randn, tol)
 from helpers.layout import largest_new_array_bytes, nhd
 from helpers.lowering import TPU_CALL, TRITON_CALL, lower_for_cuda, lower_for_tpu
 from helpers.sparse import index_mask, random_indices
@@ -89,8 +89,8 @@ def test_paged(request, impl, page_size):
 def test_mla_fp8_with_rope(impl):
   """Sparse over FlashMLA's cache: fp8 latent (1x32 tiles) + bf16 RoPE columns, v=None."""
   b, s, dc, dr = 2, 40, 64, 32
-  q = jax.random.normal(jax.random.key(6), (b, 2, 16, dc + dr), jnp.bfloat16)
-  k = jax.random.normal(jax.random.key(7), (b, 1, s, dc + dr), jnp.bfloat16)
+  q = randn(6, (b, 2, 16, dc + dr), jnp.bfloat16)
+  k = randn(7, (b, 1, s, dc + dr), jnp.bfloat16)
   latent, scale = quantize(k[..., :dc], jnp.float8_e4m3fn, tile=32)
   rope = k[..., dc:]
   full = jnp.concatenate([dequantize(latent, scale), rope.astype(jnp.float32)], axis=-1)
@@ -278,13 +278,13 @@ def test_xla_path_gathers_token_major_rows_in_place(dtype, paged):
   b, s, hkv, d, kk = 2, 8192, 2, 64, 256
   shape = (b * s // 16, 16, hkv, d) if paged else (b, s, hkv, d)
   kw = dict(block_tables=jnp.arange(b * s // 16, dtype=jnp.int32).reshape(b, s // 16)) if paged else {}
-  x = jax.random.normal(jax.random.key(0), shape, jnp.float32)
+  x = randn(0, shape, jnp.float32)
   if dtype == jnp.int8:
     k, kw["k_scale"] = quantize(x, jnp.int8)
     v, kw["v_scale"] = quantize(-x, jnp.int8)
   else:
     k, v = x.astype(dtype), (-x).astype(dtype)
-  q = jax.random.normal(jax.random.key(1), (b, 2, 2 * hkv, d), jnp.bfloat16)
+  q = randn(1, (b, 2, 2 * hkv, d), jnp.bfloat16)
   lengths, idx = jnp.array([s, 3000]), random_indices(2, (b, kk), s)
   call = jax.jit(lambda q, k, v: fdecode.flash_decode(q, k, v, lengths, indices=idx, kv_layout="NHD",
                                                       impl="xla", **kw))

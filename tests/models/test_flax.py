@@ -11,7 +11,7 @@ from flax import nnx
 
 import fdecode
 import fdecode.flax as fflax
-from helpers import assert_close, assert_reordered, max_abs, tol
+from helpers import assert_close, assert_reordered, max_abs, randn, tol
 
 F32 = tol(jnp.float32)
 
@@ -243,7 +243,7 @@ def test_decode_attention_errors():
 def _decode_steps(layer, prompts, prompt_lens, steps, seed=3):
   """Prefill then `steps` single-token decode steps; returns the stacked outputs."""
   _prefill(layer, prompts, prompt_lens)
-  xs = jax.random.normal(jax.random.key(seed), (steps, prompts.shape[0], 1, prompts.shape[-1]))
+  xs = randn(seed, (steps, prompts.shape[0], 1, prompts.shape[-1]))
   return jnp.stack([_decode(layer, x) for x in xs])
 
 
@@ -252,7 +252,7 @@ def test_decode_attention_8bit_cache_close_to_float_cache(cache_dtype, atol):
   """An 8-bit cache (per-token scales, quantized on write, dequantized in the kernel)
   tracks the float cache within quantization error."""
   e, b, max_len = 32, 2, 40
-  prompts = jax.random.normal(jax.random.key(0), (b, 16, e))
+  prompts = randn(0, (b, 16, e))
   lens = jnp.array([16, 7], jnp.int32)
   outs = {}
   for dtype in (jnp.float32, cache_dtype):
@@ -270,7 +270,7 @@ def test_decode_attention_on_explicit_mesh():
   sharded_flash_decode and matches the single-device layer."""
   mesh = jax.make_mesh((2, 4), ("heads", "seq"))
   e, b, max_len = 32, 2, 32
-  prompts = jax.random.normal(jax.random.key(4), (b, 8, e))
+  prompts = randn(4, (b, 8, e))
   lens = jnp.array([8, 3], jnp.int32)
   sharded_fn = functools.partial(fdecode.sharded_flash_decode, mesh=mesh, head_axis="heads", seq_axis="seq")
   results = []
@@ -292,7 +292,7 @@ def test_decode_attention_on_explicit_mesh():
 def test_decode_attention_paged_cache_matches_contiguous(page_size, dtype):
   """The same layer over a paged pool (shuffled block table) and a contiguous cache."""
   e, b, max_len = 32, 2, 24
-  prompts = jax.random.normal(jax.random.key(5), (b, 10, e))
+  prompts = randn(5, (b, 10, e))
   lens = jnp.array([10, 4], jnp.int32)
   outs = []
   for paged in (False, True):

@@ -1,7 +1,6 @@
 """`DecodeAttention` with score modifiers, and a Gemma-3-like stack of local (windowed)
 and global layers, against a naive float32 recomputation over the whole sequence."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +9,7 @@ from flax import nnx
 from fdecode.flax import DecodeAttention
 from fdecode.flax.decode_attention import alibi_slopes
 from fdecode.reference import reference_decode
-from helpers import assert_close
+from helpers import assert_close, randn
 
 E, HQ, HKV, D = 32, 4, 2, 8
 
@@ -60,7 +59,7 @@ def test_stack_prefill_and_decode_match_naive(windows, kw):
       layer.sinks[...] = jnp.linspace(-1.0, 1.0, HQ)
   b, prompt, steps = 2, 7, 5
   lengths = jnp.array([7, 2])
-  tokens = jax.random.normal(jax.random.key(0), (b, prompt + steps, E))
+  tokens = randn(0, (b, prompt + steps, E))
   for layer in stack.layers:
     layer.init_cache(batch=b, max_len=16)
   x = tokens[:, :prompt] * (jnp.arange(prompt) < lengths[:, None])[..., None]

@@ -11,6 +11,7 @@ from flax import nnx
 
 import fdecode
 import fdecode.flax as fflax
+from helpers import randn
 
 E, B, MAX_LEN = 16, 2, 8
 XLA = functools.partial(fdecode.flash_decode, impl="xla")  # one object: layers share jit caches
@@ -30,7 +31,7 @@ def _layer(page_size=None, decode_fn=None):
   layer = fflax.DecodeAttention(E, num_heads=2, num_kv_heads=1, head_dim=8, rngs=nnx.Rngs(0),
                                 decode_fn=decode_fn or XLA)
   layer.init_cache(B, MAX_LEN, page_size=page_size)
-  x = jax.random.normal(jax.random.key(0), (B, 6, E))
+  x = randn(0, (B, 6, E))
   _prefill(layer, x, jnp.array([6, 2], jnp.int32))
   return layer
 
@@ -65,7 +66,7 @@ def test_jit_overflow_is_flagged_and_corrupts_nothing(page_size):
   layer, twin = _layer(page_size), _layer(page_size)
   twin.lengths.set_value(jnp.array([0, 2], jnp.int32))  # sequence 0 has room there
   before = _snapshot(layer)
-  x = jax.random.normal(jax.random.key(1), (B, 3, E))
+  x = randn(1, (B, 3, E))
   out = _decode(layer, x)
   after = _snapshot(layer)
   assert np.isnan(np.asarray(out[0])).all()

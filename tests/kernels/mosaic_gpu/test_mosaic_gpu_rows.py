@@ -19,7 +19,6 @@ programs in 4 calls, each call's batch holding several cases: about 25 s of CPU 
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -31,6 +30,7 @@ from fdecode.kernels.common import chips
 from fdecode.cache.quant import quantize
 from fdecode.kernels.mosaic_gpu import rows_plan, rows_unsupported
 
+from helpers import randn
 from helpers.mosaic_gpu import INTERPRET, assert_no_races, check, interpreter, with_garbage_past  # noqa: F401  (interpreter: a fixture)
 
 pytestmark = pytest.mark.usefixtures("interpreter")
@@ -39,10 +39,10 @@ pytestmark = pytest.mark.usefixtures("interpreter")
 def problem(seed, *, b, t, hq, hkv, s, d, dtype=jnp.bfloat16):
   """q bf16 [B, T, Hq, D]; k, v [B, Hkv, S, D] in ``dtype`` (8-bit: quantized per token,
   with float32 scales [B, Hkv, S, 1]); returns (q, k, v, k_scale, v_scale)."""
-  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(kq, (b, t, hq, d), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(kk, (b, hkv, s, d), jnp.float32)
-  v = jax.random.normal(kv, (b, hkv, s, d), jnp.float32)
+  rng = np.random.default_rng(seed)
+  q = randn(rng, (b, t, hq, d), jnp.bfloat16)
+  k = randn(rng, (b, hkv, s, d))
+  v = randn(rng, (b, hkv, s, d))
   if dtype == jnp.bfloat16:
     return q, k.astype(dtype), v.astype(dtype), None, None
   (k, ks), (v, vs) = quantize(k, dtype), quantize(v, dtype)
