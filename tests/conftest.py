@@ -20,7 +20,9 @@ import pytest
 # Plain asserts in the helpers report their operands as they do in a test module.
 pytest.register_assert_rewrite("helpers")
 
-from helpers import tpu_interpret  # noqa: E402
+from helpers import host_arguments_for_interpreter_callbacks, tpu_interpret  # noqa: E402
+
+host_arguments_for_interpreter_callbacks()
 
 
 def pytest_collection_finish(session):

@@ -114,6 +114,38 @@ def assert_attention_reordered(actual, expected, *, keys, dk, values, what="out"
 TPU_INTERPRET = pltpu.InterpretParams(detect_races=True, uninitialized_memory="nan")
 
 
+def host_arguments_for_interpreter_callbacks() -> bool:
+  """Hands the Pallas interpreters' memory callbacks their arguments as host copies.
+
+  The TPU and Mosaic GPU interpreters run every load, store, DMA and semaphore op of a
+  kernel as an ``io_callback`` into Python, whose arguments arrive from XLA:CPU as numpy
+  arrays; JAX's ``io_callback_impl`` first ``device_put``s each one to a ``jax.Array``, and
+  the interpreter reads it straight back as numpy. That round trip was a fifth of a Mosaic
+  test's time (py-spy, test_layout's Mosaic cases: 91 -> 78 s without it). Here the
+  interpreters' own callbacks (and only theirs) get a numpy copy instead: the values they
+  see are the same, and any other callback keeps JAX's path. Returns whether it could
+  install (False: a JAX without ``io_callback_impl``, which then runs as it is)."""
+  from jax._src import callback as jax_callback
+
+  original = getattr(jax_callback, "io_callback_impl", None)
+  if original is None or getattr(original, "_fdecode_host_arguments", False):
+    return original is not None
+
+  def io_callback_impl(*args, callback, **params):
+    fn = getattr(callback, "callback_func", None)
+    fn = getattr(fn, "func", fn)  # the interpreters pass functools.partial(op, ...)
+    if not getattr(fn, "__module__", "").startswith(_INTERPRETERS):
+      return original(*args, callback=callback, **params)
+    return jax.tree.map(np.asarray, callback(*(np.array(a) for a in args)))
+
+  io_callback_impl._fdecode_host_arguments = True
+  jax_callback.io_callback_impl = io_callback_impl
+  return True
+
+
+_INTERPRETERS = ("jax._src.pallas.mosaic.interpret.", "jax._src.pallas.mosaic_gpu.interpret.")
+
+
 @contextlib.contextmanager
 def tpu_interpret():
   """Runs ``impl="pallas"`` calls as the TPU (Mosaic) kernel under `TPU_INTERPRET`, and
