@@ -22,7 +22,12 @@ pytest.register_assert_rewrite("helpers")
 
 from helpers import host_arguments_for_interpreter_callbacks, tpu_interpret  # noqa: E402
 
-host_arguments_for_interpreter_callbacks()
+
+def pytest_configure(config):
+  """The Pallas interpreters' memory callbacks take their arguments as host copies
+  (`helpers.host_arguments_for_interpreter_callbacks`)."""
+  del config
+  host_arguments_for_interpreter_callbacks()
 
 
 def pytest_collection_finish(session):
