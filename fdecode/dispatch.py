@@ -13,10 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fdecode.kernels.common import modifiers
-from fdecode.kernels.common import sparse as sparse_lib
 from fdecode.cache.layout import QUANT_ARRAYS
-from fdecode.cache.paged import gather_pages, gather_scale
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.kernels import mosaic_gpu
 from fdecode.kernels import mosaic_tpu
@@ -24,8 +21,9 @@ from fdecode.kernels import triton as triton_kernels
 from fdecode.kernels.triton import make_plan as triton_plan, run as triton_run, triton_unsupported
 from fdecode.kernels.common.modifiers import window_tokens
 from fdecode.kernels import xla as xla_kernels
-from fdecode.cache.quant import dequantize, is_quantized
+from fdecode.cache.quant import is_quantized
 from fdecode.reference import reference_decode
+from fdecode import derivatives
 from fdecode import route
 
 
@@ -87,33 +85,25 @@ def decode(q, view, ends, lists, mod_arrays, sinks, *, impl, softmax_scale, cfg,
   other path reads q and the view.
   The one dispatch: its path per platform *lowered for* (`fdecode.route.decode_path`, run
   by `fdecode.route.lower`), so exporting for TPU or CUDA from a CPU host embeds that
-  platform's kernel.
+  platform's kernel. Differentiable in every float argument, forward and reverse mode
+  (`fdecode.derivatives`: the forward runs this kernel, the tangent plain XLA).
   """
+  statics = derivatives.Statics(impl, softmax_scale, cfg, interpret, mods, v_head_dim, sparse)
+  return derivatives.differentiable(_forward, statics, (q, view, ends, lists, mod_arrays, sinks, source))
+
+
+def _forward(q, view, ends, lists, mod_arrays, sinks, source, *, impl, softmax_scale, cfg, interpret, mods,
+             v_head_dim, sparse):
+  """`decode`'s forward: its kernel, by the platform lowered for."""
   b, t, hq, dk = q.shape
   hkv = view.kv_heads
   g = hq // hkv
   if impl == "reference":
-    hm = view.head_major()
-    tables = hm.block_tables
-    kf = _materialize(hm.k, tables, hm.k_scale, hm.k_offset)
-    vf = kf[..., :v_head_dim] if hm.v is None else _materialize(hm.v, tables, hm.v_scale, hm.v_offset)
-    if hm.k_rope is not None:  # key-only columns after k's own
-      kf = jnp.concatenate([kf, _materialize(hm.k_rope, tables)], axis=-1)
-    mask = mod_arrays["mask"]
-    if sparse is not None:  # the selected positions as a mask, each pseudo-sequence's cache row
-      src = jnp.arange(b) // sparse.fold
-      kf, vf = kf[src], vf[src]
-      sel = sparse_lib.dense_mask(lists["indices"], kf.shape[2])  # [B', Hi, S]
-      mask = sel[:, :, None, None, :]  # canonical [B', Hi, 1, 1, S] ...
-      if sel.shape[1] > 1:  # ... per kv head: the same list for its G query heads
-        mask = jnp.broadcast_to(mask, (b, hkv, 1, g, sel.shape[2]))
-    user = lambda x: None if x is None else modifiers.user_form(x)
-    alibi = mod_arrays["alibi"]
+    d = derivatives.dense_call(q, view, ends, lists, mod_arrays, sinks, mods=mods, v_head_dim=v_head_dim,
+                               sparse=sparse)
     out, lse = reference_decode(
-        q, kf, vf, ends, softmax_scale=softmax_scale, causal=mods.causal,
-        mask=user(mask), bias=user(mod_arrays["bias"]),
-        alibi_slopes=None if alibi is None else alibi.reshape(-1), window=mods.window,
-        logits_soft_cap=mods.soft_cap, sinks=sinks)
+        d.q, d.k, d.v, d.ends, softmax_scale=softmax_scale, causal=mods.causal, mask=d.mask, bias=d.bias,
+        alibi_slopes=d.alibi, window=mods.window, logits_soft_cap=mods.soft_cap, sinks=d.sinks)
     return out.astype(q.dtype), lse
   if impl == "mosaic_gpu":  # opt-in: the Hopper kernels, or a ValueError naming why not (no fallback)
     return _mosaic_gpu(q, view, ends, softmax_scale=softmax_scale, cfg=cfg, interpret=interpret, mods=mods,
@@ -268,15 +258,3 @@ def triton_supports(view, v_head_dim=None) -> bool:
   return triton_unsupported(view.k.shape[-1], v_head_dim if v is None else v.shape[-1], tiles(view.k_scale),
                             tiles(view.v_scale), v_from_k=v is None,
                             rope_dim=0 if rope is None else rope.shape[-1]) is None
-
-
-def _materialize(x, tables, scale=None, offset=None):
-  """Float32 contiguous ``[B, Hkv, S, D]`` copy of a cache (the reference's input)."""
-  if tables is not None:
-    page_size = x.shape[2]
-    x = gather_pages(x, tables)
-    scale = None if scale is None else gather_scale(scale, tables, page_size)
-    offset = None if offset is None else gather_scale(offset, tables, page_size)
-  if scale is None:
-    return x.astype(jnp.float32)
-  return dequantize(x, scale, offset)

@@ -18,7 +18,7 @@ LAYERS = (
     ("fdecode.flax",),                                             # layers
     ("fdecode",),                                                  # the package face
     ("fdecode.api", "fdecode.ragged", "fdecode.cascade", "fdecode.sharding"),  # entry points
-    ("fdecode.call", "fdecode.dispatch", "fdecode.route"),         # the canonical call, the one route to a backend
+    ("fdecode.call", "fdecode.dispatch", "fdecode.route", "fdecode.derivatives"),  # the canonical call, the one route to a backend, its derivative
     ("fdecode.kernels",),                                          # backends, their plans and block math
     ("fdecode.cache",),                                            # cache formats, quantization, writes
     ("fdecode.validation", "fdecode.combine", "fdecode.config", "fdecode.reference"),  # the base
