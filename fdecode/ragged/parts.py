@@ -116,7 +116,10 @@ def _last_rows(st: Step):
 
 
 def _looped(st: Step):
-  """One flash_decode per real block, scattered to its rows: nothing runs for padding or decodes."""
+  """One flash_decode per real block, scattered to its rows: nothing runs for padding or
+  decodes. The loop's bound is static (`Step.num_blocks`, the most blocks the rows can
+  hold) and each step past the real blocks skips its call (``lax.cond``), so the loop is
+  a scan that reverse-mode differentiation can transpose."""
   q = st.q
   n_rows, hq = q.shape[:2]
 
@@ -129,8 +132,9 @@ def _looped(st: Step):
     return (out.at[dest].set(o.reshape(dest.shape[0], *o.shape[-2:]), mode="drop"),
             lse.at[dest].set(l.reshape(dest.shape[0], -1), mode="drop"))
 
+  real = _blocks(st)[1][-1]
   empty = (jnp.zeros((n_rows, hq, st.dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32))
-  return lax.fori_loop(0, _blocks(st)[1][-1], block, empty)
+  return lax.fori_loop(0, st.num_blocks, lambda j, c: lax.cond(j < real, block, lambda j, c: c, j, c), empty)
 
 
 def _batched(st: Step, triton_tiles: bool):

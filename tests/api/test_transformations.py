@@ -283,3 +283,148 @@ def test_nan_a_row_sees_reaches_its_gradient(impl):
   dq = jax.grad(lambda q: jnp.sum(fdecode.flash_decode(q, k, v, lengths, impl=_impl(impl))))(q)
   dq = np.asarray(dq)
   assert np.isnan(dq[0, 2:]).all() and np.isfinite(dq[0, :2]).all() and np.isfinite(dq[1]).all()
+
+
+def test_grad_ragged_step_matches_per_sequence_oracle():
+  """A packed step (decodes and prefill chunks over a paged pool): each row's gradient is
+  the one of its sequence alone (the oracle at T = q_len over that sequence's pages)."""
+  from helpers.ragged import batch  # pylint: disable=import-outside-toplevel
+  q_lens, kv_lens = [1, 5, 3], [20, 30, 9]
+  p = batch(0, q_lens, kv_lens, max_seqs=4, page_size=8)
+  tables, cu = np.asarray(p["block_tables"]), np.asarray(p["cu_q_lens"])
+  live = int(cu[len(q_lens)])
+
+  def fd(q, k, v):
+    out, lse = fdecode.ragged_decode(q, k, v, p["kv_lens"], p["block_tables"], p["cu_q_lens"], p["num_seqs"],
+                                     return_lse=True)
+    return out[:live], lse[:live]
+
+  def oracle(q, k, v):
+    outs, lses = [], []
+    for i, (t, n) in enumerate(zip(q_lens, kv_lens)):
+      dense = lambda x: _dense_pool(x, jnp.asarray(tables[i:i + 1]))
+      o, l = attention64(q[None, cu[i]:cu[i] + t], dense(k), dense(v), jnp.asarray([n]), return_lse=True)
+      outs.append(o[0]), lses.append(l[0])
+    return jnp.concatenate(outs), jnp.concatenate(lses)
+
+  _check(fd, oracle, (p["q"], p["k"], p["v"]), tangents=False)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_grad_sharded_matches_one_device(axis_type):
+  """Heads over one mesh axis, the sequence over another (the collective combine)."""
+  at = getattr(jax.sharding.AxisType, axis_type)
+  mesh = jax.make_mesh((2, 2), ("h", "s"), axis_types=(at, at))
+  b, hq, hkv, s, d = 2, 8, 4, 64, 16
+  q, k, v = randn(1, (b, hq, d)), randn(2, (b, hkv, s, d)), randn(3, (b, hkv, s, d))
+  lengths = jnp.asarray([64, 20])
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) ** 2)
+  want = jax.jit(jax.grad(loss(lambda q, k, v: fdecode.flash_decode(q, k, v, lengths)), argnums=(0, 1, 2)))(q, k, v)
+  with jax.set_mesh(mesh):
+    sharded = lambda q, k, v: fdecode.sharded_flash_decode(q, k, v, lengths, mesh=mesh, head_axis="h", seq_axis="s")
+    got = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(q, k, v)
+  for a, e in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=2e-6, rtol=2e-6)
+
+
+def test_grad_cascade_matches_the_concatenated_cache():
+  """A shared prefix read once: its gradient is the sum over the sequences that share it."""
+  b, hq, hkv, sp, ss, d = 2, 4, 2, 24, 16, 16
+  q = randn(1, (b, hq, d))
+  pk, pv = randn(2, (1, hkv, sp, d)), randn(3, (1, hkv, sp, d))
+  sk, sv = randn(4, (b, hkv, ss, d)), randn(5, (b, hkv, ss, d))
+  plen, slen = 20, np.array([16, 5])
+
+  def fd(q, pk, pv, sk, sv):
+    return fdecode.cascade_decode(q, pk, pv, jnp.asarray([plen]), sk, sv, jnp.asarray(slen),
+                                  prefix_ids=jnp.asarray([0, 0]), return_lse=True)
+
+  def oracle(q, pk, pv, sk, sv):
+    cat = lambda p, x: jnp.concatenate([jnp.broadcast_to(p[:, :, :plen], (b,) + p.shape[1:2] + (plen, d)), x], 2)
+    return attention64(q, cat(pk, sk), cat(pv, sv), jnp.asarray(plen + slen), return_lse=True)
+
+  _check(fd, oracle, (q, pk, pv, sk, sv), tangents=False)
+
+
+def test_grad_flax_attention_fn_matches_dot_product_attention():
+  """`nnx.MultiHeadAttention` with fdecode's ``attention_fn`` (no decode: a padded batch
+  of prompts) trains like the same module with Flax's own attention."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import fdecode.flax  # pylint: disable=import-outside-toplevel
+  x = randn(1, (2, 5, 32))
+
+  def grads(attention_fn):
+    mha = nnx.MultiHeadAttention(num_heads=4, in_features=32, qkv_features=32, decode=False,
+                                 attention_fn=attention_fn, rngs=nnx.Rngs(0))
+    return nnx.grad(lambda m, x: jnp.sum(m(x) ** 2))(mha, x)
+
+  got, want = grads(fdecode.flax.attention_fn), grads(nnx.dot_product_attention)
+  for a, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=1e-5, rtol=1e-5)
+
+
+def _small():
+  b, t, hq, hkv, s, d = 2, 2, 4, 2, 40, 16
+  return (randn(1, (b, t, hq, d)), randn(2, (b, hkv, s, d)), randn(3, (b, hkv, s, d))), jnp.asarray([40, 11])
+
+
+def test_transformations_compose():
+  """vmap of grad over several in_axes, grad inside scan, remat, a Hessian-vector
+  product, export with its VJP, and run-to-run bits."""
+  (q, k, v), lengths = _small()
+  f = lambda q, k, v: jnp.sum(fdecode.flash_decode(q, k, v, lengths) ** 2)
+  g = jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+  base = g(q, k, v)
+  again = g(q, k, v)
+  for a, e in zip(again, base):
+    assert np.array_equal(np.asarray(a), np.asarray(e))  # run to run, bit for bit
+  # vmap of grad over a stacked q (in_axes 0) and over a stacked cache (in_axes 1)
+  # (vmap batches the matmuls anew: float32 reassociation, a few ulp of the values)
+  qs = jnp.stack([q, 2 * q])
+  vg = jax.vmap(g, in_axes=(0, None, None))(qs, k, v)
+  np.testing.assert_allclose(np.asarray(vg[0][1]), np.asarray(g(2 * q, k, v)[0]), atol=1e-5, rtol=1e-5)
+  ks = jnp.stack([k, -k], axis=1)
+  vk = jax.vmap(g, in_axes=(None, 1, None), out_axes=1)(q, ks, v)
+  np.testing.assert_allclose(np.asarray(vk[1][:, 1]), np.asarray(g(q, -k, v)[1]), atol=1e-5, rtol=1e-5)
+  # remat and scan (a stacked cache per layer)
+  rg = jax.jit(jax.grad(jax.checkpoint(f), argnums=0))(q, k, v)
+  np.testing.assert_allclose(np.asarray(rg), np.asarray(base[0]), atol=1e-6, rtol=1e-6)
+  layers = jnp.stack([k, k * 0.5])
+
+  def scanned(q):
+    def body(x, kl):
+      return x + fdecode.flash_decode(x, kl, v, lengths), None
+    return jnp.sum(jax.lax.scan(body, q, layers)[0])
+  sg = jax.jit(jax.grad(scanned))(q)
+  with x64():
+    def scanned64(q):
+      x = q
+      for kl in (np.asarray(k, np.float64), np.asarray(k, np.float64) * 0.5):
+        x = x + attention64(x, kl, np.asarray(v, np.float64), lengths)
+      return jnp.sum(x)
+    sg64 = jax.jit(jax.grad(scanned64))(jnp.asarray(np.asarray(q, np.float64)))
+  np.testing.assert_allclose(np.asarray(sg), np.asarray(sg64), atol=2e-5, rtol=2e-5)
+  # Hessian-vector product (forward over reverse) against the oracle's
+  tq = randn(9, q.shape)
+  hvp = jax.jit(lambda q: jax.jvp(jax.grad(lambda q: f(q, k, v)), (q,), (tq,))[1])(q)
+  with x64():
+    k64, v64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (k, v))
+    f64 = lambda q: jnp.sum(attention64(q, k64, v64, lengths) ** 2)
+    q64, t64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, tq))
+    hvp64 = jax.jit(lambda q: jax.jvp(jax.grad(f64), (q,), (t64,))[1])(q64)
+  np.testing.assert_allclose(np.asarray(hvp), np.asarray(hvp64), atol=5e-5, rtol=5e-5)
+  # export with its VJP
+  exp = jax.export.export(jax.jit(lambda q, k, v: fdecode.flash_decode(q, k, v, lengths)), platforms=["cpu"])(
+      q, k, v)
+  eg = jax.grad(lambda q: jnp.sum(exp.call(q, k, v) ** 2))(q)  # through exp.vjp(), the exported VJP
+  np.testing.assert_allclose(np.asarray(eg), np.asarray(base[0]), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("interpret", ["triton", "mosaic_tpu"])
+def test_grad_through_the_interpreted_kernels(interpret):
+  """The forward runs the interpreted kernel; the derivative is the same XLA tangent."""
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=import-outside-toplevel
+  (q, k, v), lengths = _small()
+  flag = True if interpret == "triton" else pltpu.InterpretParams()
+  fd = lambda q, k, v: fdecode.flash_decode(q, k, v, lengths, impl="pallas", interpret=flag, return_lse=True)
+  _check(fd, lambda q, k, v: attention64(q, k, v, lengths, return_lse=True), (q, k, v), tangents=False)
