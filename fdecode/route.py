@@ -41,7 +41,7 @@ import jax
 import jax.extend.core  # pylint: disable=unused-import
 import numpy as np
 from jax import lax
-from jax.interpreters import batching, mlir
+from jax.interpreters import ad, batching, mlir
 from jax.experimental.pallas import tpu as pltpu
 
 __all__ = ["PLATFORMS", "Path", "branch_platform", "decode_path", "lower", "resolve_interpret", "step_path",
@@ -289,6 +289,16 @@ def _route_batch(args, dims, *, branches):
   return out, [0] * len(out)
 
 
+def _route_jvp(primals, tangents, *, branches):
+  """``jvp`` (and, through it, every derivative): the host's branch differentiated as
+  traced. The kernels inside it keep their own route and derivative
+  (`fdecode.derivatives`); what is the host's here is only the choice between a ragged
+  step's structures (one batched call or a loop of calls, the fused write's kernel or
+  XLA's scatter), which compute the same values."""
+  tangents = [ad.instantiate_zeros(t) for t in tangents]
+  return jax.jvp(branches.flat(branches.host), list(primals), tangents)
+
+
 def _route_lowering(ctx, *args, branches, platform):
   return mlir.lower_fun(branches.flat(platform), multiple_results=True)(ctx, *args)
 
@@ -299,5 +309,6 @@ _route_p.def_abstract_eval(_route_abstract_eval)
 _route_p.def_impl(_route_impl)
 if hasattr(batching, "primitive_batchers"):  # a JAX without the registry: vmap raises JAX's own error
   batching.primitive_batchers[_route_p] = _route_batch
+ad.primitive_jvps[_route_p] = _route_jvp
 for _lowered, _platform in (("cpu", "cpu"), ("cuda", "gpu"), ("rocm", "gpu"), ("tpu", "tpu")):
   mlir.register_lowering(_route_p, functools.partial(_route_lowering, platform=_platform), platform=_lowered)
