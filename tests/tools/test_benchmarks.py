@@ -211,3 +211,14 @@ def test_bench_serving_quick_reports_every_contender(tmp_path):
   assert buckets <= {"bucket N=1 M=1", "bucket N=2 M=2", "bucket N=4 M=4"}, buckets
   steps = json.loads((tmp_path / "s.json").read_text())["steps"]
   assert steps and all(s["rows"] in (1, 2, 4) and s["decodes"] + s["prefill_tokens"] <= s["rows"] for s in steps)
+
+
+def test_bench_grad_quick_reports_every_contender(tmp_path):
+  out = subprocess.run([sys.executable, "benchmarks/bench_grad.py", "--quick", "--iters", "1",
+                        "--json", str(tmp_path / "g.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
+  for row in ("floor: read K+V once", "forward: flash_decode", "grad: fdecode (flash_decode)",
+              "grad: plain autodiff of the XLA path", "grad: jax.nn.dot_product_attention"):
+    numbers(out, row, n=4)
+  recs = records(tmp_path / "g.json", "bench_grad")
+  assert len(recs) == 10 and all(r["temp_bytes"] >= 0 for r in recs), recs
