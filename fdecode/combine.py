@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 # Finite "minus infinity" for masked scores inside kernels, so that max / exp never see
 # inf - inf. A visible score at or below it counts as no key (scores are never that small
 # short of corruption); see `finalize_state`.
 MASK_VALUE = -1e30
+# The 0 / 1 weights and flags of a select, float32 even under jax_enable_x64 (a Python
+# float there would be float64, a dtype the TPU kernels have no vectors of).
+F32_ZERO, F32_ONE = np.float32(0.0), np.float32(1.0)
 
 
 def merge_states(o: Array, lse: Array, axis: int = 0) -> tuple[Array, Array]:
@@ -77,7 +81,7 @@ def merge_by(o, lse, reduce_max, reduce_sums, reduce_any, back):
   top_inf = lse_max == jnp.inf
   # All parts empty: use 0 as the reference so that exp(-inf - 0) = 0 (no NaN).
   ref = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-  w = jnp.where(back(top_inf), jnp.where(lse == jnp.inf, 1.0, 0.0), jnp.exp(lse - back(ref)))  # per part
+  w = jnp.where(back(top_inf), jnp.where(lse == jnp.inf, F32_ONE, F32_ZERO), jnp.exp(lse - back(ref)))  # per part
   # An empty part (lse -inf) is selected away, never multiplied by its 0 weight (its o
   # may be anything). A non-empty part's o always enters, so a NaN it holds propagates
   # even where its weight underflows to 0, as the slot's 0 * NaN would in one softmax.
@@ -123,7 +127,7 @@ def corrupt_rows(*acc_pieces):
   ``abs(x) <= max`` (False for both), which every kernel lowers (Triton, Mosaic)."""
   bad = None
   for a in acc_pieces:
-    b = jnp.max(jnp.where(jnp.abs(a) <= jnp.finfo(jnp.float32).max, 0.0, 1.0), axis=-1)
+    b = jnp.max(jnp.where(jnp.abs(a) <= jnp.finfo(jnp.float32).max, F32_ZERO, F32_ONE), axis=-1)
     bad = b if bad is None else jnp.maximum(bad, b)
   return bad > 0
 
@@ -180,7 +184,7 @@ def add_sink(o: jnp.ndarray, lse: jnp.ndarray, sink: jnp.ndarray):
   m = jnp.maximum(lse, sink)
   top_inf = m == jnp.inf
   ref = jnp.where(jnp.isfinite(m), m, 0.0)
-  weight = lambda x: jnp.where(top_inf, jnp.where(x == jnp.inf, 1.0, 0.0), jnp.exp(x - ref))
+  weight = lambda x: jnp.where(top_inf, jnp.where(x == jnp.inf, F32_ONE, F32_ZERO), jnp.exp(x - ref))
   w_state, w_sink = weight(lse), weight(sink)
   acc = jnp.where(lse != -jnp.inf, w_state * o.astype(jnp.float32), 0.0)
   total = w_state + w_sink

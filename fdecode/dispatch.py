@@ -61,7 +61,8 @@ def compute_dtype(q_dtype, *cache_dtypes):
   absent caches). A float32 query on a bfloat16 cache computes in float32; a bfloat16
   query on a float32 cache too."""
   dtypes = [q_dtype] + [d for d in cache_dtypes if d is not None and not is_quantized(d)]
-  return jnp.result_type(*dtypes)
+  with jax.numpy_dtype_promotion("standard"):  # fdecode's own documented rule, under a caller's "strict" too
+    return jnp.result_type(*dtypes)
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "softmax_scale", "cfg", "interpret", "mods",
@@ -172,12 +173,13 @@ def _xla(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
   p = xla_kernels.make_plan(
       batch=b, kv_heads=hkv, tokens=s, platform=platform, paged=view.paged,
       quantized=view.k_scale is not None or view.v_scale is not None,
-      kv_layout=view.read_layout, num_splits=cfg.num_splits,
+      kv_layout=view.read_layout, num_splits=cfg.num_splits, rows=q_rows.shape[2],
       token_bytes=b * hkv * view.k.shape[-1] * jnp.dtype(view.k.dtype).itemsize)  # K of one position, all sequences
   _note(p)
   rv = view.read(p.kv_layout)
   return xla_kernels.xla_partials(q_rows, rv.k, rv.v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                      num_splits=p.num_splits, mods=mods, kv_layout=p.kv_layout, **rv.kernel_arrays(), **extra)
+                      num_splits=p.num_splits, mods=mods, kv_layout=p.kv_layout, loop=p.loop, **rv.kernel_arrays(),
+                      **extra)
 
 
 def _triton(q, view, ends, *, num_tokens, softmax_scale, cfg, interpret, compute, sinks, mods,

@@ -8,7 +8,9 @@ same whatever the platform (``impl="xla"``, an interpreter: nothing else is trac
 each platform's when a program is lowered for that platform (a primitive whose lowering
 rule traces the target's branch), so a call traces no kernel of a platform it is not
 lowered for. `fdecode.plan` traces every branch at once, under one
-``lax.platform_dependent``; nothing else in fdecode calls it.
+``lax.platform_dependent``; nothing else in fdecode calls it. A TPU branch lowers the
+Mosaic kernel for the chip `fdecode.kernels.common.chips.tpu_lowering` names (TPU v5e when
+neither the trace nor the host names one).
 
 The rules, by the call:
 
@@ -39,10 +41,13 @@ from typing import Callable, Hashable, Mapping, TypeVar
 
 import jax
 import jax.extend.core  # pylint: disable=unused-import
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.interpreters import ad, batching, mlir
 from jax.experimental.pallas import tpu as pltpu
+
+from fdecode.kernels.common import chips
 
 __all__ = ["PLATFORMS", "Path", "branch_platform", "decode_path", "lower", "resolve_interpret", "step_path",
            "write_path"]
@@ -284,9 +289,35 @@ def _route_impl(*args, branches):
 
 def _route_batch(args, dims, *, branches):
   """``vmap``: each platform's branch vmapped, still traced only when lowered for."""
-  fns = {p: jax.vmap(branches.flat(p), in_axes=dims) for p in PLATFORMS}
+  fns = {p: _vmapped(branches.flat(p), dims, loop_in_shard_map=p == "tpu") for p in PLATFORMS}
   out = _Branches.bind(fns, tuple(args))
   return out, [0] * len(out)
+
+
+def _vmapped(fn, dims, *, loop_in_shard_map):
+  """``jax.vmap(fn, in_axes=dims)``; with ``loop_in_shard_map``, a `lax.map` over the batch
+  instead when a position operand (int32 or wider: lengths, block tables, index lists,
+  offsets; not an 8-bit cache) is batched inside ``shard_map``. Pallas batches a Mosaic
+  call whose scalar-prefetched operands (those) are batched with a loop of its own, whose
+  carry starts typed invariant over the mesh axes, and ``check_vma`` refuses it ("scan body
+  function carry input and carry output must have equal types", jax 0.10). `lax.map`
+  carries nothing, and loops just the same."""
+  vmapped = jax.vmap(fn, in_axes=dims)
+  if not loop_in_shard_map:
+    return vmapped
+
+  def run(*args):
+    ints = any(d is not None and np.issubdtype(x.dtype, np.integer) and x.dtype.itemsize >= 4
+               for x, d in zip(args, dims))
+    manual = any(jax.typeof(x).manual_axis_type.varying for x in args)
+    if not (ints and manual):
+      return vmapped(*args)
+
+    def one(xs):
+      xs = iter(xs)
+      return fn(*(x if d is None else next(xs) for x, d in zip(args, dims)))
+    return lax.map(one, [jnp.moveaxis(x, d, 0) for x, d in zip(args, dims) if d is not None])
+  return run
 
 
 def _route_jvp(primals, tangents, *, branches):
@@ -300,7 +331,11 @@ def _route_jvp(primals, tangents, *, branches):
 
 
 def _route_lowering(ctx, *args, branches, platform):
-  return mlir.lower_fun(branches.flat(platform), multiple_results=True)(ctx, *args)
+  lower = mlir.lower_fun(branches.flat(platform), multiple_results=True)
+  if platform != "tpu":
+    return lower(ctx, *args)
+  with chips.tpu_lowering():  # the chip Pallas lowers a Mosaic kernel for, on any host
+    return lower(ctx, *args)
 
 
 _route_p = jax.extend.core.Primitive("fdecode_route")

@@ -84,7 +84,9 @@ def sharded_flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, length
     lengths: int ``[B]`` valid tokens per sequence (new ones included), in ``[0, S]``.
     mesh: a `jax.sharding.Mesh` (e.g. `jax.make_mesh`) with Explicit or Auto axes, or a
       `jax.sharding.AbstractMesh` of the target devices to `jax.export` for another
-      platform (e.g. TPU from a CPU host; the kernel is chosen per lowering platform).
+      platform (e.g. TPU from a CPU host, with ``abstract_device=jax.sharding.AbstractDevice(
+      device_kind="TPU v5 lite", num_cores=1, platform="tpu")``, exported inside
+      ``jax.sharding.use_abstract_mesh`` of it; the kernel is chosen per lowering platform).
     head_axis: mesh axis name (or tuple of names) over which the kv heads, and their
       query heads with them, are split. Needs ``Hkv % n_h == 0``, or else
       ``n_h % Hkv == 0`` and ``Hq % n_h == 0`` (kv heads replicated, query groups split).

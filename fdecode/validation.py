@@ -328,14 +328,26 @@ def validate_args(q, k, v, lengths, block_tables, *, v_head_dim=None, k_rope=Non
     raise ValueError(f"flash_decode: head dim Dk of q ({dk}) and {what} ({kdk}) must agree; got {shapes}")
   if hkv == 0 or hq % hkv != 0:
     raise ValueError(f"flash_decode: Hq ({hq}) must be a multiple of Hkv ({hkv}); got {shapes}")
-  if not jnp.issubdtype(q.dtype, jnp.floating):
-    raise ValueError(f"flash_decode: q must be floating point, got q.dtype={q.dtype}")
+  _check_query_dtype(q.dtype)
   lengths_shape = tuple(np.shape(lengths))
   if lengths_shape != (b,):
     raise ValueError(f"flash_decode: lengths must be [B]=({b},); got lengths.shape={lengths_shape}")
   if not jnp.issubdtype(jnp.result_type(lengths), jnp.integer):
     raise ValueError(f"flash_decode: lengths must be integer, got dtype {jnp.result_type(lengths)}")
   return q.ndim == 3, dv
+
+
+def _check_query_dtype(dtype) -> None:
+  """q's dtype: a float of 16 bits or more (float16, bfloat16, float32, float64), which the
+  kernels compute in; a narrower float (8-bit, 4-bit) or any other kind raises ValueError
+  (fdecode takes 8-bit floats as caches only)."""
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 2:
+    return
+  hint = ("; cast it, e.g. q.astype(jnp.bfloat16) (8-bit floats are taken as caches only: k / v with "
+          "k_scale / v_scale)") if jnp.issubdtype(dtype, jnp.floating) else ""
+  raise ValueError(f"flash_decode: q must be a floating dtype of 16 bits or more (float16, bfloat16, float32 "
+                   f"or float64); got q.dtype={dtype}{hint}")
 
 
 def _value_head_dim(k, v, v_head_dim, shapes) -> int:

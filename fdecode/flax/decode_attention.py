@@ -44,7 +44,7 @@ def apply_rope(x: ArrayLike, positions: ArrayLike, *, theta: float = 10000.0) ->
                      f"positions.shape={tuple(positions.shape)}, x.shape={tuple(x.shape)}")
   half = d // 2
   freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / d)
-  angle = positions.astype(jnp.float32)[..., None, None] * freq  # [B, T, 1, D/2]
+  angle = positions.astype(jnp.float32)[..., None, None] * freq.reshape(1, 1, 1, half)  # [B, T, 1, D/2]
   cos, sin = jnp.cos(angle), jnp.sin(angle)
   x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
@@ -269,8 +269,11 @@ class DecodeAttention(nnx.Module):
     new_state = self._written(k, v, jnp.zeros((b,), jnp.int32))
     mods = self._modifiers()
     if set(mods) <= {"softmax_scale"}:  # plain causal attention: XLA's fused prefill
-      out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), is_causal=True,
-                                         scale=mods.get("softmax_scale"), key_value_seq_lengths=lengths)
+      # JAX's attention promotes a 16-bit q with float32 itself (its logits dtype), which a
+      # caller's jax_numpy_dtype_promotion="strict" would refuse: its own rule, kept.
+      with jax.numpy_dtype_promotion("standard"):
+        out = jax.nn.dot_product_attention(q, k, v.astype(q.dtype), is_causal=True,
+                                           scale=mods.get("softmax_scale"), key_value_seq_lengths=lengths)
     else:
       # The prompt's own keys as a head-major cache; with kv_offset = lengths - L, query t
       # sits at position t (flash_decode places T new tokens at the sequence's end).
@@ -304,7 +307,7 @@ class DecodeAttention(nnx.Module):
                        f"exceed the cache capacity S={s}. Nothing was written; free, evict or "
                        "re-prefill it first")
     fits = lengths + t <= s  # [B]
-    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
     q, k, v = self._qkv(x, positions)
     # A sequence that does not fit writes at S: every one of its slots is dropped.
     new_state = self._written(k, v, jnp.where(fits, lengths, s))
@@ -440,7 +443,10 @@ class DecodeAttention(nnx.Module):
     k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
     if self.q_norm is not None:
-      q, k = self.q_norm(q), self.k_norm(k)
+      # Flax's RMSNorm promotes a 16-bit input with float32 itself (its statistics), which a
+      # caller's jax_numpy_dtype_promotion="strict" would refuse: its own rule, kept.
+      with jax.numpy_dtype_promotion("standard"):
+        q, k = self.q_norm(q), self.k_norm(k)
     if self.rope_theta is not None:
       q = apply_rope(q, positions, theta=self.rope_theta)
       k = apply_rope(k, positions, theta=self.rope_theta)

@@ -262,7 +262,7 @@ class MLADecodeAttention(nnx.Module):
       raise ValueError(f"MLADecodeAttention.decode: sequence {i} holds {int(values[i])} tokens; {t} more "
                        f"exceed the cache capacity S={s}. Nothing was written; free, evict or re-prefill it first")
     fits = lengths + t <= s  # [B]
-    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    positions = lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
     q_nope, q_rope = self._queries(x, positions)
     c_kv, k_rope = self._latent(x, positions)
     new_state = self._written(c_kv, k_rope, jnp.where(fits, lengths, s))  # at S: dropped
@@ -297,7 +297,8 @@ class MLADecodeAttention(nnx.Module):
 
   def _weight(self, param, like):
     """A per-head up-projection in the computation dtype (``dtype``, else promoted)."""
-    dtype = self.dtype if self.dtype is not None else jnp.result_type(like.dtype, param.dtype)
+    with jax.numpy_dtype_promotion("standard"):  # promoted as documented, whatever the caller's mode
+      dtype = self.dtype if self.dtype is not None else jnp.result_type(like.dtype, param.dtype)
     return param[...].astype(dtype)
 
   def _queries(self, x, positions):
@@ -306,7 +307,8 @@ class MLADecodeAttention(nnx.Module):
     if self.q_proj is not None:
       q = self.q_proj(x)
     else:
-      q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+      with jax.numpy_dtype_promotion("standard"):  # Flax's RMSNorm's own float32 statistics (`_latent`)
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
     q = q.reshape(b, t, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
     q_nope, q_rope = q[..., :self.qk_nope_head_dim], q[..., self.qk_nope_head_dim:]
     return q_nope, apply_rope(q_rope, positions, theta=self.rope_theta)
@@ -314,7 +316,10 @@ class MLADecodeAttention(nnx.Module):
   def _latent(self, x, positions):
     """x ``[B, T, E]`` -> c_kv ``[B, T, Dc]`` (normed), rotated k_rope ``[B, T, Dr]``."""
     kv = self.kv_a_proj(x)
-    c_kv = self.kv_norm(kv[..., :self.kv_lora_rank])
+    # Flax's RMSNorm promotes a 16-bit input with float32 itself (its statistics), which a
+    # caller's jax_numpy_dtype_promotion="strict" would refuse: its own rule, kept.
+    with jax.numpy_dtype_promotion("standard"):
+      c_kv = self.kv_norm(kv[..., :self.kv_lora_rank])
     k_rope = apply_rope(kv[..., None, self.kv_lora_rank:], positions, theta=self.rope_theta)[:, :, 0]
     return c_kv, k_rope
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import Array
 from jax.typing import ArrayLike
@@ -65,7 +66,8 @@ def attention_fn(query: Array, key: Array, value: Array, bias: Array | None = No
         query, key, value, bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
         dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
         dtype=dtype, precision=precision, module=module, **kwargs)
-  out_dtype = dtype if dtype is not None else jnp.result_type(query, key, value)
+  with jax.numpy_dtype_promotion("standard"):  # promoted as documented, whatever the caller's mode
+    out_dtype = dtype if dtype is not None else jnp.result_type(query, key, value)
   *batch, _, hq, dk = query.shape
   length, hkv = key.shape[-3], key.shape[-2]
   b = math.prod(batch)

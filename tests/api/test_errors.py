@@ -34,7 +34,12 @@ def arrays(**over):
     (dict(lengths=jnp.array([1.0, 2.0])), r"lengths must be integer"),
     (dict(k=jnp.zeros((B, HKV, S, D), jnp.int8)), r"k has dtype int8: pass k_scale"),
     (dict(v=jnp.zeros((B, HKV, S, D), jnp.int32)), r"v must be floating point or int8/float8 with v_scale"),
-    (dict(q=jnp.zeros((B, HQ, D), jnp.int32)), r"q must be floating point, got q.dtype=int32"),
+    (dict(q=jnp.zeros((B, HQ, D), jnp.int32)), r"q must be a floating dtype of 16 bits or more \(float16, "
+                                               r"bfloat16, float32 or float64\); got q.dtype=int32$"),
+    (dict(q=jnp.zeros((B, HQ, D), jnp.float8_e4m3fn)), r"q must be a floating dtype of 16 bits or more .*got "
+                                                       r"q.dtype=float8_e4m3fn; cast it, e.g. q.astype"),
+    (dict(q=jnp.zeros((B, HQ, D), jnp.float8_e5m2)), r"got q.dtype=float8_e5m2; cast it"),
+    (dict(q=jnp.zeros((B, HQ, D), jnp.bool_)), r"q must be a floating dtype .*got q.dtype=bool$"),
     (dict(lengths=jnp.array([3, S + 1])), r"lengths must lie in \[0, S=16\]; sequence 1 has length 17"),
     (dict(lengths=jnp.array([-1, 2])), r"sequence 0 has length -1"),
 ])

@@ -428,3 +428,31 @@ def test_grad_through_the_interpreted_kernels(interpret):
   flag = True if interpret == "triton" else pltpu.InterpretParams()
   fd = lambda q, k, v: fdecode.flash_decode(q, k, v, lengths, impl="pallas", interpret=flag, return_lse=True)
   _check(fd, lambda q, k, v: attention64(q, k, v, lengths, return_lse=True), (q, k, v), tangents=False)
+
+
+def test_many_rows_over_a_long_cache_stream_in_the_forward_and_the_backward():
+  """T=256 over S=64k (B=1, Hq=8, Hkv=2, D=64, f32): the XLA forward loops over chunks of
+  scores (`fdecode.kernels.xla.plan.SCORE_BYTES`), and the whole grad program's temporaries
+  stay under a quarter of one [B, Hq, T, S] float32 score matrix (compiled, not run)."""
+  b, t, hq, hkv, s, d = 1, 256, 8, 2, 65536, 64
+  q, k = jax.ShapeDtypeStruct((b, t, hq, d), jnp.float32), jax.ShapeDtypeStruct((b, hkv, s, d), jnp.float32)
+  lengths = jnp.full((b,), s, jnp.int32)
+  loss = lambda q, k, v: jnp.sum(fdecode.flash_decode(q, k, v, lengths))
+  temp = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k).compile().memory_analysis().temp_size_in_bytes
+  assert temp <= b * hq * t * s * 4 // 4, f"{temp / 2**20:.0f} MiB"
+  plan, = fdecode.plan(randn(0, (1, 1, hq, d)), randn(0, (b, hkv, 8, d)), randn(0, (b, hkv, 8, d)), lengths[:1] * 0 + 8,
+                       platform="cpu")
+  assert not plan.loop  # a decode keeps its one batched matmul
+
+
+def test_looped_forward_matches_the_reference():
+  """A contiguous call past `SCORE_BYTES` of scores loops over chunks, merged as they come."""
+  b, t, hq, hkv, s, d = 1, 128, 8, 2, 20000, 16
+  q, k, v = randn(1, (b, t, hq, d)), randn(2, (b, hkv, s, d)), randn(3, (b, hkv, s, d))
+  lengths = jnp.asarray([19990])
+  plan, = fdecode.plan(q, k, v, lengths, platform="cpu")
+  assert plan.loop and plan.num_splits > 1
+  out, lse = jax.jit(lambda q, k, v: fdecode.flash_decode(q, k, v, lengths, return_lse=True))(q, k, v)
+  ref, ref_lse = fdecode.flash_decode(q, k, v, lengths, impl="reference", return_lse=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=3e-5, rtol=3e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=3e-5, rtol=3e-5)

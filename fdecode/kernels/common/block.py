@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fdecode.combine import MASK_VALUE, corrupt_rows, finalize_state
+from fdecode.combine import F32_ONE, F32_ZERO, MASK_VALUE, corrupt_rows, finalize_state
 from fdecode.kernels.common.modifiers import Modifiers, window_lo, window_start
 from fdecode.cache.quant import dequantize
 
@@ -132,7 +132,7 @@ def corrupt_value_rows(v_pieces):
   both; no NaN-ignoring max involved)."""
   bad = None
   for v in v_pieces:
-    b = jnp.max(jnp.where(jnp.abs(v.astype(jnp.float32)) <= jnp.finfo(jnp.float32).max, 0.0, 1.0),
+    b = jnp.max(jnp.where(jnp.abs(v.astype(jnp.float32)) <= jnp.finfo(jnp.float32).max, F32_ZERO, F32_ONE),
                 axis=1, keepdims=True)
     bad = b if bad is None else jnp.maximum(bad, b)
   return bad > 0
@@ -307,7 +307,7 @@ def modify_scores(s, mods: Modifiers, rows: Rows, pos_row, slopes=None, bias=Non
 def column_any(visible):
   """bool ``[R_p, bk]`` -> ``[bk, 1]``: some row sees slot j (a transpose, then a
   lane reduction)."""
-  return jnp.max(jnp.where(visible, 1.0, 0.0).T, axis=1, keepdims=True) > 0
+  return jnp.max(jnp.where(visible, F32_ONE, F32_ZERO).T, axis=1, keepdims=True) > 0
 
 
 def block_masks(rows: Rows, load_start, start, live_end, bk: int, *, first_visible=0, mask=None):

@@ -9,6 +9,8 @@ this host does not have.
 
 `lowering_gpu` answers "which GPU is this trace for": the device kind of the mesh set
 with ``jax.set_mesh`` (a deviceless compile), else the local GPU, else an H100.
+`tpu_lowering` does the same for Pallas' Mosaic TPU lowering: the mesh's TPU, else the
+host's, else a TPU v5e (`DEFAULT_TPU`).
 """
 
 from __future__ import annotations
@@ -86,6 +88,9 @@ TPUS = {
     "v5p": Tpu("TPU v5", "v5p:2x2x1", 2.76e12, 2),
     "v4": Tpu("TPU v4", "v4:2x2x1", 1.2e12, 2),
 }
+# The TPU a Mosaic kernel is lowered for when neither the trace nor the host names one (a
+# ``jax.export(..., platforms=["tpu"])`` from a CPU or GPU host): `tpu_lowering`.
+DEFAULT_TPU = TPUS["v5e"]
 
 
 def gpu_target_config(gpu: Gpu) -> str:
@@ -188,3 +193,49 @@ def lowering_gpu() -> Gpu:
     return H100
   cc = tuple(int(x) for x in str(getattr(local, "compute_capability", "9.0")).split("."))
   return _gpu_from_device(local.device_kind, cc, int(getattr(local, "core_count", 0) or 0))
+
+
+@contextlib.contextmanager
+def tpu_lowering():
+  """Inside, Pallas lowers a Mosaic TPU kernel for the TPU this trace is for, on any host.
+
+  Pallas reads the chip it lowers for from the device of the abstract mesh in context, else
+  from the host's default device, and refuses a device that is not a TPU ("Unsupported TPU
+  device kind: cpu"). That device is kept when it is a TPU (an export inside
+  ``jax.sharding.use_abstract_mesh`` with a TPU `jax.sharding.AbstractDevice`, a deviceless
+  compile, a TPU host). Outside any mesh, `DEFAULT_TPU` (TPU v5e) is set as the device of the
+  empty abstract mesh: a plain ``jax.export(..., platforms=["tpu"])`` from a CPU or GPU host
+  lowers the kernel for a v5e (fdecode's TPU plans do not depend on the generation; for
+  another chip, export inside ``use_abstract_mesh`` with its device kind). Inside a mesh of
+  other devices (``sharded_flash_decode`` over ``jax.make_mesh`` on a CPU host) no chip can
+  stand in, since that mesh is part of every array's type there: Pallas' refusal is raised
+  as a ValueError that shows the abstract-mesh recipe.
+  """
+  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  from jax._src.interpreters import pxla  # pylint: disable=g-import-not-at-top
+  mesh = mesh_lib.get_abstract_mesh()
+  device = getattr(mesh, "abstract_device", None)
+  platform = device.platform if device is not None else pxla.get_default_device().platform
+  if platform == "tpu":
+    yield
+    return
+  if mesh.empty:
+    tpu = jax.sharding.AbstractDevice(device_kind=DEFAULT_TPU.name, num_cores=DEFAULT_TPU.cores_per_chip,
+                                      platform="tpu")
+    with jax.sharding.use_abstract_mesh(mesh.update(abstract_device=tpu)):
+      yield
+    return
+  try:
+    yield
+  except ValueError as e:
+    if "Unsupported TPU device kind" not in str(e):
+      raise
+    devices = f"{platform} devices" if device is not None else f"unnamed devices on a {platform} host"
+    raise ValueError(
+        f"fdecode: cannot lower the Mosaic TPU kernel inside a mesh of {devices} "
+        f"(mesh.shape={dict(mesh.shape)}): Pallas lowers for the TPU the mesh's device names. "
+        "Export with an abstract mesh of the TPU devices, passed as sharded_flash_decode's mesh= "
+        "and set around the export: mesh = jax.sharding.AbstractMesh("
+        f"{tuple(mesh.axis_sizes)}, {tuple(mesh.axis_names)}, abstract_device=jax.sharding.AbstractDevice("
+        f"device_kind={DEFAULT_TPU.name!r}, num_cores={DEFAULT_TPU.cores_per_chip}, platform='tpu')); "
+        "with jax.sharding.use_abstract_mesh(mesh): jax.export(jax.jit(f), platforms=['tpu'])(...)") from e

@@ -67,7 +67,8 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     k_scale, k_offset, v_scale, v_offset: float32, canonical rank 4: contiguous
       ``[B|1, Hkv|1, S|1, nt]``, paged ``[Hkv|1, P|1, page_size|1, nt]`` (None: absent).
     mods, mask, bias, alibi: the score modifiers; mask ``[Bm, Hm, T, G, S]`` (Bm, Hm 1 or
-      B, Hkv), bias likewise, alibi slopes float32 ``[Hkv, G]``.
+      B, Hkv), bias likewise (read as float32, as the kernel adds it: a float64 bias under
+      ``jax_enable_x64`` too), alibi slopes float32 ``[Hkv, G]``.
     kv_layout: ``"NHD"``: k, v and k_rope are token-major pools ``[P, page_size, Hkv, D]``
       (a contiguous ``[B, S, Hkv, D]`` cache as `contiguous_as_pool` makes it), read in
       place by the paged kernel as ``read`` says (`token_major_read` of these caches;
@@ -84,6 +85,8 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   p = plan
   if p.rows_p != r:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, p.rows_p - r), (0, 0)])
+  if bias is not None and jnp.dtype(bias.dtype).itemsize > 4:  # no 64-bit vectors in the kernel
+    bias = bias.astype(jnp.float32)
   kw = dict(k=k, v=v, k_rope=k_rope, k_scale=k_scale, k_offset=k_offset, v_scale=v_scale, v_offset=v_offset,
             mask=mask, bias=bias, alibi=alibi, num_rows=r, num_tokens=num_tokens, softmax_scale=softmax_scale,
             num_splits=num_splits, interpret=interpret, mods=mods, v_head_dim=v_head_dim)

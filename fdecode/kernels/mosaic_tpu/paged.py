@@ -139,7 +139,7 @@ def _paged_kernel(ins, bufs, o_ref, lse_ref, sems, *, softmax_scale, num_splits,
   seq_len = paging.table_len * paging.page_size
   end = ins.ends[b]
   live_end = jnp.clip(end, 0, seq_len)
-  live_pages = pl.cdiv(live_end, paging.page_size)
+  live_pages = (live_end + paging.page_size - 1) // paging.page_size  # int32 (pl.cdiv: int64 under x64)
   first_page = window_start(end, num_tokens, seq_len, mods) // paging.page_size
   first, last = blk.split_range(end, split, num_splits, num_tokens, seq_len, block, mods)
   copies = functools.partial(_copies, ins, bufs, sems, b=b, j=j, live_pages=live_pages, first_page=first_page,

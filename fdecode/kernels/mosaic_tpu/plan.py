@@ -190,7 +190,8 @@ class CallPlan:
 
   Attributes:
     backend: ``"mosaic"``, or ``"xla"``: the call takes the XLA path on TPU (a float16
-      cache: Mosaic has no float16 vectors; or pages / sparse rows that split a 32-bit
+      cache: Mosaic has no float16 vectors; a float64 query or cache, under
+      ``jax_enable_x64``: nor 64-bit ones; or pages / sparse rows that split a 32-bit
       sublane: no DMA can address them).
     sparse: index lists: the sparse kernel (`fdecode.kernels.mosaic_tpu.sparse`).
     read: how token-major caches are read in place
@@ -226,6 +227,8 @@ def make_plan(q_rows, view: CacheView, *, extra: dict, num_tokens: int, num_spli
   ``num_splits`` None: `split_count` over the blocks the rows see, on one program per
   (sequence, kv heads of a program)."""
   b, hkv = q_rows.shape[:2]
+  if any(x is not None and jnp.dtype(x.dtype).itemsize > 4 for x in (q_rows, view.k, view.v, view.k_rope)):
+    return CallPlan("xla")  # float64 (jax_enable_x64): no 64-bit vectors
   paged, sparse = view.paged, "sparse" in extra
   how = None if view.layout == "HND" else token_major_read(
       view.k, view.v, view.k_rope, view.k_scale, view.v_scale, paged=paged, sparse=sparse)

@@ -240,7 +240,7 @@ def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse:
   unit = 1 if head_axis else dma_unit(k, v, k_rope)
   # Row u of a slot's unit holds position pos if pos % unit == u, else nothing (S);
   # token-major: every row holds pos, the kernel keeps head h's (`_sparse_kernel`).
-  lanes = jnp.arange(unit, dtype=idx.dtype)
+  lanes = jnp.arange(unit, dtype=idx.dtype).reshape((1,) * idx.ndim + (unit,))  # idx's rank + 1
   unit_pos = jnp.where((idx[..., None] % unit == lanes) | token_major, idx[..., None], seq_len)
   per_head = lambda h: h if heads > 1 else 0
   slots = _Slots(paged=paged, fold=sparse.fold, heads=heads, bk=bk, unit=unit, seq_len=seq_len, page_size=page_size,

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fdecode.combine import add_sink, merge_by
+from fdecode.combine import F32_ONE, F32_ZERO, add_sink, merge_by
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.triton.launch import pow2_at_least
 from fdecode.kernels.triton.operands import Operand, flatten, take
@@ -114,7 +114,7 @@ def _reductions(back):
   """`merge_by`'s reductions over axis 0 of a tile of parts, and ``back`` (merged -> parts)
   (Triton has no boolean reduction: any is a max over 0 / 1)."""
   return (lambda x: jnp.max(x, axis=0), lambda o, w: (jnp.sum(o, axis=0), jnp.sum(w, axis=0)),
-          lambda x: jnp.max(jnp.where(x, 1.0, 0.0), axis=0) > 0, back)
+          lambda x: jnp.max(jnp.where(x, F32_ONE, F32_ZERO), axis=0) > 0, back)
 
 
 def _kernel(*refs, plan: CombinePlan, layout):

@@ -190,8 +190,8 @@ def _index_bounds(idx_ref, bk: int, first_visible, live_end):
   XLA: a few KB, beside the K cache rows the lists select)."""
   def count(j, acc):
     pos = idx_ref[pl.ds(j * bk, bk)]
-    return (acc[0] + jnp.sum((pos < first_visible).astype(jnp.int32)),
-            acc[1] + jnp.sum((pos < live_end).astype(jnp.int32)))
+    return (acc[0] + jnp.sum(pos < first_visible, dtype=jnp.int32),
+            acc[1] + jnp.sum(pos < live_end, dtype=jnp.int32))  # int32 under x64 too
   lo, hi = lax.fori_loop(0, idx_ref.shape[0] // bk, count, (jnp.int32(0), jnp.int32(0)))
   return jnp.minimum(lo, hi), hi
 
@@ -360,7 +360,8 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float, layout, ids=None
     pos_row = load_start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     bias = None if refs.bias is None else by_rows(refs.bias, mods.bias, load_start, step_bias).astype(jnp.float32)
     s = blk.modify_scores(s, mods, rows, pos_row, slopes, bias)
-    mask = None if refs.mask is None else by_rows(refs.mask, mods.mask, load_start, step_mask) != 0
+    mask = None if refs.mask is None else by_rows(refs.mask, mods.mask, load_start, step_mask)
+    mask = None if mask is None else mask != mask.dtype.type(0)  # its own dtype's 0: strict promotion too
     visible, live = blk.block_masks(rows, load_start, start, live_end, bk, first_visible=first_visible, mask=mask)
     return blk.online_update(state, s, visible, live, v_pieces, guard=guard)
 

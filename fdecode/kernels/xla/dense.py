@@ -30,7 +30,7 @@ from jax import lax
 
 from fdecode.cache.layout import capacity, token_axis
 from fdecode.cache.paged import gather_pages_head_major, gather_scale_head_major, gather_token_major_pages
-from fdecode.combine import MASK_VALUE, finalize_state
+from fdecode.combine import MASK_VALUE, finalize_state, merge_states
 from fdecode.kernels.common.modifiers import Modifiers, row_bounds, window_start, window_tokens
 from fdecode.cache.quant import dequantize
 
@@ -38,7 +38,12 @@ from fdecode.cache.quant import dequantize
 def _slice_seq(x, starts, size, axis):
   """Per sequence b, ``x[b]`` sliced to ``[starts[b], starts[b] + size)`` along ``axis``
   (x's leading axis is B or 1). One dynamic slice per sequence: XLA:CPU runs the
-  equivalent gather (``vmap`` of the slice) 10x slower and compiles it for seconds."""
+  equivalent gather (``vmap`` of the slice) 10x slower and compiles it for seconds; a
+  symbolic batch (``jax.export``) takes that gather."""
+  if jax.export.is_symbolic_dim(starts.shape[0]):
+    shared = x.shape[0] == 1  # False for a symbolic leading axis: the batch's own
+    one = lambda xb, start: lax.dynamic_slice_in_dim(xb, start, size, axis - 1)
+    return jax.vmap(one, in_axes=(None if shared else 0, 0))(x[0] if shared else x, starts)
   def one(b):
     index = [b if x.shape[0] > 1 else 0] + [0] * (x.ndim - 1)
     index[axis] = starts[b]
@@ -96,6 +101,19 @@ class Geometry:
       valid &= self._chunk(self.mask, first, n, c)
     valid = jnp.broadcast_to(valid, valid.shape[:3] + (self.t, self.g, c))
     return swap(s.reshape(b, h, n, r, c)), swap(valid.reshape(valid.shape[:3] + (r, c)))
+
+
+def _geometry_unflatten(static, arrays):
+  geo = object.__new__(Geometry)
+  geo.mods, geo.t, geo.g = static
+  geo.lo, geo.hi, geo.qpos, geo.mask, geo.bias, geo.alibi = arrays
+  return geo
+
+
+# A pytree of its arrays, so that `_vary_together` types them with the other operands.
+jax.tree_util.register_pytree_node(
+    Geometry, lambda g: ((g.lo, g.hi, g.qpos, g.mask, g.bias, g.alibi), (g.mods, g.t, g.g)),
+    _geometry_unflatten)
 
 
 def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=False, select_dead=True,
@@ -160,8 +178,10 @@ def contiguous_states(q_rows, kc, vc, geo, base, softmax_scale, pos=None, v_cols
   recomputed with the select otherwise (`lax.cond`: one branch runs). XLA:CPU does not fuse
   a select over all of V into the dot: always selecting made this path 2-5x slower at
   S = 16384 (benchmarks/RESULTS.md). A live inf / NaN also takes the second branch, which
-  gives the same answer.
+  gives the same answer. What the cond closes over is typed varying together first
+  (`_vary_together`), so that it survives ``vmap`` inside ``shard_map``.
   """
+  q_rows, kc, vc, geo, base, pos = _vary_together((q_rows, kc, vc, geo, base, pos))
   kw = dict(pos=pos, v_cols=v_cols)
   o, lse = _chunk_states(q_rows, kc, vc, geo, base, 0, softmax_scale, select_dead=False, **kw)
   clean = jnp.all(jnp.isfinite(o) | jnp.isneginf(lse)[..., None])
@@ -203,7 +223,7 @@ def pad_tokens(x, total, axis=2, broadcast_ok=False):
 def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, num_splits: int,
                  block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
                  mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None, v_head_dim=None,
-                 k_rope=None, kv_layout="HND"):
+                 k_rope=None, kv_layout="HND", loop=False):
   """Per-split partial states.
 
   Args:
@@ -231,33 +251,46 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
     wholly before every window or past every end), nothing is read: the states are empty.
   """
   b, hkv, r, _ = q_rows.shape
-  paged = block_tables is not None
   s = capacity(k.shape, kv_layout, block_tables)
-  ends = ends.astype(jnp.int32)
-  compute = lambda: _partials(q_rows, k, v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
-                              num_splits=num_splits, block_tables=block_tables, k_scale=k_scale,
-                              v_scale=v_scale, k_offset=k_offset, v_offset=v_offset, mods=mods,
-                              mask=mask, bias=bias, alibi=alibi, v_head_dim=v_head_dim, k_rope=k_rope,
-                              kv_layout=kv_layout)
+  arrays = dict(q_rows=q_rows, k=k, v=v, ends=ends.astype(jnp.int32), block_tables=block_tables,
+                k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset, mask=mask,
+                bias=bias, alibi=alibi, k_rope=k_rope)
+  static = dict(num_tokens=num_tokens, softmax_scale=softmax_scale, num_splits=num_splits, mods=mods,
+                v_head_dim=v_head_dim, kv_layout=kv_layout, loop=loop)
   if mods.window is None:  # the skip costs ~7% of a plain decode on CPU (benchmarks/RESULTS.md)
-    return compute()
+    return _partials(**arrays, **static)
+  arrays = _vary_together(arrays)  # what the cond closes over
+  ends = arrays["ends"]
   seen = jnp.any(window_start(ends, num_tokens, s, mods) < jnp.clip(ends, 0, s))
   dv = v_head_dim if v is None else v.shape[-1]
-  empty = lambda: _varying_like((jnp.zeros((b, hkv, num_splits, r, dv), jnp.float32),
-                                 jnp.full((b, hkv, num_splits, r), -jnp.inf, jnp.float32)),
-                                q_rows, k, ends, *(x for x in (v, k_rope) if x is not None))
-  return lax.cond(seen, compute, empty)
+  # Empty states typed as the computed ones: varying as the operands do.
+  empty = lambda: _vary_together((jnp.zeros((b, hkv, num_splits, r, dv), jnp.float32),
+                                  jnp.full((b, hkv, num_splits, r), -jnp.inf, jnp.float32)), like=arrays)
+  return lax.cond(seen, lambda: _partials(**arrays, **static), empty)
 
 
-def _varying_like(xs, *inputs):
-  """``xs`` typed as varying over every mesh axis the inputs vary over (inside
-  ``shard_map``), so constants can stand in for computed values in a `lax.cond`."""
-  varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in inputs))
-  return xs if not varying else tuple(lax.pcast(x, tuple(varying), to="varying") for x in xs)
+def _vary_together(tree, like=None):
+  """The arrays of ``tree`` typed as varying over every mesh axis any array of it (or of
+  ``like``) varies over, inside ``shard_map``; unchanged outside one. `lax.pcast` changes
+  the type only: the program computes the same bits.
+
+  For what a `lax.cond` closes over. Under ``vmap``, a cond whose predicate is batched
+  becomes a select of its operands by the predicate, so each operand then varies over the
+  predicate's axes too, and the branches, traced for the operands' old types, no longer
+  type-check ("requires varying manual axes to match", "pvary is a invariant->variant
+  collective"). A predicate computed from operands that all vary over the same axes changes
+  no operand's type. And constants typed so can stand in for computed values.
+  """
+  typed = lambda x: jax.typeof(x).manual_axis_type.varying
+  axes = frozenset().union(*(typed(x) for x in jax.tree.leaves((tree, like))))
+  def vary(x):
+    missing = tuple(sorted(axes - typed(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+  return jax.tree.map(vary, tree) if axes else tree
 
 
 def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, block_tables, k_scale,
-              v_scale, k_offset, v_offset, mods, mask, bias, alibi, v_head_dim, k_rope, kv_layout):
+              v_scale, k_offset, v_offset, mods, mask, bias, alibi, v_head_dim, k_rope, kv_layout, loop):
   """`xla_partials`, computed."""
   maybe = lambda f, x: None if x is None else f(x)
   n = num_splits
@@ -290,7 +323,7 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
     s = w
 
   quantized = k_scale is not None or v_scale is not None
-  if not paged and not quantized and kv_layout == "HND":
+  if not paged and not quantized and kv_layout == "HND" and not loop:
     chunk = max(-(-s // n), 1)
     k, v, k_rope = (maybe(lambda x: pad_tokens(x, chunk * n), x) for x in (k, v, k_rope))
     geo.pad(chunk * n)
@@ -343,7 +376,17 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
                            softmax_scale, heads_outer, v_cols=v_head_dim if v is None else None)
     return o[:, :, 0], lse[:, :, 0]
 
-  o, lse = lax.map(one_chunk, jnp.arange(n, dtype=jnp.int32))  # [n, B, Hkv, R, ...] (or [n, Hkv, B, ...])
+  if loop:  # one chunk's scores at a time, merged as they come: the one state [B, Hkv, 1, R, ...]
+    def merged(state, i):
+      o, lse = one_chunk(i)
+      return merge_states(jnp.stack([state[0], o]), jnp.stack([state[1], lse])), None
+    b_, h_ = (hkv, b) if heads_outer else (b, hkv)
+    dv = v_head_dim if v is None else v.shape[-1]
+    empty = (jnp.zeros((b_, h_, r, dv), jnp.float32), jnp.full((b_, h_, r), -jnp.inf, jnp.float32))
+    (o, lse), _ = lax.scan(merged, empty, jnp.arange(n, dtype=jnp.int32))
+    o, lse = o[None], lse[None]
+  else:
+    o, lse = lax.map(one_chunk, jnp.arange(n, dtype=jnp.int32))  # [n, B, Hkv, R, ...] (or [n, Hkv, B, ...])
   if heads_outer:
     o, lse = o.swapaxes(1, 2), lse.swapaxes(1, 2)
   return jnp.moveaxis(o, 0, 2), jnp.moveaxis(lse, 0, 2)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+
 from fdecode import config as config_lib
 
 # Split the cache only while batch * kv_heads leaves the machine idle: the Ascend
@@ -25,6 +27,12 @@ CHUNK_BYTES = 8 << 20
 # transposed as they load: B=4 S=4096 Hkv=8 D=128 on a 2-core CPU, 2048-token chunks
 # 25.3 ms f32 / 9.6-11.1 ms bf16 against 14.7 / 6.8 at 512 (benchmarks/RESULTS.md).
 TOKEN_MAJOR_CHUNK_TOKENS = 512
+# A contiguous float head-major read is one batched matmul while its scores (float32, every
+# row of every sequence over every position) stay under `SCORE_BYTES`; past it (many new
+# tokens over a long cache: T=256 over S=64k held 1.6 GiB) it loops over chunks of at most
+# `CHUNK_SCORE_BYTES` of scores, merging each as it comes (benchmarks/bench_grad.py).
+SCORE_BYTES = 64 << 20
+CHUNK_SCORE_BYTES = 8 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +44,18 @@ class XlaPlan:
       partial state merged after.
     kv_layout: how the cache is read: ``"HND"`` head-major, ``"NHD"`` token-major in place.
     tokens: the tokens split: S seen by the rows (window-bounded), or K slots (sparse).
+    loop: a contiguous float head-major read loops over its chunks, one at a time, their
+      states merged as they come (one state out), rather than one batched matmul.
   """
   num_splits: int
   kv_layout: str
   tokens: int
+  loop: bool = False
 
 
 def make_plan(*, batch: int, kv_heads: int, tokens: int, platform: str, paged: bool = False,
               quantized: bool = False, kv_layout: str = "HND", token_bytes: int = 0,
-              sparse: bool = False, num_splits: int | None = None) -> XlaPlan:
+              sparse: bool = False, num_splits: int | None = None, rows: int = 1) -> XlaPlan:
   """The plan of one XLA call.
 
   ``tokens``: S the rows see (`fdecode.kernels.common.modifiers.window_tokens`), or with
@@ -62,13 +73,27 @@ def make_plan(*, batch: int, kv_heads: int, tokens: int, platform: str, paged: b
     The chunk loops (pools, 8-bit and token-major caches) also keep a chunk's K under
     `CHUNK_BYTES`, and a contiguous token-major read's chunks are smaller
     still (`TOKEN_MAJOR_CHUNK_TOKENS`: each is transposed as it loads).
+  * ``rows`` (R = T * G per kv head) times the tokens past `SCORE_BYTES` of float32 scores:
+    a contiguous read loops too, over chunks of at most `CHUNK_SCORE_BYTES` scores
+    (``loop``), whatever ``num_splits`` asked.
+
+  A symbolic ``batch`` (``jax.export`` with a shape-polymorphic B) is planned as batch 1:
+  the plan is static and never depends on a symbolic value. Every batch size the exported
+  program runs then gets batch 1's splits (its occupancy splits, and ``token_bytes`` taken
+  per sequence, so a chunk holds `CHUNK_BYTES` of K per sequence rather than over all):
+  the same results, possibly more merge work than that batch's own plan.
   """
+  if jax.export.is_symbolic_dim(batch):
+    batch, token_bytes = 1, per_sequence(token_bytes, batch)
   layout = kv_layout
   if sparse:
     return XlaPlan(num_splits or max(1, tokens // CHUNK_TOKENS), layout, tokens)
+  s = tokens
+  score_bytes = batch * kv_heads * rows * s * 4
+  if not paged and layout == "HND" and not quantized and score_bytes > SCORE_BYTES:
+    return XlaPlan(max(num_splits or 1, -(-score_bytes // CHUNK_SCORE_BYTES)), layout, tokens, loop=True)
   if num_splits:
     return XlaPlan(num_splits, layout, tokens)
-  s = tokens
   n = occupancy_splits(batch, kv_heads, max(s, 1), config_lib.num_parallel_units(platform))
   n = max(n, s // CHUNK_TOKENS)
   if not paged and layout == "HND" and not quantized:
@@ -77,6 +102,13 @@ def make_plan(*, batch: int, kv_heads: int, tokens: int, platform: str, paged: b
   if not paged and layout == "NHD":
     n = max(n, s // TOKEN_MAJOR_CHUNK_TOKENS)
   return XlaPlan(max(n, 1), layout, tokens)
+
+
+def per_sequence(total, batch):
+  """``total`` (an int, or a symbolic multiple of the symbolic ``batch``) divided by ``batch``,
+  as an int: a quantity over all sequences, per sequence. 0 when it is not a multiple."""
+  each = total // batch
+  return each if isinstance(each, int) else 0
 
 
 def occupancy_splits(batch: int, kv_heads: int, num_blocks: int, num_units: int) -> int:

@@ -34,12 +34,12 @@ def _gather(x, idx, src, block_tables, page_size, fold=False, scale=False):
   hs = jnp.arange(h)[None, :, None]
   if block_tables is None:
     if scale and x.shape[2] == 1:  # per head / per tensor: nothing varies along the tokens
-      return x[src if x.shape[0] > 1 else jnp.zeros_like(src)][:, :h]
+      return x[src if x.shape[0] != 1 else jnp.zeros_like(src)][:, :h]
     rows = jnp.broadcast_to(jnp.clip(idx, 0, x.shape[2] - 1), (idx.shape[0], h, idx.shape[2]))
     if x.shape[0] == src.shape[0] and not fold:  # one list per cache row: per (row, head) a
       # row gather, vmapped (2x faster on XLA:CPU than one gather with three index arrays)
       return jax.vmap(jax.vmap(lambda xh, ih: xh[ih]))(x, rows)
-    b = src[:, None, None] if x.shape[0] > 1 else 0
+    b = src[:, None, None] if x.shape[0] != 1 else 0  # != 1: a symbolic batch too
     return x[b, hs, rows]
   if scale and x.shape[1] == 1 and x.shape[2] == 1:  # a per-head / per-tensor scale of a pool
     return x.reshape(1, h, 1, x.shape[-1])
