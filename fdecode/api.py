@@ -51,7 +51,8 @@ def flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: Array
                  bias: ArrayLike | None = None, alibi_slopes: ArrayLike | None = None, window: int | None = None,
                  logits_soft_cap: float | None = None, sinks: ArrayLike | None = None,
                  v_head_dim: int | None = None, k_rope: ArrayLike | None = None, indices: ArrayLike | None = None,
-                 kv_layout: KvLayout = "HND") -> Array | tuple[Array, Array]:
+                 kv_layout: KvLayout = "HND", batch_invariant: bool = False,
+                 split_size: int | None = None) -> Array | tuple[Array, Array]:
   """FlashDecode attention of new tokens over a KV cache.
 
   Legend: B batch, T new tokens per sequence, Hq query heads, Hkv kv heads
@@ -195,6 +196,20 @@ def flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: Array
       (token-major: contiguous ``[B, S, Hkv, D]``, paged ``[P, page_size, Hkv, D]``;
       scales, offsets and k_rope follow it). Read in place where the kernel can
       (``docs/semantics.md``, Layouts).
+
+  Reproducibility:
+    batch_invariant: static bool, default False. True: a sequence's output and lse are
+      bit-identical whatever else is in the batch (its size, this sequence's place in it,
+      the other sequences' lengths, masks and capacity), run to run, and whether its token
+      was decoded alone, as one row of a multi-token (prefill) call or in `ragged_decode`.
+      The cache is split every ``split_size`` positions from position 0, the splits are
+      merged left to right, and each product has one shape per (sequence, kv head,
+      token) (`fdecode.kernels.xla.invariant`). Runs the XLA path on every platform (impl
+      None or ``"xla"``; other impls, ``num_splits`` and ``indices`` raise ValueError); a
+      window is masked, not sliced. Guarantees and cost: ``docs/semantics.md``
+      (Reproducibility).
+    split_size: static int >= 1, cache positions per split in that mode (default 1024;
+      rounded up to whole pages over a paged cache). Only with ``batch_invariant=True``.
 
   Returns:
     ``out`` shaped like ``q`` with last dim Dv, dtype ``q.dtype``; with ``return_lse``

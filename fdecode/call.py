@@ -63,6 +63,8 @@ class ScoreOptions(TypedDict, total=False):
   v_head_dim: int | None
   k_rope: ArrayLike | None
   indices: ArrayLike | None
+  batch_invariant: bool
+  split_size: int | None
 
 
 class DecodeOptions(ScoreOptions, total=False):
@@ -103,12 +105,15 @@ def canonical_call(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale
                    interpret=None, k_offset=None, v_offset=None, kv_offset=None,
                    causal=True, mask=None, bias=None, alibi_slopes=None, window=None,
                    logits_soft_cap=None, sinks=None, v_head_dim=None, k_rope=None, indices=None,
-                   kv_layout="HND") -> Call:
+                   kv_layout="HND", batch_invariant=False, split_size=None) -> Call:
   """`flash_decode`'s arguments (but ``return_lse``), checked (every `flash_decode` error)
   and put in the form the backends take: a `Call`."""
   statics = static_options(softmax_scale=softmax_scale, num_splits=num_splits, block_k=block_k, causal=causal,
-                           window=window, logits_soft_cap=logits_soft_cap, v_head_dim=v_head_dim, interpret=interpret)
-  softmax_scale, num_splits, block_k, causal, window, logits_soft_cap, v_head_dim, interpret = statics.values()
+                           window=window, logits_soft_cap=logits_soft_cap, v_head_dim=v_head_dim, interpret=interpret,
+                           batch_invariant=batch_invariant, split_size=split_size)
+  (softmax_scale, num_splits, block_k, causal, window, logits_soft_cap, v_head_dim, interpret, batch_invariant,
+   split_size) = statics.values()
+  _check_invariant_mode(batch_invariant, split_size, impl, num_splits, indices)
   (q, k, v, lengths, block_tables, k_scale, v_scale, k_offset, v_offset, kv_offset, mask, bias,
    alibi_slopes, sinks, k_rope, indices) = as_arrays(
        q=q, k=k, v=v, lengths=lengths, block_tables=block_tables, k_scale=k_scale, v_scale=v_scale,
@@ -141,7 +146,7 @@ def canonical_call(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale
     raise ValueError("flash_decode: impl='mosaic_gpu' does not take kv_offset (the Hopper kernels read a "
                      "whole sequence's cache)")
   interpret = route.resolve_interpret(impl, interpret)
-  cfg = config_lib.Config.from_args(num_splits, block_k).bounded(
+  cfg = config_lib.Config.from_args(num_splits, block_k, bool(batch_invariant), split_size).bounded(
       max(view.capacity, 0 if indices is None else np.shape(indices)[-1]))
   scale = static_scale(softmax_scale, q.shape[-1])
   check_concrete_lengths(lengths, None if kv_offset is not None else view.capacity)
@@ -223,6 +228,27 @@ def run(c: Call, return_lse: bool):
     # ``out[:, 0]`` is a slice and a squeeze: two more programs outside jit).
     out, lse = out.reshape(*rows, *out.shape[2:]), lse.reshape(*rows, -1)
   return (out, lse) if return_lse else out
+
+
+# The impls that take the batch-invariant mode (`fdecode.kernels.xla.invariant`, on every platform).
+INVARIANT_IMPLS = (None, "xla")
+
+
+def _check_invariant_mode(batch_invariant, split_size, impl, num_splits, indices):
+  """``batch_invariant`` / ``split_size`` against the call's other options."""
+  if not batch_invariant:
+    if split_size is not None:
+      raise ValueError(f"flash_decode: split_size={split_size} is the batch-invariant mode's split: pass "
+                       "batch_invariant=True with it (num_splits sets the default path's splits)")
+    return
+  if impl not in INVARIANT_IMPLS:
+    raise ValueError(f"flash_decode: batch_invariant=True runs the batch-invariant XLA path on every platform "
+                     f"(impl None or 'xla'); got impl={describe(impl)}")
+  if num_splits is not None:
+    raise ValueError(f"flash_decode: batch_invariant=True fixes the split size, not a split count: pass "
+                     f"split_size= instead of num_splits={describe(num_splits)}")
+  if indices is not None:
+    raise ValueError("flash_decode: batch_invariant=True does not take indices (sparse index lists) yet")
 
 
 def _check_interpret(impl, interpret):

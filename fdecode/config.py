@@ -34,21 +34,29 @@ class Config:
     balance: the Triton kernel's balanced schedule (``flash_decode(num_splits="balance")``):
       a fixed grid of work items that deal out each sequence's live blocks
       (`fdecode.kernels.triton`); other paths pick their splits as for ``None``.
+    batch_invariant: the batch-invariant mode (``flash_decode(batch_invariant=True)``):
+      splits of ``split_size`` positions at absolute positions, merged in one order
+      (`fdecode.kernels.xla.invariant`).
+    split_size: positions per split in that mode (None: `fdecode.kernels.xla.invariant.SPLIT_SIZE`).
   """
 
   num_splits: int | None = None
   block_k: int | None = None
   balance: bool = False
+  batch_invariant: bool = False
+  split_size: int | None = None
 
   @classmethod
-  def from_args(cls, num_splits, block_k) -> "Config":
-    """``flash_decode``'s ``num_splits`` (an int, None or ``"balance"``) and ``block_k``."""
+  def from_args(cls, num_splits, block_k, batch_invariant=False, split_size=None) -> "Config":
+    """``flash_decode``'s ``num_splits`` (an int, None or ``"balance"``), ``block_k``,
+    ``batch_invariant`` and ``split_size``."""
+    mode = dict(batch_invariant=batch_invariant, split_size=split_size)
     if isinstance(num_splits, str) and num_splits == "balance":
-      return cls(block_k=block_k, balance=True)
-    return cls(num_splits=num_splits, block_k=block_k)
+      return cls(block_k=block_k, balance=True, **mode)
+    return cls(num_splits=num_splits, block_k=block_k, **mode)
 
   def __post_init__(self):
-    for name in ("num_splits", "block_k"):  # numpy / jax integers become plain ints
+    for name in ("num_splits", "block_k", "split_size"):  # numpy / jax integers become plain ints
       object.__setattr__(self, name, tuning_knob(name, getattr(self, name)))
 
   def bounded(self, tokens: int) -> "Config":

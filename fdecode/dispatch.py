@@ -147,6 +147,8 @@ def _forward(q, view, ends, lists, mod_arrays, sinks, source, *, impl, softmax_s
                                    num_splits=cfg.num_splits, note=_note)
     return run
 
+  if cfg.batch_invariant:  # one path on every platform (`fdecode.kernels.xla.invariant`)
+    return finish(_invariant(q_rows(q), view, ends, **statics, **mod_arrays), sinks)
   branches = {path: branch(path) for path in (route.Path.XLA, route.Path.TRITON, route.Path.TRITON_INTERPRET,
                                               route.Path.MOSAIC_TPU, route.Path.MOSAIC_TPU_INTERPRET,
                                               route.Path.MOSAIC_GPU)}
@@ -180,6 +182,19 @@ def _xla(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, platform, mods, 
   return xla_kernels.xla_partials(q_rows, rv.k, rv.v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
                       num_splits=p.num_splits, mods=mods, kv_layout=p.kv_layout, loop=p.loop, **rv.kernel_arrays(),
                       **extra)
+
+
+def _invariant(q_rows, view, ends, *, num_tokens, softmax_scale, cfg, mods, v_head_dim, **mod_arrays):
+  """The batch-invariant XLA path: splits of a fixed size at absolute positions, one state
+  out (`fdecode.kernels.xla.invariant`)."""
+  split = xla_kernels.split_tokens(cfg.split_size, view.page_size)
+  tokens = view.capacity
+  _note(xla_kernels.XlaPlan(num_splits=max(-(-tokens // split), 1), kv_layout=view.read_layout, tokens=tokens,
+                            loop=True, split_size=split))
+  rv = view.read(view.read_layout)
+  return xla_kernels.invariant_partials(q_rows, rv.k, rv.v, ends, num_tokens=num_tokens, softmax_scale=softmax_scale,
+                                        split=split, mods=mods, kv_layout=rv.layout, v_head_dim=v_head_dim,
+                                        **rv.kernel_arrays(), **mod_arrays)
 
 
 def _triton(q, view, ends, *, num_tokens, softmax_scale, cfg, interpret, compute, sinks, mods,

@@ -27,7 +27,7 @@ SOFT_CAP_MAX = 2.0 ** 100
 ARRAY_ARGS = ("q", "k", "v", "lengths", "block_tables", "k_scale", "v_scale", "k_offset", "v_offset",
               "kv_offset", "mask", "bias", "alibi_slopes", "sinks", "k_rope", "indices")
 # Largest tuning knobs: int32, and a block_k rounded up to a power of two must stay in int32.
-TUNING_KNOB_MAX = {"num_splits": 2 ** 31 - 1, "block_k": 2 ** 30}
+TUNING_KNOB_MAX = {"num_splits": 2 ** 31 - 1, "block_k": 2 ** 30, "split_size": 2 ** 30}
 # A traced softmax_scale has a way around the kernel: scale q instead.
 _TRACED_ALTERNATIVE = {"softmax_scale": "; or fold a traced scale into q: flash_decode(q * scale, ..., "
                                         "softmax_scale=1.0)"}
@@ -224,6 +224,8 @@ _STATIC_CHECKS = {
     "logits_soft_cap": static_soft_cap, "v_head_dim": _v_head_dim,
     "return_lse": lambda x, caller: static_scalar("return_lse", x, caller),
     "interpret": lambda x, caller: static_scalar("interpret", x, caller),
+    "batch_invariant": lambda x, caller: static_bool("batch_invariant", x, caller),
+    "split_size": lambda x, caller: tuning_knob("split_size", x, caller),
 }
 STATIC_ARGS = tuple(_STATIC_CHECKS)
 

@@ -46,6 +46,7 @@ from flax import nnx
 from fdecode.cache.allocator import PageAllocator
 from fdecode.decoding.compilation_cache import enable as enable_compilation_cache
 from fdecode.decoding.generate import check_prompt_ids, model_state, split_model
+from fdecode.flax.decode_attention import DecodeAttention
 from fdecode.models.base import Transformer
 from fdecode.validation import INT32_MAX, describe
 
@@ -153,6 +154,12 @@ class Engine:
       = a folder already configured in JAX, else ``~/.cache/fdecode/jax``; a path = that
       folder (when JAX has none yet); False = fdecode turns nothing on (nor does
       ``FDECODE_COMPILATION_CACHE=0``).
+    batch_invariant: every attention layer of the model attends in `fdecode.flash_decode`'s
+      batch-invariant mode (it sets ``DecodeAttention.batch_invariant``): a request's
+      attention bits do not depend on what else is served, nor on whether a token was
+      prefilled or decoded. The model's other layers (projections, norms, the MLP) are
+      XLA's own, whose matmuls may round differently with the number of rows in a step
+      (``docs/semantics.md``, Reproducibility).
 
   The engine takes the model's weights when it is built (set them before); the model's
   caches are replaced by the pool, and hold each step's result.
@@ -166,7 +173,8 @@ class Engine:
 
   def __init__(self, model: Transformer, *, max_seqs: int = 16, token_budget: int = 128, max_len: int = 256,
                page_size: int = 16, num_pages: int | None = None, eos_id: int | None = None,
-               buckets: Sequence[int] | None = None, compilation_cache: bool | str | os.PathLike = True) -> None:
+               buckets: Sequence[int] | None = None, compilation_cache: bool | str | os.PathLike = True,
+               batch_invariant: bool = False) -> None:
     for name, value, low in (("max_seqs", max_seqs, 1), ("token_budget", token_budget, max_seqs),
                              ("max_len", max_len, 1), ("page_size", page_size, 1)):
       if not _is_int(value) or not low <= value <= INT32_MAX:
@@ -188,7 +196,13 @@ class Engine:
     self.alloc = PageAllocator(int(num_pages), page_size, pages_per_seq)
     if not isinstance(compilation_cache, (bool, str, os.PathLike)):
       raise ValueError(f"Engine: compilation_cache must be a bool or a folder path; got {describe(compilation_cache)}")
+    if not isinstance(batch_invariant, bool):
+      raise ValueError(f"Engine: batch_invariant must be a bool; got {describe(batch_invariant)}")
     # Every argument is checked: only now is the model touched (its caches become the pool).
+    for _, layer in nnx.iter_graph(model):
+      if isinstance(layer, DecodeAttention):
+        layer.batch_invariant = batch_invariant
+    self.batch_invariant = batch_invariant
     model.init_cache(max_seqs, pages_per_seq * page_size, page_size=page_size)
     self.model, self.max_seqs, self.budget = model, int(max_seqs), int(token_budget)
     self.max_len, self.eos_id, self.vocab = int(max_len), None if eos_id is None else int(eos_id), vocab

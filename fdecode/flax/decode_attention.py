@@ -18,7 +18,7 @@ from fdecode.cache.write import write_contiguous, write_paged
 from fdecode.cache.meshes import host_values, replicated
 from fdecode.cache.quant import check_cache_dtype, is_quantized
 from fdecode.ragged import ragged_decode, row_positions
-from fdecode.validation import (check_cache_sizes, check_norm_eps, check_rope_theta, static_int,
+from fdecode.validation import (check_cache_sizes, check_norm_eps, check_rope_theta, static_bool, static_int,
                                 static_scale, static_soft_cap, static_window, to_int32)
 
 __all__ = ["DecodeAttention", "alibi_slopes", "apply_rope"]
@@ -119,7 +119,7 @@ class DecodeAttention(nnx.Module):
                decode_fn: Callable[..., jax.Array] | None = None, window: int | None = None,
                logits_soft_cap: float | None = None, sinks: bool = False, alibi: bool = False,
                qk_norm: bool = False, norm_eps: float = 1e-6, softmax_scale: float | None = None,
-               rngs: nnx.Rngs):
+               batch_invariant: bool = False, rngs: nnx.Rngs):
     """Builds the projections.
 
     Args:
@@ -141,6 +141,11 @@ class DecodeAttention(nnx.Module):
       qk_norm: RMSNorm over D on q and k before RoPE (``q_norm`` / ``k_norm``; Gemma 3).
       norm_eps: epsilon of the QK norms.
       softmax_scale: scores multiplier; default ``1/sqrt(D)``.
+      batch_invariant: attend in `fdecode.flash_decode`'s batch-invariant mode (in
+        `decode`, `prefill` and `ragged`): a sequence's attention bits do not depend on the
+        rest of the batch, nor on whether its tokens are decoded or prefilled. The
+        `fdecode.decoding.serving.Engine` sets it on every layer with its own
+        ``batch_invariant``.
       rngs: parameter initialization.
 
     Raises:
@@ -174,6 +179,7 @@ class DecodeAttention(nnx.Module):
     self.head_dim = head_dim
     self.rope_theta = rope_theta
     self.decode_fn = flash_decode if decode_fn is None else decode_fn
+    self.batch_invariant = static_bool("batch_invariant", batch_invariant, caller)
     linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.q_proj = nnx.Linear(in_features, num_heads * head_dim, **linear)
     self.k_proj = nnx.Linear(in_features, num_kv_heads * head_dim, **linear)
@@ -369,7 +375,8 @@ class DecodeAttention(nnx.Module):
     """The layer's score modifiers as `fdecode.flash_decode` keywords (only those set, so
     a custom ``decode_fn`` without them keeps working for a plain layer)."""
     mods = dict(window=self.window, logits_soft_cap=self.logits_soft_cap, softmax_scale=self.softmax_scale,
-                sinks=None if self.sinks is None else self.sinks[...], alibi_slopes=self.alibi_slopes)
+                sinks=None if self.sinks is None else self.sinks[...], alibi_slopes=self.alibi_slopes,
+                batch_invariant=getattr(self, "batch_invariant", False) or None)
     return {name: x for name, x in mods.items() if x is not None}
 
   def _written(self, k, v, positions) -> dict:

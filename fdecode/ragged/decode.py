@@ -79,7 +79,7 @@ from fdecode.validation import as_arrays, static_options, to_int32
 # flash_decode's keywords ragged_decode forwards; the per-row ones are indexed by row.
 _OPTIONS = ("k_scale", "v_scale", "k_offset", "v_offset", "softmax_scale", "num_splits", "block_k",
             "impl", "interpret", "return_lse", "causal", "mask", "bias", "alibi_slopes", "window",
-            "logits_soft_cap", "sinks", "v_head_dim", "k_rope", "indices")
+            "logits_soft_cap", "sinks", "v_head_dim", "k_rope", "indices", "batch_invariant", "split_size")
 _PER_SEQ = ("k_scale", "v_scale", "k_offset", "v_offset", "k_rope")  # contiguous: a batch axis
 
 
@@ -257,7 +257,9 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   # Compiled for a GPU, the step's kernels skip contiguous MLA latents whose decode part the
   # Hopper MLA kernel takes (sm_90, bf16, G a multiple of 16: `triton_step.hopper_takes_decode_part`).
   compiled_takes = lambda: triton_tiles and not (v is None and not paged and hopper_takes_decode_part(st.call))
-  step_takes = "indices" not in arrays and opts.get("num_splits") in (None, "balance")
+  # The batch-invariant mode runs both parts on its own path (`fdecode.kernels.xla.invariant`).
+  step_takes = ("indices" not in arrays and opts.get("num_splits") in (None, "balance")
+                and not opts.get("batch_invariant"))
   out, lse = lower(
       lambda platform: step_path(impl, interp, platform, step_takes=step_takes, compiled_takes=compiled_takes), {
           None: lambda platform, st: two_parts(st, triton_tiles),

@@ -471,3 +471,17 @@ for _n, (_b, _hkv, _hq, _s) in BENCH.items():
 
 
 CASES["flax-mha-attention-fn"] = functools.partial(model_cases.flax_mha, b=B, s=S)
+
+
+def _grad(target, **kw):
+  """`jax.grad` of a decode with respect to q, k and v: the forward kernel, then the
+  chunked backward of `fdecode.derivatives` (plain XLA), compiled for the chip."""
+  fn, (q, k, v, n, opts) = _contiguous(target, **kw)
+  loss = lambda q, k, v, n, opts: jnp.sum(fn(q, k, v, n, opts).astype(jnp.float32))
+  return jax.grad(loss, argnums=(0, 1, 2)), (q, k, v, n, opts)
+
+
+# The backward, compiled deviceless: a bf16 cache at T = 1 and a paged one at T = 4
+# (pool gradients through the page gather's transpose).
+CASES["grad-contiguous-bf16-d128"] = functools.partial(_grad, dk=128)
+CASES["grad-paged16-bf16-t4"] = functools.partial(_grad, dk=128, paged=16, t=4)

@@ -222,3 +222,12 @@ def test_bench_grad_quick_reports_every_contender(tmp_path):
     numbers(out, row, n=4)
   recs = records(tmp_path / "g.json", "bench_grad")
   assert len(recs) == 10 and all(r["temp_bytes"] >= 0 for r in recs), recs
+
+
+def test_bench_invariant_quick_reports_both_paths(tmp_path):
+  out = subprocess.run([sys.executable, "benchmarks/bench_invariant.py", "--quick", "--iters", "1",
+                        "--json", str(tmp_path / "i.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
+  assert out.count("\n| ") >= 4, out
+  recs = records(tmp_path / "i.json", "bench_invariant")
+  assert len(recs) == 6 and all(r["median_ms"] > 0 for r in recs), recs

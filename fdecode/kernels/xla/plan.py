@@ -46,11 +46,14 @@ class XlaPlan:
     tokens: the tokens split: S seen by the rows (window-bounded), or K slots (sparse).
     loop: a contiguous float head-major read loops over its chunks, one at a time, their
       states merged as they come (one state out), rather than one batched matmul.
+    split_size: the batch-invariant mode's positions per split (splits at absolute
+      positions, `fdecode.kernels.xla.invariant`); None on the default path.
   """
   num_splits: int
   kv_layout: str
   tokens: int
   loop: bool = False
+  split_size: int | None = None
 
 
 def make_plan(*, batch: int, kv_heads: int, tokens: int, platform: str, paged: bool = False,

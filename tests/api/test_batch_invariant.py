@@ -1,0 +1,255 @@
+"""The batch-invariant mode (``batch_invariant=True``): a sequence's output and lse are
+bit-identical whatever else is in the batch, and whether its token was decoded alone, as a
+row of a multi-token (prefill) call or in a ragged step. Compared with ``np.array_equal``,
+in the manner of FlashInfer's batch-invariance test: rows of a batch against the same rows
+computed in a smaller one."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fdecode
+from fdecode.kernels.xla.invariant import SPLIT_SIZE
+
+SPLIT = 16  # small splits: every case crosses several
+
+
+def same(a, b):
+  return np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def _cache(rng, b, hkv, s, d, dtype, dv=None):
+  k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dtype)
+  v = jnp.asarray(rng.standard_normal((b, hkv, s, dv or d)), dtype)
+  return k, v
+
+
+def _paged(k, v, page_size, rng):
+  """Contiguous [B, Hkv, S, D] caches as a shuffled pool [Hkv, P, ps, D] and its table."""
+  b, hkv, s, _ = k.shape
+  n = s // page_size
+  ids = rng.permutation(b * n + 3)[:b * n].reshape(b, n)
+  pool = lambda x: jnp.zeros((hkv, b * n + 3, page_size, x.shape[-1]), x.dtype).at[:, ids.reshape(-1)].set(
+      x.reshape(b, hkv, n, page_size, -1).transpose(1, 0, 2, 3, 4).reshape(hkv, b * n, page_size, -1))
+  return pool(k), pool(v), jnp.asarray(ids, jnp.int32)
+
+
+def _forms(rng, b, hkv, s, d, dtype, form):
+  """(k, v, options) of one cache form holding the same logical cache."""
+  k, v = _cache(rng, b, hkv, s, d, dtype)
+  if form == "contiguous":
+    return k, v, {}
+  if form == "nhd":
+    return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), dict(kv_layout="NHD")
+  if form.startswith("paged"):
+    pk, pv, tables = _paged(k, v, int(form[5:]), rng)
+    return pk, pv, dict(block_tables=tables)
+  if form == "int8":
+    ks = jnp.asarray(rng.uniform(0.01, 0.03, (b, hkv, s, 1)), jnp.float32)
+    qk = jnp.asarray(rng.integers(-127, 128, (b, hkv, s, d)), jnp.int8)
+    qv = jnp.asarray(rng.integers(-127, 128, (b, hkv, s, d)), jnp.int8)
+    return qk, qv, dict(k_scale=ks, v_scale=ks)
+  if form == "mla":
+    return k, None, dict(v_head_dim=d // 2)
+  raise ValueError(form)
+
+
+def _take(opts, rows):
+  """The options of a sub-batch (per-sequence arrays sliced)."""
+  out = {}
+  for n, x in opts.items():
+    if n in ("block_tables", "k_scale", "v_scale", "mask", "bias") and hasattr(x, "shape") and x.shape[0] > 1:
+      x = x[rows]
+    out[n] = x
+  return out
+
+
+FORMS = ["contiguous", "nhd", "paged1", "paged8", "int8", "mla"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("form", FORMS)
+def test_prefill_rows_equal_decoding_each_token(form, dtype):
+  """Each row of a T-token call equals that token decoded alone (length = its position + 1),
+  at lengths around split boundaries (s - 1, s, s + 1) and 97; and a sequence alone equals
+  its rows in the batch."""
+  rng = np.random.default_rng(0)
+  b, hkv, g, d, s, t = 4, 2, 3, 32, 112, 5
+  k, v, opts = _forms(rng, b, hkv, s, d, dtype, form)
+  q = jnp.asarray(rng.standard_normal((b, t, hkv * g, d)), dtype)
+  lengths = jnp.array([SPLIT + t - 1, 2 * SPLIT + 1, 97, s], jnp.int32)  # last rows at s-1, s+1, 96, S-1
+  mode = dict(batch_invariant=True, split_size=SPLIT, **opts)
+  kk = k if form != "mla" else k
+  out, lse = fdecode.flash_decode(q, kk, v, lengths, return_lse=True, **mode)
+  ref = fdecode.flash_decode(q, kk, v, lengths, impl="reference", **opts)
+  tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
+  for i in range(t):
+    o1, l1 = fdecode.flash_decode(q[:, i], kk, v, lengths - (t - 1 - i), return_lse=True, **mode)
+    assert same(o1, out[:, i]) and same(l1, lse[:, i]), f"token {i}"
+  for bi in (1, 3):
+    rows = slice(bi, bi + 1)
+    o2, l2 = fdecode.flash_decode(q[rows], k if "block_tables" in opts else k[rows], v if v is None or "block_tables" in opts
+                                  else v[rows], lengths[rows], return_lse=True, **_take(mode, rows))
+    assert same(o2, out[rows]) and same(l2, lse[rows]), f"sequence {bi} alone"
+
+
+@pytest.mark.parametrize("mods", [dict(window=7), dict(logits_soft_cap=5.0), dict(alibi=True), dict(sinks=True),
+                                  dict(mask=True), dict(bias=True), dict(causal=False)],
+                         ids=["window", "softcap", "alibi", "sinks", "mask", "bias", "noncausal"])
+def test_modifiers_keep_rows_invariant(mods):
+  rng = np.random.default_rng(1)
+  b, hkv, g, d, s, t = 3, 2, 2, 16, 64, 4
+  k, v = _cache(rng, b, hkv, s, d, jnp.float32)
+  q = jnp.asarray(rng.standard_normal((b, t, hkv * g, d)), jnp.float32)
+  lengths = jnp.array([SPLIT + 1, 40, s], jnp.int32)
+  opts = {}
+  if "window" in mods:
+    opts["window"] = mods["window"]
+  if "logits_soft_cap" in mods:
+    opts["logits_soft_cap"] = mods["logits_soft_cap"]
+  if "alibi" in mods:
+    opts["alibi_slopes"] = jnp.asarray(rng.uniform(0.01, 0.2, hkv * g), jnp.float32)
+  if "sinks" in mods:
+    opts["sinks"] = jnp.asarray(rng.standard_normal(hkv * g), jnp.float32)
+  mask = jnp.asarray(rng.random((b, s)) < 0.7) if "mask" in mods else None
+  bias = jnp.asarray(rng.standard_normal((b, s)), jnp.float32) if "bias" in mods else None
+  causal = mods.get("causal", True)
+  mode = dict(batch_invariant=True, split_size=SPLIT, causal=causal, **opts)
+  extra = lambda rows: {n: x[rows] for n, x in (("mask", mask), ("bias", bias)) if x is not None}
+  out, lse = fdecode.flash_decode(q, k, v, lengths, return_lse=True, **mode, **extra(slice(None)))
+  ref = fdecode.flash_decode(q, k, v, lengths, impl="reference", causal=causal, **opts, **extra(slice(None)))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
+  if causal:
+    for i in range(t):
+      o1, l1 = fdecode.flash_decode(q[:, i], k, v, lengths - (t - 1 - i), return_lse=True, **mode,
+                                    **extra(slice(None)))
+      assert same(o1, out[:, i]) and same(l1, lse[:, i]), f"token {i}"
+  rows = slice(1, 2)
+  o2, l2 = fdecode.flash_decode(q[rows], k[rows], v[rows], lengths[rows], return_lse=True, **mode, **extra(rows))
+  assert same(o2, out[rows]) and same(l2, lse[rows])
+
+
+def test_randomized_batches():
+  """A sequence's rows in random batches (its place, the others' lengths and contents, the
+  batch's capacity) equal it alone, run to run."""
+  rng = np.random.default_rng(2)
+  hkv, g, d = 2, 4, 32
+  s_own = 80
+  k0, v0 = _cache(rng, 1, hkv, s_own, d, jnp.float32)
+  q0 = jnp.asarray(rng.standard_normal((1, 2, hkv * g, d)), jnp.float32)
+  n0 = jnp.array([61], jnp.int32)
+  mode = dict(batch_invariant=True, split_size=SPLIT)
+  alone, alone_lse = fdecode.flash_decode(q0, k0, v0, n0, return_lse=True, **mode)
+  for trial in range(4):
+    b = int(rng.integers(2, 7))
+    s = int(rng.choice([s_own, 96, 128]))
+    at = int(rng.integers(0, b))
+    k, v = _cache(rng, b, hkv, s, d, jnp.float32)
+    k = k.at[at, :, :s_own].set(k0[0]).at[at, :, s_own:].set(jnp.nan)  # garbage past its capacity
+    v = v.at[at, :, :s_own].set(v0[0]).at[at, :, s_own:].set(jnp.inf)
+    q = jnp.asarray(rng.standard_normal((b, 2, hkv * g, d)), jnp.float32).at[at].set(q0[0])
+    lengths = jnp.asarray(rng.integers(2, s + 1, b), jnp.int32).at[at].set(n0[0])
+    out, lse = fdecode.flash_decode(q, k, v, lengths, return_lse=True, **mode)
+    assert same(out[at], alone[0]) and same(lse[at], alone_lse[0]), f"trial {trial}: B={b} S={s} at {at}"
+
+
+def test_ragged_step_rows_equal_flash_decode():
+  """A ragged step's rows (a prefill chunk and decodes beside it) equal flash_decode of each
+  sequence alone, decoded token by token."""
+  rng = np.random.default_rng(3)
+  hkv, g, d, ps = 2, 2, 16, 8
+  m, cap = 3, 48
+  n_pages = m * (cap // ps)
+  kp = jnp.asarray(rng.standard_normal((hkv, n_pages, ps, d)), jnp.float32)
+  vp = jnp.asarray(rng.standard_normal((hkv, n_pages, ps, d)), jnp.float32)
+  tables = jnp.asarray(rng.permutation(n_pages).reshape(m, cap // ps), jnp.int32)
+  q_lens = [5, 1, 1]
+  kv_lens = jnp.array([SPLIT + 2, 33, 17], jnp.int32)
+  cu = jnp.array(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+  q = jnp.asarray(rng.standard_normal((sum(q_lens), hkv * g, d)), jnp.float32)
+  mode = dict(batch_invariant=True, split_size=SPLIT)
+  out, lse = fdecode.ragged_decode(q, kp, vp, kv_lens, tables, cu, jnp.array([m], jnp.int32), return_lse=True,
+                                   **mode)
+  row = 0
+  for i, ql in enumerate(q_lens):
+    for j in range(ql):
+      o1, l1 = fdecode.flash_decode(q[row][None], kp, vp, kv_lens[i:i + 1] - (ql - 1 - j),
+                                    block_tables=tables[i:i + 1], return_lse=True, **mode)
+      assert same(o1[0], out[row]) and same(l1[0], lse[row]), f"sequence {i} row {j}"
+      row += 1
+
+
+def test_jit_and_grad():
+  rng = np.random.default_rng(4)
+  k, v = _cache(rng, 2, 2, 40, 16, jnp.float32)
+  q = jnp.asarray(rng.standard_normal((2, 4, 16)), jnp.float32)
+  n = jnp.array([40, 17], jnp.int32)
+  f = lambda q, k, v: fdecode.flash_decode(q, k, v, n, batch_invariant=True, split_size=SPLIT)
+  assert same(jax.jit(f)(q, k, v), f(q, k, v))
+  g = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+  gr = jax.grad(lambda q, k, v: jnp.sum(fdecode.flash_decode(q, k, v, n, impl="reference") ** 2),
+                argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(g, gr):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+def test_plan_does_not_depend_on_the_batch(platform):
+  """Under the mode, the plan's split size and count depend on the cache capacity only."""
+  plans = []
+  for b in (1, 8, 64):
+    q = jax.ShapeDtypeStruct((b, 32, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((b, 8, 32768, 128), jnp.bfloat16)
+    n = jax.ShapeDtypeStruct((b,), jnp.int32)
+    (p,) = fdecode.plan(q, k, k, n, platform=platform, batch_invariant=True)
+    plans.append(p)
+  assert all(p == plans[0] for p in plans), plans
+  assert plans[0].split_size == SPLIT_SIZE and plans[0].num_splits == 32768 // SPLIT_SIZE
+
+
+def test_paged_split_rounds_up_to_pages():
+  q = jax.ShapeDtypeStruct((2, 8, 64), jnp.float32)
+  k = jax.ShapeDtypeStruct((2, 40, 24, 64), jnp.float32)
+  (p,) = fdecode.plan(q, k, k, jax.ShapeDtypeStruct((2,), jnp.int32), block_tables=jax.ShapeDtypeStruct((2, 10),
+                      jnp.int32), batch_invariant=True, split_size=50, platform="cpu")
+  assert p.split_size == 72 and p.num_splits == 4
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(batch_invariant=True, impl="pallas"), "impl None or 'xla'"),
+    (dict(batch_invariant=True, num_splits=4), "split_size= instead of num_splits=4"),
+    (dict(split_size=64), "pass batch_invariant=True"),
+    (dict(batch_invariant=True, split_size=0), "split_size must be a positive int"),
+    (dict(batch_invariant="yes"), "batch_invariant must be a bool"),
+])
+def test_bad_options(bad, match):
+  q, k = jnp.zeros((1, 4, 8)), jnp.zeros((1, 2, 16, 8))
+  with pytest.raises(ValueError, match=match):
+    fdecode.flash_decode(q, k, k, jnp.array([3]), **bad)
+
+
+def test_engine_sets_the_mode_on_every_layer_and_serves():
+  """``Engine(batch_invariant=True)``: every attention layer attends in the mode, and a
+  request's greedy tokens served beside others equal it served alone."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from fdecode.decoding.serving import Engine, Request
+  from fdecode.flax import DecodeAttention
+  from fdecode.models.base import Transformer
+  from helpers.serving import CFG
+  rng = np.random.default_rng(5)
+  prompt = rng.integers(0, CFG.vocab, 11).tolist()
+  others = [rng.integers(0, CFG.vocab, n).tolist() for n in (3, 20, 7)]
+
+  def serve(batch):
+    engine = Engine(Transformer(CFG, seed=0), max_seqs=4, token_budget=24, max_len=48, page_size=8, buckets=(24,),
+                    batch_invariant=True)
+    layers = [m for _, m in nnx.iter_graph(engine.model) if isinstance(m, DecodeAttention)]
+    assert layers and all(m.batch_invariant for m in layers)
+    ids = [engine.submit(Request(p, 5, arrival=i)) for i, p in enumerate(batch)]
+    return engine.run()[ids[0]].tokens
+
+  assert serve([prompt]) == serve([prompt] + others)
+  with pytest.raises(ValueError, match="batch_invariant must be a bool"):
+    Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=16, page_size=4, batch_invariant=1)
