@@ -228,6 +228,9 @@ def test_bench_invariant_quick_reports_both_paths(tmp_path):
   out = subprocess.run([sys.executable, "benchmarks/bench_invariant.py", "--quick", "--iters", "1",
                         "--json", str(tmp_path / "i.json")],
                        cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
-  assert out.count("\n| ") >= 4, out
+  rows = [l for l in out.splitlines() if re.match(r"\| \d+ \| \d+ \| \d+ \|", l)]
+  cells_of = lambda line: [float(c) for c in line.strip().strip("|").split("|")]
+  assert len(rows) == 2 and all(len(cells_of(l)) == 7 and all(math.isfinite(x) and x > 0 for x in cells_of(l))
+                                for l in rows), out
   recs = records(tmp_path / "i.json", "bench_invariant")
   assert len(recs) == 6 and all(r["median_ms"] > 0 for r in recs), recs
