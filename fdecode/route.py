@@ -37,6 +37,7 @@ import contextlib
 import contextvars
 import enum
 import functools
+import warnings
 from typing import Callable, Hashable, Mapping, TypeVar
 
 import jax
@@ -48,6 +49,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.experimental.pallas import tpu as pltpu
 
 from fdecode.kernels.common import chips
+from fdecode.kernels.triton import pallas_triton
 
 __all__ = ["PLATFORMS", "Path", "branch_platform", "decode_path", "lower", "resolve_interpret", "step_path",
            "write_path"]
@@ -90,19 +92,45 @@ def decode_path(impl, interpret, platform: str, *, triton_takes: bool = True,
   if impl == "xla":
     return Path.XLA
   if impl == "mosaic_gpu":
+    _need_triton("impl='mosaic_gpu' merges the Hopper kernels' splits with a Triton kernel")
     return Path.MOSAIC_GPU
   if isinstance(interpret, pltpu.InterpretParams):
     return Path.MOSAIC_TPU_INTERPRET
   if impl == "pallas" and interpret:
+    _need_triton("impl='pallas' with interpret=True runs the Triton kernel")
     return Path.TRITON_INTERPRET
   if platform == "cpu":
-    return Path.TRITON_INTERPRET if impl == "pallas" else Path.XLA
+    if impl == "pallas":
+      _need_triton("impl='pallas' on CPU runs the Triton kernel interpreted")
+      return Path.TRITON_INTERPRET
+    return Path.XLA
   if platform == "gpu":
+    if not pallas_triton.available():  # no Triton kernel (nor the Hopper ones, merged by one): XLA
+      if impl == "pallas":
+        _need_triton("impl='pallas' on GPU runs the Triton kernel")
+      _warn_no_triton()
+      return Path.XLA
     # impl="pallas" traced on a GPU host never falls back silently: the Triton plan raises.
     if not (triton_takes or (impl == "pallas" and jax.default_backend() == "gpu")):
       return Path.XLA
     return Path.MOSAIC_GPU if hopper_takes() else Path.TRITON
   return Path.MOSAIC_TPU
+
+
+_WARNED = []
+
+
+def _need_triton(what: str) -> None:
+  """A ValueError naming the missing Triton backend for a call that asked for it."""
+  if not pallas_triton.available():
+    raise ValueError(f"flash_decode: {what}, and {pallas_triton.MISSING}; use impl=None or 'xla'")
+
+
+def _warn_no_triton() -> None:
+  """Once per process: GPU calls take the XLA path on a JAX without Pallas' Triton backend."""
+  if not _WARNED:
+    _WARNED.append(True)
+    warnings.warn(f"fdecode: {pallas_triton.MISSING}: GPU calls take the XLA path", RuntimeWarning, stacklevel=3)
 
 
 def step_path(impl, interpret, platform: str, *, step_takes: bool, compiled_takes: Callable[[], bool]) -> Path | None:
@@ -123,6 +151,10 @@ def write_path(impl, interpret, platform: str) -> Path:
   """A ragged step's cache write when lowered for ``platform``: ``Path.TRITON`` /
   ``Path.TRITON_INTERPRET`` (the write kernel) or ``Path.XLA`` (a scatter per cache)."""
   if impl in ("xla", "reference") or isinstance(interpret, pltpu.InterpretParams):
+    return Path.XLA
+  if not pallas_triton.available():  # as `decode_path`: the XLA scatter, or impl="pallas" refused
+    if impl == "pallas":
+      _need_triton("impl='pallas' writes with the Triton kernel")
     return Path.XLA
   if impl == "pallas" and interpret:
     return Path.TRITON_INTERPRET

@@ -46,7 +46,6 @@ from flax import nnx
 from fdecode.cache.allocator import PageAllocator
 from fdecode.decoding.compilation_cache import enable as enable_compilation_cache
 from fdecode.decoding.generate import check_prompt_ids, model_state, split_model
-from fdecode.flax.decode_attention import DecodeAttention
 from fdecode.models.base import Transformer
 from fdecode.validation import INT32_MAX, describe
 
@@ -154,12 +153,11 @@ class Engine:
       = a folder already configured in JAX, else ``~/.cache/fdecode/jax``; a path = that
       folder (when JAX has none yet); False = fdecode turns nothing on (nor does
       ``FDECODE_COMPILATION_CACHE=0``).
-    batch_invariant: every attention layer of the model attends in `fdecode.flash_decode`'s
-      batch-invariant mode (it sets ``DecodeAttention.batch_invariant``): a request's
-      attention bits do not depend on what else is served, nor on whether a token was
-      prefilled or decoded. The model's other layers (projections, norms, the MLP) are
-      XLA's own, whose matmuls may round differently with the number of rows in a step
-      (``docs/semantics.md``, Reproducibility).
+    batch_invariant: a request's logits do not depend on what else is served, and equal
+      a prefill of its tokens under the mode: every layer with a ``batch_invariant``
+      attribute gets it (attention, `fdecode.flash_decode`'s mode; the norms, matmuls and
+      tied output projection of `fdecode.flax.invariant`: fixed-order sums and matmuls
+      in tiles of 32 rows). ``docs/semantics.md`` (Reproducibility) says what holds where.
 
   The engine takes the model's weights when it is built (set them before); the model's
   caches are replaced by the pool, and hold each step's result.
@@ -199,8 +197,8 @@ class Engine:
     if not isinstance(batch_invariant, bool):
       raise ValueError(f"Engine: batch_invariant must be a bool; got {describe(batch_invariant)}")
     # Every argument is checked: only now is the model touched (its caches become the pool).
-    for _, layer in nnx.iter_graph(model):
-      if isinstance(layer, DecodeAttention):
+    for _, layer in nnx.iter_graph(model):  # attention, norms and matmuls (`fdecode.flax.invariant`)
+      if hasattr(layer, "batch_invariant"):
         layer.batch_invariant = batch_invariant
     self.batch_invariant = batch_invariant
     model.init_cache(max_seqs, pages_per_seq * page_size, page_size=page_size)

@@ -21,12 +21,18 @@ Two entry points, for two cache layouts:
   ``window``, ``logits_soft_cap``, learned ``sinks``, ``alibi``), QK-norm and its own
   RoPE base, so a Gemma-3-like stack of local and global layers is a list of them.
 
+`RMSNorm`, `Linear` and `Embed` are Flax's with a batch-invariant mode (each row's bits
+depend on that row alone: `fdecode.flax.invariant`), what the models here are built from.
+
 Import as ``import fdecode.flax`` (this package is not re-exported by ``fdecode``).
-They live in `fdecode.flax.token_major` and `fdecode.flax.decode_attention`.
+They live in `fdecode.flax.token_major`, `fdecode.flax.decode_attention` and
+`fdecode.flax.invariant`.
 """
 
+from fdecode.flax.invariant import Embed, Linear, RMSNorm
 from fdecode.flax.token_major import attention_fn
 from fdecode.flax.decode_attention import DecodeAttention, alibi_slopes, apply_rope
 from fdecode.flax.mla import MLADecodeAttention
 
-__all__ = ["DecodeAttention", "MLADecodeAttention", "alibi_slopes", "apply_rope", "attention_fn"]
+__all__ = ["DecodeAttention", "Embed", "Linear", "MLADecodeAttention", "RMSNorm", "alibi_slopes", "apply_rope",
+           "attention_fn"]

@@ -16,6 +16,7 @@ from flax import nnx
 from fdecode.api import flash_decode
 from fdecode.cache.write import write_contiguous, write_paged
 from fdecode.cache.meshes import host_values, replicated
+from fdecode.flax.invariant import Linear, RMSNorm
 from fdecode.cache.quant import check_cache_dtype, is_quantized
 from fdecode.ragged import ragged_decode, row_positions
 from fdecode.validation import (check_cache_sizes, check_norm_eps, check_rope_theta, static_bool, static_int,
@@ -181,16 +182,16 @@ class DecodeAttention(nnx.Module):
     self.decode_fn = flash_decode if decode_fn is None else decode_fn
     self.batch_invariant = static_bool("batch_invariant", batch_invariant, caller)
     linear = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.q_proj = nnx.Linear(in_features, num_heads * head_dim, **linear)
-    self.k_proj = nnx.Linear(in_features, num_kv_heads * head_dim, **linear)
-    self.v_proj = nnx.Linear(in_features, num_kv_heads * head_dim, **linear)
-    self.o_proj = nnx.Linear(num_heads * head_dim, in_features, **linear)
+    self.q_proj = Linear(in_features, num_heads * head_dim, **linear)
+    self.k_proj = Linear(in_features, num_kv_heads * head_dim, **linear)
+    self.v_proj = Linear(in_features, num_kv_heads * head_dim, **linear)
+    self.o_proj = Linear(num_heads * head_dim, in_features, **linear)
     self.window, self.logits_soft_cap, self.softmax_scale = window, logits_soft_cap, softmax_scale
     self.sinks = nnx.Param(jnp.zeros((num_heads,), jnp.float32)) if sinks else nnx.data(None)
     self.alibi_slopes = nnx.data(alibi_slopes(num_heads) if alibi else None)
     norm = dict(epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.q_norm = nnx.RMSNorm(head_dim, **norm) if qk_norm else nnx.data(None)
-    self.k_norm = nnx.RMSNorm(head_dim, **norm) if qk_norm else nnx.data(None)
+    self.q_norm = RMSNorm(head_dim, **norm) if qk_norm else nnx.data(None)
+    self.k_norm = RMSNorm(head_dim, **norm) if qk_norm else nnx.data(None)
     self.cached_key: nnx.Cache | None = nnx.data(None)
     self.cached_value: nnx.Cache | None = nnx.data(None)
     self.key_scale: nnx.Cache | None = nnx.data(None)

@@ -23,6 +23,7 @@ from flax import nnx
 from fdecode.api import flash_decode
 from fdecode.cache.write import write_contiguous, write_paged
 from fdecode.flax.decode_attention import apply_rope
+from fdecode.flax.invariant import Linear, RMSNorm
 from fdecode.cache.meshes import host_values, replicated
 from fdecode.cache.quant import check_cache_dtype, is_quantized
 from fdecode.validation import (check_cache_sizes, check_norm_eps, check_rope_theta,
@@ -139,19 +140,19 @@ class MLADecodeAttention(nnx.Module):
     norm = dict(epsilon=norm_eps, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     q_width = num_heads * (qk_nope_head_dim + qk_rope_head_dim)
     if q_lora_rank is None:
-      self.q_proj = nnx.Linear(in_features, q_width, **linear)
+      self.q_proj = Linear(in_features, q_width, **linear)
       self.q_a_proj = self.q_a_norm = self.q_b_proj = nnx.data(None)
     else:
       self.q_proj = nnx.data(None)
-      self.q_a_proj = nnx.Linear(in_features, q_lora_rank, **linear)
-      self.q_a_norm = nnx.RMSNorm(q_lora_rank, **norm)
-      self.q_b_proj = nnx.Linear(q_lora_rank, q_width, **linear)
-    self.kv_a_proj = nnx.Linear(in_features, kv_lora_rank + qk_rope_head_dim, **linear)
-    self.kv_norm = nnx.RMSNorm(kv_lora_rank, **norm)
+      self.q_a_proj = Linear(in_features, q_lora_rank, **linear)
+      self.q_a_norm = RMSNorm(q_lora_rank, **norm)
+      self.q_b_proj = Linear(q_lora_rank, q_width, **linear)
+    self.kv_a_proj = Linear(in_features, kv_lora_rank + qk_rope_head_dim, **linear)
+    self.kv_norm = RMSNorm(kv_lora_rank, **norm)
     init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", in_axis=1, out_axis=2, batch_axis=0)
     self.w_uk = nnx.Param(init(rngs.params(), (num_heads, kv_lora_rank, qk_nope_head_dim), param_dtype))
     self.w_uv = nnx.Param(init(rngs.params(), (num_heads, kv_lora_rank, v_head_dim), param_dtype))
-    self.o_proj = nnx.Linear(num_heads * v_head_dim, in_features, **linear)
+    self.o_proj = Linear(num_heads * v_head_dim, in_features, **linear)
     for name in ("cached_latent", "cached_rope", "latent_scale", "block_tables", "lengths", "overflowed"):
       setattr(self, name, nnx.data(None))
 

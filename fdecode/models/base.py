@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from fdecode.cache.meshes import is_explicit
 from fdecode.flax import DecodeAttention
+from fdecode.flax.invariant import Embed, Linear, RMSNorm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +52,9 @@ class MLP(nnx.Module):
 
   def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
     linear = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
-    self.gate = nnx.Linear(dim, hidden, **linear)
-    self.up = nnx.Linear(dim, hidden, **linear)
-    self.down = nnx.Linear(hidden, dim, **linear)
+    self.gate = Linear(dim, hidden, **linear)
+    self.up = Linear(dim, hidden, **linear)
+    self.down = Linear(hidden, dim, **linear)
 
   def __call__(self, x):
     return self.down(nnx.silu(self.gate(x)) * self.up(x))
@@ -63,11 +64,11 @@ class Block(nnx.Module):
   """Pre-norm decoder block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
   def __init__(self, cfg: ModelConfig, *, decode_fn, rngs: nnx.Rngs):
-    self.attn_norm = nnx.RMSNorm(cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
+    self.attn_norm = RMSNorm(cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
     self.attn = DecodeAttention(cfg.dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                 rope_theta=cfg.rope_theta, dtype=cfg.dtype,
                                 param_dtype=cfg.dtype, decode_fn=decode_fn, rngs=rngs)
-    self.mlp_norm = nnx.RMSNorm(cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
     self.mlp = MLP(cfg.dim, cfg.mlp_dim, dtype=cfg.dtype, rngs=rngs)
 
   def prefill(self, x, lengths):
@@ -95,10 +96,10 @@ class Transformer(nnx.Module):
                seed: int = 0):
     rngs = nnx.Rngs(seed)
     self.cfg = cfg
-    self.embed = nnx.Embed(cfg.vocab, cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
+    self.embed = Embed(cfg.vocab, cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
     self.blocks = nnx.List([Block(cfg, decode_fn=decode_fn, rngs=rngs) for _ in range(cfg.layers)])
-    self.norm = nnx.RMSNorm(cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
-    self.unembed = nnx.Linear(cfg.dim, cfg.vocab, use_bias=False, dtype=cfg.dtype,
+    self.norm = RMSNorm(cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
+    self.unembed = Linear(cfg.dim, cfg.vocab, use_bias=False, dtype=cfg.dtype,
                               param_dtype=cfg.dtype, rngs=rngs)
 
   def init_cache(self, batch: int, max_len: int, *, cache_dtype=None, page_size=None) -> None:

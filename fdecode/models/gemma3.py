@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 
 from fdecode.flax import DecodeAttention
+from fdecode.flax.invariant import Embed, Linear, RMSNorm
 from fdecode.models.base import Transformer
 from fdecode.models.gguf import GGUFFile
 
@@ -157,9 +158,9 @@ class GeGLU(nnx.Module):
 
   def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
     linear = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
-    self.gate = nnx.Linear(dim, hidden, **linear)
-    self.up = nnx.Linear(dim, hidden, **linear)
-    self.down = nnx.Linear(hidden, dim, **linear)
+    self.gate = Linear(dim, hidden, **linear)
+    self.up = Linear(dim, hidden, **linear)
+    self.down = Linear(hidden, dim, **linear)
 
   def __call__(self, x):
     return self.down(jax.nn.gelu(self.gate(x), approximate=True) * self.up(x))
@@ -169,7 +170,7 @@ class Gemma3Block(nnx.Module):
   """Sandwich-norm decoder block; local (sliding window) or global by its index."""
 
   def __init__(self, cfg: Gemma3Config, layer: int, *, decode_fn, rngs: nnx.Rngs):
-    norm = lambda n: nnx.RMSNorm(n, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype,
+    norm = lambda n: RMSNorm(n, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype,
                                  rngs=rngs)
     is_global = cfg.is_global(layer)
     self.attn_norm, self.post_attn_norm = norm(cfg.dim), norm(cfg.dim)
@@ -212,10 +213,10 @@ class Gemma3(Transformer):
                seed: int = 0):  # pylint: disable=super-init-not-called
     rngs = nnx.Rngs(seed)
     self.cfg = cfg
-    self.embed = nnx.Embed(cfg.vocab, cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
+    self.embed = Embed(cfg.vocab, cfg.dim, dtype=cfg.dtype, param_dtype=cfg.dtype, rngs=rngs)
     self.blocks = nnx.List([Gemma3Block(cfg, i, decode_fn=decode_fn, rngs=rngs)
                             for i in range(cfg.layers)])
-    self.norm = nnx.RMSNorm(cfg.dim, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype,
+    self.norm = RMSNorm(cfg.dim, epsilon=cfg.norm_eps, dtype=cfg.dtype, param_dtype=cfg.dtype,
                             rngs=rngs)
 
   def set_decode_fn(self, decode_fn: Callable[..., jax.Array] | None) -> None:

@@ -230,26 +230,152 @@ def test_bad_options(bad, match):
     fdecode.flash_decode(q, k, k, jnp.array([3]), **bad)
 
 
-def test_engine_sets_the_mode_on_every_layer_and_serves():
-  """``Engine(batch_invariant=True)``: every attention layer attends in the mode, and a
-  request's greedy tokens served beside others equal it served alone."""
+def _served_logits(monkeypatch, cfg, batch, invariant):
+  """Per-step logits of ``batch[0]`` (the rows it sampled from) served with the others by an
+  `Engine`, requests arriving one step apart."""
+  from fdecode.decoding import serving  # pylint: disable=g-import-not-at-top
+  from fdecode.models.base import Transformer  # pylint: disable=g-import-not-at-top
+  seen, sample = [], serving.sample
+
+  def spy(logits, *rest):  # the step's logits [M, V], as the engine samples from them
+    jax.debug.callback(lambda l: seen.append(np.asarray(l)), logits)
+    return sample(logits, *rest)
+
+  monkeypatch.setattr(serving, "sample", spy)
+  serving._serve_step.clear_cache()  # traced anew with the spy (the compiled step closes over its sample)
+  engine = serving.Engine(Transformer(cfg, seed=0), max_seqs=4, token_budget=24, max_len=48, page_size=8,
+                          buckets=(1, 2, 4, 8, 16, 24), batch_invariant=invariant)
+  ids = [engine.submit(serving.Request(p, 5, arrival=i)) for i, p in enumerate(batch)]
+  rows = []
+  while engine.waiting or engine.running:
+    seen.clear()
+    schedule, picked = engine._schedule, []
+    engine._schedule = lambda: picked.extend(schedule()) or picked
+    made = {live.rid: len(live.generated) for live in engine.running}
+    engine.step()
+    engine._schedule = schedule
+    jax.effects_barrier()
+    rows += [seen[0][i] for i, (live, _) in enumerate(picked)
+             if live.rid == ids[0] and len(live.generated) > made.get(live.rid, 0)]
+  monkeypatch.setattr(serving, "sample", sample)
+  serving._serve_step.clear_cache()
+  return rows, engine
+
+
+# Wide enough that XLA:CPU's matmuls and sums round by the row count (dim 640: 2026-12-02).
+WIDE = dict(vocab=97, dim=640, layers=2, num_heads=4, num_kv_heads=2, head_dim=160, mlp_dim=1024)
+
+
+def test_engine_logits_do_not_depend_on_the_load_and_equal_a_prefill(monkeypatch):
+  """``Engine(batch_invariant=True)``: a request's per-step logits served alone equal those
+  served beside three others (arriving later, prefilled in the same steps), bit for bit;
+  and a prefill of its prompt and generated tokens (the trainer's recomputation, under the
+  mode) gives the same logits."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
-  from fdecode.decoding.serving import Engine, Request
-  from fdecode.flax import DecodeAttention
-  from fdecode.models.base import Transformer
-  from helpers.serving import CFG
+  from fdecode.models.base import ModelConfig, Transformer  # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig(**WIDE)
   rng = np.random.default_rng(5)
-  prompt = rng.integers(0, CFG.vocab, 11).tolist()
-  others = [rng.integers(0, CFG.vocab, n).tolist() for n in (3, 20, 7)]
+  prompt = rng.integers(0, cfg.vocab, 11).tolist()
+  others = [rng.integers(0, cfg.vocab, n).tolist() for n in (3, 20, 7)]
+  alone, engine = _served_logits(monkeypatch, cfg, [prompt], True)
+  crowded, _ = _served_logits(monkeypatch, cfg, [prompt] + others, True)
+  assert len(alone) == len(crowded) == 5
+  for i, (a, b) in enumerate(zip(alone, crowded)):
+    assert same(a, b), f"step {i}: {np.abs(a - b).max()}"
+  layers = [m for _, m in nnx.iter_graph(engine.model) if hasattr(m, "batch_invariant")]
+  assert len(layers) >= 8 and all(m.batch_invariant for m in layers)
 
-  def serve(batch):
-    engine = Engine(Transformer(CFG, seed=0), max_seqs=4, token_budget=24, max_len=48, page_size=8, buckets=(24,),
-                    batch_invariant=True)
-    layers = [m for _, m in nnx.iter_graph(engine.model) if isinstance(m, DecodeAttention)]
-    assert layers and all(m.batch_invariant for m in layers)
-    ids = [engine.submit(Request(p, 5, arrival=i)) for i, p in enumerate(batch)]
-    return engine.run()[ids[0]].tokens
+  model = Transformer(cfg, seed=0)
+  for _, m in nnx.iter_graph(model):
+    if hasattr(m, "batch_invariant"):
+      m.batch_invariant = True
+  tokens = prompt + [int(np.argmax(r)) for r in alone]
+  model.init_cache(1, 48)
+  prefill = nnx.jit(lambda m, t, n: m.prefill(t, n))
+  for j, served in enumerate(alone):
+    n = len(prompt) + j
+    t = np.zeros((1, 24), np.int32)
+    t[0, :n] = tokens[:n]
+    logits = np.asarray(prefill(model, jnp.asarray(t), jnp.asarray([n], jnp.int32)))[0]
+    assert same(logits, served), f"position {n}: {np.abs(logits - served).max()}"
 
-  assert serve([prompt]) == serve([prompt] + others)
+
+def test_engine_refuses_a_non_bool_mode():
+  from fdecode.decoding.serving import Engine  # pylint: disable=g-import-not-at-top
+  from fdecode.models.base import Transformer  # pylint: disable=g-import-not-at-top
+  from helpers.serving import CFG  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match="batch_invariant must be a bool"):
     Engine(Transformer(CFG, seed=0), max_seqs=2, token_budget=8, max_len=16, page_size=4, batch_invariant=1)
+
+
+@pytest.mark.parametrize("layer", ["RMSNorm", "Linear", "Embed"])
+def test_flax_layers_rows_do_not_depend_on_the_row_count(layer):
+  """`fdecode.flax.invariant`'s layers in the mode: rows computed among 1..70 rows equal the
+  same rows among 96, and match the default computation within float32 rounding."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  import fdecode.flax as ff  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(6)
+  e = 640
+  module = {"RMSNorm": lambda: ff.RMSNorm(e, rngs=nnx.Rngs(0)), "Linear": lambda: ff.Linear(e, 320, rngs=nnx.Rngs(0)),
+            "Embed": lambda: ff.Embed(97, e, rngs=nnx.Rngs(0))}[layer]()
+  call = (lambda m, x: m.attend(x)) if layer == "Embed" else (lambda m, x: m(x))
+  x = jnp.asarray(rng.standard_normal((96, e)), jnp.float32)
+  default = np.asarray(call(module, x))
+  module.batch_invariant = True
+  f = nnx.jit(call)
+  full = np.asarray(f(module, x))
+  np.testing.assert_allclose(full, default, rtol=2e-5, atol=2e-5)
+  for n in (1, 2, 5, 32, 33, 70):
+    assert same(f(module, x[:n]), full[:n]), n
+  assert same(f(module, x.reshape(8, 12, e)), full.reshape(8, 12, -1))
+
+
+def test_corruption_a_row_sees_propagates_and_dead_slots_never_leak():
+  """Under the mode too: a NaN key or an inf value a row sees makes that row NaN; garbage in
+  slots no row sees changes no bit."""
+  rng = np.random.default_rng(7)
+  k, v = _cache(rng, 2, 2, 48, 16, jnp.float32)
+  q = jnp.asarray(rng.standard_normal((2, 3, 4, 16)), jnp.float32)
+  n = jnp.array([30, 48], jnp.int32)
+  mode = dict(batch_invariant=True, split_size=SPLIT)
+  clean, clean_lse = fdecode.flash_decode(q, k, v, n, return_lse=True, **mode)
+  dead = fdecode.flash_decode(q, k.at[0, :, 30:].set(jnp.nan), v.at[0, :, 30:].set(jnp.inf), n, **mode)
+  assert same(dead, clean)
+  seen = fdecode.flash_decode(q, k.at[0, 1, 28].set(jnp.nan), v.at[1, 0, 5].set(jnp.inf), n, return_lse=True, **mode)
+  out, lse = map(np.asarray, seen)
+  assert np.isnan(out[0, 1:, 2:]).all() and np.isnan(lse[0, 1:, 2:]).all()  # kv head 1 (heads 2, 3) at positions >= 28
+  assert not np.isnan(out[0, :, :2]).any()
+  assert same(out[0, 0], clean[0, 0])  # the first token (position 27) does not see slot 28
+  assert np.isnan(out[1, :, :2]).all() and same(out[1, :, 2:], clean[1, :, 2:])
+
+
+def test_sharded_over_heads_gives_the_single_device_rows():
+  """`sharded_flash_decode` under the mode, heads over 2 devices and heads x sequence over
+  2 x 2: the head-parallel rows are the single-device rows bit for bit; the sequence-
+  parallel ones are a merge of per-chunk splits (docs/semantics.md), equal within rounding."""
+  rng = np.random.default_rng(8)
+  q = jnp.asarray(rng.standard_normal((2, 8, 32)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((2, 4, 256, 32)), jnp.float32)
+  n = jnp.array([200, 256], jnp.int32)
+  mode = dict(batch_invariant=True, split_size=32)
+  one = fdecode.flash_decode(q, k, k, n, **mode)
+  mesh = jax.make_mesh((2, 2), ("h", "s"))
+  heads = fdecode.sharded_flash_decode(q, k, k, n, mesh=mesh, head_axis="h", **mode)
+  both = fdecode.sharded_flash_decode(q, k, k, n, mesh=mesh, head_axis="h", seq_axis="s", **mode)
+  assert same(heads, one)
+  np.testing.assert_allclose(np.asarray(both), np.asarray(one), atol=1e-6, rtol=1e-6)
+
+
+def test_vmap_and_symbolic_batch_export_keep_the_bits():
+  rng = np.random.default_rng(9)
+  q = jnp.asarray(rng.standard_normal((3, 8, 32)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((3, 2, 96, 32)), jnp.float32)
+  n = jnp.array([5, 96, 50], jnp.int32)
+  f = lambda q, k, n: fdecode.flash_decode(q, k, k, n, batch_invariant=True, split_size=32)
+  want = f(q, k, n)
+  assert same(jax.vmap(lambda q, k, n: f(q[None], k[None], n[None])[0])(q, k, n), want)
+  b = jax.export.symbolic_shape("b")[0]
+  exp = jax.export.export(jax.jit(f))(jax.ShapeDtypeStruct((b, 8, 32), jnp.float32),
+                                      jax.ShapeDtypeStruct((b, 2, 96, 32), jnp.float32),
+                                      jax.ShapeDtypeStruct((b,), jnp.int32))
+  assert same(exp.call(q, k, n), want) and same(exp.call(q[1:], k[1:], n[1:]), want[1:])

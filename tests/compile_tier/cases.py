@@ -485,3 +485,7 @@ def _grad(target, **kw):
 # (pool gradients through the page gather's transpose).
 CASES["grad-contiguous-bf16-d128"] = functools.partial(_grad, dk=128)
 CASES["grad-paged16-bf16-t4"] = functools.partial(_grad, dk=128, paged=16, t=4)
+# The batch-invariant mode: the XLA path on every chip (`fdecode.kernels.xla.invariant`), a
+# paged bf16 cache at T = 4.
+CASES["invariant-paged16-bf16-t4"] = functools.partial(_contiguous, dk=128, paged=16, t=4, batch_invariant=True)
+PLAIN_XLA.add("invariant-paged16-bf16-t4")

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+from fdecode.kernels.triton.pallas_triton import plgpu
 
 from fdecode.combine import F32_ONE, F32_ZERO, add_sink, merge_by
 from fdecode.kernels.common import block as blk

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.pallas import triton as plgpu
+from fdecode.kernels.triton.pallas_triton import plgpu
 
 from fdecode.kernels.triton.launch import pow2_at_least
 from fdecode.kernels.triton.schedule import cdiv, vector_at

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
+from fdecode.kernels.triton.pallas_triton import plgpu
 
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.triton.combine import CombinePlan, merge_run, with_sinks

@@ -47,7 +47,7 @@ from fdecode.cache.paged import gather_pages_head_major, gather_scale_head_major
 from fdecode.cache.quant import dequantize
 from fdecode.combine import MASK_VALUE, finalize_state, merge_states
 from fdecode.kernels.common.modifiers import Modifiers, row_bounds
-from fdecode.kernels.xla.dense import _as_words, _from_words, pad_tokens
+from fdecode.kernels.xla.dense import _as_words, _from_words, _vary_together, pad_tokens
 
 # The default split size: cache positions per split.
 SPLIT_SIZE = 1024
@@ -118,7 +118,7 @@ def invariant_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: fl
   mask, bias = pad(mask), pad(bias)  # canonical [Bm, Hm, Tm, Gm, S]: the scores' own axis order
   slopes = None if alibi is None else alibi.astype(jnp.float32).reshape(1, hkv, 1, g, 1)
 
-  per_token = b * hkv * c * max(dq, dv) * 4
+  per_token = (1 if jax.export.is_symbolic_dim(b) else b) * hkv * c * max(dq, dv) * 4  # a symbolic B: per sequence
   tb = max(1, min(t, TOKEN_BLOCK_BYTES // per_token))
   nt = -(-t // tb)
   q5 = pad_tokens(q_rows.reshape(b, hkv, t, g, dq), nt * tb, axis=2)
@@ -173,6 +173,7 @@ def invariant_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: fl
       return merged, None
 
     empty = (jnp.zeros((b, hkv, tb, g, dv), jnp.float32), jnp.full((b, hkv, tb, g), -jnp.inf, jnp.float32))
+    empty = _vary_together(empty, like=(qb, k, v, k_rope, ends, block_tables))  # inside shard_map: typed as the splits' states
     state, _ = lax.scan(one_split, empty, jnp.arange(n, dtype=jnp.int32))
     return state
 
