@@ -153,9 +153,9 @@ class Engine:
       = a folder already configured in JAX, else ``~/.cache/fdecode/jax``; a path = that
       folder (when JAX has none yet); False = fdecode turns nothing on (nor does
       ``FDECODE_COMPILATION_CACHE=0``).
-    batch_invariant: a request's logits do not depend on what else is served, and equal
-      a prefill of its tokens under the mode: every layer with a ``batch_invariant``
-      attribute gets it (attention, `fdecode.flash_decode`'s mode; the norms, matmuls and
+    batch_invariant: True: a request's logits do not depend on what else is served, and
+      equal a prefill of its tokens under the mode: every layer with a ``batch_invariant``
+      attribute gets it set (attention, `fdecode.flash_decode`'s mode; the norms, matmuls and
       tied output projection of `fdecode.flax.invariant`: fixed-order sums and matmuls
       in tiles of 32 rows). ``docs/semantics.md`` (Reproducibility) says what holds where.
 
@@ -198,8 +198,8 @@ class Engine:
       raise ValueError(f"Engine: batch_invariant must be a bool; got {describe(batch_invariant)}")
     # Every argument is checked: only now is the model touched (its caches become the pool).
     for _, layer in nnx.iter_graph(model):  # attention, norms and matmuls (`fdecode.flax.invariant`)
-      if hasattr(layer, "batch_invariant"):
-        layer.batch_invariant = batch_invariant
+      if batch_invariant and hasattr(layer, "batch_invariant"):  # False leaves the layers as built
+        layer.batch_invariant = True
     self.batch_invariant = batch_invariant
     model.init_cache(max_seqs, pages_per_seq * page_size, page_size=page_size)
     self.model, self.max_seqs, self.budget = model, int(max_seqs), int(token_budget)
