@@ -49,7 +49,7 @@ from jax.interpreters import ad, batching, mlir
 from jax.experimental.pallas import tpu as pltpu
 
 from fdecode.kernels.common import chips
-from fdecode.kernels.triton import pallas_triton
+from fdecode.kernels import triton as triton_kernels
 
 __all__ = ["PLATFORMS", "Path", "branch_platform", "decode_path", "lower", "resolve_interpret", "step_path",
            "write_path"]
@@ -105,7 +105,7 @@ def decode_path(impl, interpret, platform: str, *, triton_takes: bool = True,
       return Path.TRITON_INTERPRET
     return Path.XLA
   if platform == "gpu":
-    if not pallas_triton.available():  # no Triton kernel (nor the Hopper ones, merged by one): XLA
+    if not triton_kernels.pallas_triton_available():  # no Triton kernel (nor the Hopper ones, merged by one): XLA
       if impl == "pallas":
         _need_triton("impl='pallas' on GPU runs the Triton kernel")
       _warn_no_triton()
@@ -122,15 +122,15 @@ _WARNED = []
 
 def _need_triton(what: str) -> None:
   """A ValueError naming the missing Triton backend for a call that asked for it."""
-  if not pallas_triton.available():
-    raise ValueError(f"flash_decode: {what}, and {pallas_triton.MISSING}; use impl=None or 'xla'")
+  if not triton_kernels.pallas_triton_available():
+    raise ValueError(f"flash_decode: {what}, and {triton_kernels.PALLAS_TRITON_MISSING}; use impl=None or 'xla'")
 
 
 def _warn_no_triton() -> None:
   """Once per process: GPU calls take the XLA path on a JAX without Pallas' Triton backend."""
   if not _WARNED:
     _WARNED.append(True)
-    warnings.warn(f"fdecode: {pallas_triton.MISSING}: GPU calls take the XLA path", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"fdecode: {triton_kernels.PALLAS_TRITON_MISSING}: GPU calls take the XLA path", RuntimeWarning, stacklevel=3)
 
 
 def step_path(impl, interpret, platform: str, *, step_takes: bool, compiled_takes: Callable[[], bool]) -> Path | None:
@@ -152,7 +152,7 @@ def write_path(impl, interpret, platform: str) -> Path:
   ``Path.TRITON_INTERPRET`` (the write kernel) or ``Path.XLA`` (a scatter per cache)."""
   if impl in ("xla", "reference") or isinstance(interpret, pltpu.InterpretParams):
     return Path.XLA
-  if not pallas_triton.available():  # as `decode_path`: the XLA scatter, or impl="pallas" refused
+  if not triton_kernels.pallas_triton_available():  # as `decode_path`: the XLA scatter, or impl="pallas" refused
     if impl == "pallas":
       _need_triton("impl='pallas' writes with the Triton kernel")
     return Path.XLA

@@ -20,10 +20,14 @@ from fdecode.kernels.triton.tiles import row_tiling, triton_unsupported
 from fdecode.kernels.triton.tuned import (CALIBRATION_CASES, LAUNCH, CalibrationSample, check_calibration,
                                           measure_calibration)
 from fdecode.kernels.triton.write import WritePlan, write_plan, write_rows
+from fdecode.kernels.triton.pallas_triton import MISSING as PALLAS_TRITON_MISSING
+from fdecode.kernels.triton.pallas_triton import available as pallas_triton_available
 
-__all__ = ["CALIBRATION_CASES", "CalibrationSample", "CombinePlan", "LAUNCH", "Launch", "PROGRAMS_PER_SM", "RowSource",
+__all__ = ["CALIBRATION_CASES", "CalibrationSample", "CombinePlan", "LAUNCH", "Launch", "PALLAS_TRITON_MISSING",
+           "PROGRAMS_PER_SM", "RowSource",
            "Schedule", "StepPart", "TritonPlan", "WritePlan", "balanced_schedule", "block_size", "check_calibration",
            "combine", "combine_split_major", "combine_step", "combine_width", "gpu_busy", "gpu_num_splits",
-           "item_work", "launch_plan", "load_ends", "make_plan", "measure_calibration", "merges_parts", "row_tiling",
+           "item_work", "launch_plan", "load_ends", "make_plan", "measure_calibration", "merges_parts",
+           "pallas_triton_available", "row_tiling",
            "run", "sequence_items", "split_states", "split_states_merged", "triton_unsupported", "write_plan",
            "write_rows"]
