@@ -24,6 +24,8 @@ Pallas kernels are the ones that skip blocks past each sequence's length.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -205,6 +207,31 @@ def _as_words(x, i):
   return lax.bitcast_convert_type(x, jnp.uint8 if dtype.itemsize == 1 else jnp.uint16)
 
 
+def load_pages(i, x, scale, offset, *, tables, pages, page_size, gather, dtype):
+  """Chunk ``i`` of a pool ``x``: its ``pages`` table columns gathered (``gather``: head- or
+  token-major pages -> ``[Hkv, B, C, D]``, the pool's order, no transpose), read as words
+  (`_as_words`), dequantized to ``dtype`` after the load when ``scale`` is given."""
+  ids = lax.dynamic_slice_in_dim(tables, i * pages, pages, axis=1)
+  x = _from_words(gather(_as_words(x, i), ids), x.dtype)
+  if scale is not None:
+    sc = gather_scale_head_major(scale, ids, page_size)
+    off = None if offset is None else gather_scale_head_major(offset, ids, page_size)
+    x = dequantize(x, sc, off, dtype)
+  return x
+
+
+def load_rows(i, x, scale, offset, *, chunk, tok, dtype):
+  """Chunk ``i`` of a contiguous cache ``x`` (padded to whole chunks) -> ``[B, Hkv, C, D]``:
+  ``chunk`` rows sliced along the token axis ``tok`` (a token-major chunk's rows transposed),
+  read as words, dequantized to ``dtype`` after the load when ``scale`` is given."""
+  rows = lax.dynamic_slice_in_dim(_as_words(x, i), i * chunk, chunk, axis=tok)
+  x = _from_words(rows if tok == 2 else rows.transpose(0, 2, 1, 3), x.dtype)
+  if scale is not None:
+    sl = lambda a: a if a.shape[2] == 1 else lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=2)
+    x = dequantize(x, sl(scale), None if offset is None else sl(offset), dtype)
+  return x
+
+
 def _from_words(x, dtype):
   """Rows read through `_as_words` back in the cache's ``dtype``."""
   return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
@@ -340,14 +367,8 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
     tables = pad_tokens(block_tables, pages_per_chunk * n, axis=1)
     chunk = pages_per_chunk * page_size
 
-    def load(i, x, scale, offset):  # -> [Hkv, B, C, D]: the pool's order, no transpose
-      ids = lax.dynamic_slice_in_dim(tables, i * pages_per_chunk, pages_per_chunk, axis=1)
-      x = _from_words(gather(_as_words(x, i), ids), x.dtype)
-      if scale is not None:
-        sc = gather_scale_head_major(scale, ids, page_size)
-        off = None if offset is None else gather_scale_head_major(offset, ids, page_size)
-        x = dequantize(x, sc, off, compute_dtype)
-      return x
+    load = functools.partial(load_pages, tables=tables, pages=pages_per_chunk, page_size=page_size, gather=gather,
+                             dtype=compute_dtype)  # -> [Hkv, B, C, D]: the pool's order, no transpose
   else:
     chunk = max(-(-s // n), 1)
     k, v, k_rope = (maybe(lambda x: pad_tokens(x, chunk * n, axis=tok), x) for x in (k, v, k_rope))
@@ -355,13 +376,7 @@ def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, bloc
         None if a is None else pad_tokens(a, chunk * n, broadcast_ok=True)
         for a in (k_scale, v_scale, k_offset, v_offset))
 
-    def load(i, x, scale, offset):  # -> [B, Hkv, C, D]: a token-major chunk's rows transposed
-      rows = lax.dynamic_slice_in_dim(_as_words(x, i), i * chunk, chunk, axis=tok)
-      x = _from_words(rows if tok == 2 else rows.transpose(0, 2, 1, 3), x.dtype)
-      if scale is not None:
-        sl = lambda a: a if a.shape[2] == 1 else lax.dynamic_slice_in_dim(a, i * chunk, chunk, axis=2)
-        x = dequantize(x, sl(scale), None if offset is None else sl(offset), compute_dtype)
-      return x
+    load = functools.partial(load_rows, chunk=chunk, tok=tok, dtype=compute_dtype)  # -> [B, Hkv, C, D]
 
   geo.pad(chunk * n)
   heads_outer = paged

@@ -38,16 +38,17 @@ table, 8-bit rows dequantized after the load), so no copy of the whole cache is 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from fdecode.cache.layout import capacity, token_axis
-from fdecode.cache.paged import gather_pages_head_major, gather_scale_head_major, gather_token_major_pages
-from fdecode.cache.quant import dequantize
+from fdecode.cache.paged import gather_pages_head_major, gather_token_major_pages
 from fdecode.combine import MASK_VALUE, finalize_state, merge_states
 from fdecode.kernels.common.modifiers import Modifiers, row_bounds
-from fdecode.kernels.xla.dense import _as_words, _from_words, _vary_together, pad_tokens
+from fdecode.kernels.xla.dense import _vary_together, load_pages, load_rows, pad_tokens
 
 # The default split size: cache positions per split.
 SPLIT_SIZE = 1024
@@ -90,27 +91,14 @@ def invariant_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: fl
     per = c // page_size
     tables = pad_tokens(block_tables, per * n, axis=1)
     gather = gather_token_major_pages if kv_layout == "NHD" else gather_pages_head_major
-
-    def load(i, x, scale, offset):  # split i -> [B, Hkv, C, D]
-      ids = lax.dynamic_slice_in_dim(tables, i * per, per, axis=1)
-      x = _from_words(gather(_as_words(x, i), ids), x.dtype)
-      if scale is not None:
-        sc = gather_scale_head_major(scale, ids, page_size)
-        off = None if offset is None else gather_scale_head_major(offset, ids, page_size)
-        x = dequantize(x, sc, off, cd)
-      return x.transpose(1, 0, 2, 3)
+    paged_load = functools.partial(load_pages, tables=tables, pages=per, page_size=page_size, gather=gather, dtype=cd)
+    load = lambda *a: paged_load(*a).transpose(1, 0, 2, 3)  # split i -> [B, Hkv, C, D]
   else:
     k, v, k_rope = (None if x is None else pad_tokens(x, c * n, axis=tok) for x in (k, v, k_rope))
     k_scale, v_scale, k_offset, v_offset = (None if a is None else pad_tokens(a, c * n, broadcast_ok=True)
                                             for a in (k_scale, v_scale, k_offset, v_offset))
 
-    def load(i, x, scale, offset):
-      rows = lax.dynamic_slice_in_dim(_as_words(x, i), i * c, c, axis=tok)
-      x = _from_words(rows if tok == 2 else rows.transpose(0, 2, 1, 3), x.dtype)
-      if scale is not None:
-        sl = lambda a: a if a.shape[2] == 1 else lax.dynamic_slice_in_dim(a, i * c, c, axis=2)
-        x = dequantize(x, sl(scale), None if offset is None else sl(offset), cd)
-      return x
+    load = functools.partial(load_rows, chunk=c, tok=tok, dtype=cd)  # split i -> [B, Hkv, C, D]
 
   # Per row (b, t, g): the positions it may see, lo <= j < hi, and its own position.
   lo, hi, qpos = (x.reshape(b, 1, t, g, 1) for x in row_bounds(ends.astype(jnp.int32), t, g, s, mods))
