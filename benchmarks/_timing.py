@@ -30,6 +30,24 @@ def timeit(fn, *args, iters, inner=1):
   return statistics.median(times), compile_s
 
 
+def timeit_interleaved(fns, args, *, iters):
+  """``{name: (median seconds per call, seconds of the first call incl. compile)}`` for
+  ``fns`` (name -> function of ``args``), timed in ``iters`` rounds that call each once in
+  turn: a shared machine's slow phases then fall on every contender alike (one after the
+  other, a contender can draw a quiet minute and the next a busy one)."""
+  out, times = {}, {name: [] for name in fns}
+  for name, fn in fns.items():
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    out[name] = time.perf_counter() - t0
+  for _ in range(iters):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[name].append(time.perf_counter() - t0)
+  return {name: (statistics.median(times[name]), out[name]) for name in fns}
+
+
 def print_rows(title, rows):
   """A markdown table of ``(name, seconds, compile seconds, bytes)`` rows: median ms, MB
   each must read, GB/s of those bytes and the fraction of the floor, i.e. of the time of

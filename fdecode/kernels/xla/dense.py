@@ -54,6 +54,14 @@ def _slice_seq(x, starts, size, axis):
   return jnp.concatenate([one(b) for b in range(starts.shape[0])])
 
 
+# From this many rows per kv head (T * G) on, the score product of several chunks runs
+# with the chunk as a batch axis (q broadcast over chunks): XLA:CPU otherwise computes it
+# chunk-major and transposes the scores, which cost 40% of a T=256 call (2-core VM,
+# benchmarks/bench_grad.py). Below it the transposed form is the faster one (up to 1.8x at
+# T * G = 4 and 16).
+BATCHED_ROWS = 64
+
+
 class Geometry:
   """Rows and modifiers of one call, applied to chunk scores ``[B, Hkv, n, R, C]`` viewed
   as ``[B, Hkv, n, T, G, C]``: a mask / bias keeps its canonical ``[Bm, Hm, Tm, Gm, S]``
@@ -142,8 +150,12 @@ def _chunk_states(q_rows, kc, vc, geo, base, first, softmax_scale, heads_outer=F
   scores, col = None, 0
   for part in parts:  # the key's column parts: one matmul each, no concatenated copy
     w = part.shape[-1]
-    s = jnp.einsum("bhrd,bhncd->bhnrc", q_rows[..., col:col + w], part.astype(q_rows.dtype),
-                   preferred_element_type=jnp.float32)
+    qp = q_rows[..., col:col + w]
+    if n > 1 and qp.shape[-2] >= BATCHED_ROWS:  # the chunk a batch axis of the product: no transposed scores
+      qp = jnp.broadcast_to(qp[:, :, None], qp.shape[:2] + (n,) + qp.shape[2:])
+      s = jnp.einsum("bhnrd,bhncd->bhnrc", qp, part.astype(q_rows.dtype), preferred_element_type=jnp.float32)
+    else:
+      s = jnp.einsum("bhrd,bhncd->bhnrc", qp, part.astype(q_rows.dtype), preferred_element_type=jnp.float32)
     scores, col = s if scores is None else scores + s, col + w
   scores = scores * softmax_scale
   if pos is None:
