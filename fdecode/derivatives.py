@@ -346,10 +346,9 @@ def attend_transpose(d: DenseCall, lse, cts, *, softmax_scale, causal, window, s
   rows, ga, gt, q_finite, ga_finite = jax.tree_util.tree_map(_computed, (rows, ga, gt, q_finite, ga_finite))
 
   def dq_product(ds, kc):  # dq = dS^T k: XLA:CPU transposes one operand, so the smaller one
-    if t * g < dk:
+    if t * g < dk:  # dS [C, T*G] transposed
       return jnp.einsum("bkctg,bkcd->bktgd", ds, kc, precision=hi)
-    dqt = jnp.einsum("bkdc,bkctg->bkdtg", lax.optimization_barrier(jnp.swapaxes(kc, 2, 3)), ds, precision=hi)
-    return jnp.moveaxis(dqt, 2, -1)
+    return jnp.moveaxis(jnp.einsum("bkcd,bkctg->bkdtg", kc, ds, precision=hi), 2, -1)  # k: dq^T = k^T dS
 
   def body(i, carry):
     dq, dk_all, dv_all, dbias, dalibi = carry
