@@ -11,6 +11,7 @@ from jax.typing import ArrayLike
 
 from fdecode.call import DecodeOptions, Impl, Interpret, KvLayout, ScoreOptions, canonical_call, run
 from fdecode.dispatch import recording_plans
+from fdecode.kernels.backend import Refused
 from fdecode.kernels.common import chips
 from fdecode.validation import ARRAY_ARGS, describe, static_scalar
 
@@ -24,6 +25,18 @@ if TYPE_CHECKING:
 # (`fdecode.call`), imported from here by the entry points that forward to flash_decode.
 
 Plan = Union["XlaPlan", "TritonPlan", "CallPlan", "MlaPlan", "RowsPlan"]
+
+
+class Plans(tuple):
+  """`plan`'s result: the plans in the order they run (a tuple), and ``refused``: each
+  backend the route tried before the one chosen, as `fdecode.kernels.backend.Refused`
+  ``(backend, reason)`` pairs, in the order tried."""
+  refused: tuple
+
+  def __new__(cls, plans, refused=()):
+    out = super().__new__(cls, plans)
+    out.refused = tuple(refused)
+    return out
 
 
 @overload
@@ -240,14 +253,16 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 
 def plan(q: ArrayLike | jax.ShapeDtypeStruct, k: ArrayLike | jax.ShapeDtypeStruct,
          v: ArrayLike | jax.ShapeDtypeStruct | None, lengths: ArrayLike | jax.ShapeDtypeStruct, *,
-         platform: Literal["cpu", "gpu", "tpu"] | None = None, **kwargs: object) -> tuple[Plan, ...]:
+         platform: Literal["cpu", "gpu", "tpu"] | None = None, **kwargs: object) -> Plans:
   """The frozen plans a `flash_decode` call with these arguments hands its kernels when
   lowered for ``platform`` (``"cpu"``, ``"gpu"`` or ``"tpu"``; None: `jax.default_backend()`),
   in the order they run: an `fdecode.kernels.xla.plan.XlaPlan`, an
   `fdecode.kernels.triton.plan.TritonPlan` (a GPU's: `fdecode.kernels.common.chips.lowering_gpu`),
-  an `fdecode.kernels.mosaic_tpu.plan.CallPlan` (followed by the XlaPlan of a call it gives
-  the XLA path), or the Hopper MLA / rows kernel's plan (`fdecode.kernels.mosaic_gpu.MlaPlan` /
-  ``RowsPlan``: sm_90, or ``impl="mosaic_gpu"``). ``q``, ``k``, ``v``, ``lengths`` and the
+  an `fdecode.kernels.mosaic_tpu.plan.CallPlan` (a call it refuses: the XlaPlan, its
+  reason in ``refused``), or the Hopper MLA / rows kernel's plan (`fdecode.kernels.mosaic_gpu.MlaPlan` /
+  ``RowsPlan``: sm_90, or ``impl="mosaic_gpu"``), as a `Plans` tuple whose ``refused``
+  names each backend tried before the chosen one and why it did not take the call (the
+  route: `fdecode.route.ROUTES`). ``q``, ``k``, ``v``, ``lengths`` and the
   array keyword arguments (`fdecode.validation.ARRAY_ARGS`): arrays or `jax.ShapeDtypeStruct`s
   (or lists); every other keyword argument as `flash_decode` takes it. Nothing runs or
   compiles: the call is traced. Empty for ``impl="reference"`` and for a call with no
@@ -271,7 +286,8 @@ def plan(q: ArrayLike | jax.ShapeDtypeStruct, k: ArrayLike | jax.ShapeDtypeStruc
   _check_values(traced, given)
   with recording_plans() as log, chips.tracing_for(platform):
     jax.eval_shape(lambda traced: flash_decode(**traced, **given), traced)
-  return tuple(p for where, p in log if where in (None, platform))
+  mine = [p for where, p in log if where in (None, platform)]
+  return Plans([p for p in mine if not isinstance(p, Refused)], [p for p in mine if isinstance(p, Refused)])
 
 
 def _check_values(traced, given) -> None:

@@ -26,6 +26,7 @@ from fdecode.cache.layout import CacheView
 from fdecode.cache.quant import validate_quant
 from fdecode.cache.tables import check_concrete_page_ids
 from fdecode.dispatch import decode, recording
+from fdecode.kernels.backend import Decode, Operands, Options
 from fdecode.kernels import mosaic_gpu
 from fdecode.kernels.common import modifiers
 from fdecode.kernels.common import sparse as sparse_lib
@@ -221,13 +222,20 @@ def run(c: Call, return_lse: bool):
     if c.indices is not None:
       q4, ends, sparse, lists, view = _sparse_setup(q4, ends, c.indices, view, c.kv_offset, mods)
     run_decode = decode.__wrapped__ if recording() else decode  # `plan`: traced anew, not from jit's cache
-    out, lse = run_decode(q4, view, ends, lists, c.mod_arrays, c.sinks, impl=c.impl, softmax_scale=c.softmax_scale,
-                          cfg=c.cfg, interpret=c.interpret, mods=mods, v_head_dim=c.v_head_dim,
-                          sparse=sparse, source=None if c.single_token or sparse is not None else c.source)
+    d = decode_of(c._replace(q4=q4, view=view, ends=ends, source=None if c.single_token else c.source), sparse, lists)
+    out, lse = run_decode(d.operands, options=d.options)
     # Undo a sparse fold; a single-token q drops its token axis in the same reshape (an eager
     # ``out[:, 0]`` is a slice and a squeeze: two more programs outside jit).
     out, lse = out.reshape(*rows, *out.shape[2:]), lse.reshape(*rows, -1)
   return (out, lse) if return_lse else out
+
+
+def decode_of(c: Call, sparse=None, lists=None) -> Decode:
+  """``c`` as every backend takes it (`fdecode.kernels.backend.Decode`); ``sparse`` /
+  ``lists``: its index lists set up (`_sparse_setup`; a sparse call reads no source)."""
+  options = Options(c.impl, c.softmax_scale, c.cfg, c.interpret, c.mods, c.v_head_dim, sparse)
+  source = None if sparse is not None else c.source
+  return Decode(options, Operands(c.q4, c.view, c.ends, lists or {}, c.mod_arrays, c.sinks, source))
 
 
 # The impls that take the batch-invariant mode (`fdecode.kernels.xla.invariant`, on every platform).

@@ -12,23 +12,28 @@ lowered for. `fdecode.plan` traces every branch at once, under one
 Mosaic kernel for the chip `fdecode.kernels.common.chips.tpu_lowering` names (TPU v5e when
 neither the trace nor the host names one).
 
-The rules, by the call:
+The rules, by the call, each the one place it is decided:
 
-* **a decode** (`fdecode.dispatch.decode`, and every part a ragged step hands to it):
-  ``impl="reference"`` / ``"xla"`` / ``"mosaic_gpu"`` run that path everywhere; a TPU
-  ``InterpretParams`` runs the Mosaic kernel interpreted, ``impl="pallas"`` with a true
-  ``interpret`` the Triton kernel interpreted, anywhere. Otherwise: on CPU the XLA path
-  (``impl="pallas"``: the Triton interpreter, CPU's only Pallas); on GPU the Triton kernel
-  where it takes the call, the Hopper MLA kernel where that takes it
-  (`fdecode.kernels.mosaic_gpu.takes_mla`), else the XLA path (``impl="pallas"`` traced on a
-  GPU host keeps the Triton kernel, whose plan then names the shape it cannot tile); on TPU
-  the Mosaic kernel (its plan may hand a call to the XLA path itself).
-* **a ragged step's Triton kernels** (`fdecode.ragged.decode`): where a decode would run the
-  Triton kernel (compiled or interpreted) and the step's kernels take the call; else the
-  step runs as two decodes (`fdecode.ragged.parts`).
-* **a ragged step's cache write** (`fdecode.ragged.write`): the Triton write kernel where
-  the step's attention runs on a GPU (any impl but ``"xla"`` / ``"reference"``) or in the
+* **a decode** (`run_decode`: `fdecode.dispatch.decode`, and every part a ragged step hands
+  to it) runs on the first backend of its route (`decode_route`) that is available and
+  does not refuse it (`fdecode.kernels.backend.Backend.refuses`; `choose`), each refusal
+  before it noted for `fdecode.plan`. The routes are data: `ROUTES` per platform for
+  ``impl=None`` (CPU: XLA; GPU: the Hopper MLA kernel, Triton, XLA; TPU: Mosaic, XLA),
+  `NAMED` for ``impl="reference"`` / ``"xla"`` / ``"mosaic_gpu"`` (a route of one, whose
+  refusal is the call's ValueError: no fallback). A TPU ``InterpretParams`` runs the
+  Mosaic kernel interpreted (XLA where it refuses), ``impl="pallas"`` the Pallas kernels:
+  the Triton interpreter on CPU or with a true ``interpret``, the GPU's kernels without the
+  XLA fallback when traced on a GPU host, the TPU's route on TPU.
+* **a ragged step's Triton kernels** (`lower_step`): where a decode would run the Triton
+  kernel (compiled or interpreted) and the step's kernels take the call; else the step
+  runs as two decodes (`fdecode.ragged.parts`), whose prefill blocks are one batched call
+  or a loop as the part's backend reads them (`lower_prefill`, `lower_blocks_call`).
+* **a ragged step's cache write** (`lower_write`): the Triton write kernel where the
+  step's attention runs on a GPU (any impl but ``"xla"`` / ``"reference"``) or in the
   Triton interpreter; XLA's scatter elsewhere.
+
+Adding a backend: its package's ``BACKEND`` (`fdecode.kernels.backend.Backend`), a `Path`
+and `BACKENDS` entry, and its place in `ROUTES` (docs/design.md lists the files).
 """
 
 from __future__ import annotations
@@ -48,11 +53,15 @@ from jax import lax
 from jax.interpreters import ad, batching, mlir
 from jax.experimental.pallas import tpu as pltpu
 
-from fdecode.kernels.common import chips
+from fdecode.kernels import backend as backend_lib
+from fdecode.kernels import mosaic_gpu, mosaic_tpu, xla
 from fdecode.kernels import triton as triton_kernels
+from fdecode.kernels.backend import Decode, Refused, States, Target
+from fdecode.kernels.common import chips, reference
 
-__all__ = ["PLATFORMS", "Path", "branch_platform", "decode_path", "lower", "resolve_interpret", "step_path",
-           "write_path"]
+__all__ = ["BACKENDS", "NAMED", "PLATFORMS", "Path", "ROUTES", "branch_platform", "choose", "part_path",
+           "decode_route", "lower", "lower_blocks_call", "lower_prefill", "lower_step", "lower_write", "resolve_interpret",
+           "run_decode", "step_path", "target", "write_path"]
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 T = TypeVar("T")
@@ -60,14 +69,34 @@ K = TypeVar("K", bound=Hashable)
 
 
 class Path(enum.Enum):
-  """Where a call runs."""
+  """Where a call runs: a backend, compiled or interpreted (`BACKENDS`)."""
   REFERENCE = "reference"                        # the float32 reference
   XLA = "xla"                                    # the plain-XLA path
   TRITON = "triton"                              # the Triton kernels, compiled for the GPU lowered for
   TRITON_INTERPRET = "triton-interpret"          # the Triton kernels in Pallas' interpreter, any host
   MOSAIC_TPU = "mosaic-tpu"                      # the Mosaic kernels, compiled for the TPU lowered for
   MOSAIC_TPU_INTERPRET = "mosaic-tpu-interpret"  # the Mosaic kernels under the TPU interpreter, any host
-  MOSAIC_GPU = "mosaic-gpu"                      # the Hopper kernels (sm_90), compiled or interpreted
+  MOSAIC_GPU_MLA = "mosaic-gpu-mla"              # the default GPU route's Hopper MLA kernel (sm_90)
+  MOSAIC_GPU = "mosaic-gpu"                      # impl="mosaic_gpu": the Hopper kernels, compiled or interpreted
+
+
+# Each path's backend (`fdecode.kernels.backend.Backend`).
+BACKENDS = {
+    Path.REFERENCE: reference.BACKEND, Path.XLA: xla.BACKEND,
+    Path.TRITON: triton_kernels.BACKEND, Path.TRITON_INTERPRET: triton_kernels.BACKEND,
+    Path.MOSAIC_TPU: mosaic_tpu.BACKEND, Path.MOSAIC_TPU_INTERPRET: mosaic_tpu.BACKEND,
+    Path.MOSAIC_GPU_MLA: mosaic_gpu.MLA_BACKEND, Path.MOSAIC_GPU: mosaic_gpu.BACKEND,
+}
+
+# The default route (``impl=None``) per platform lowered for: the first path whose backend
+# is available and takes the call runs it.
+ROUTES = {
+    "cpu": (Path.XLA,),
+    "gpu": (Path.MOSAIC_GPU_MLA, Path.TRITON, Path.XLA),
+    "tpu": (Path.MOSAIC_TPU, Path.XLA),
+}
+# ``impl="<name>"``: a route of one, whose refusal is the call's ValueError (no fallback).
+NAMED = {"reference": (Path.REFERENCE,), "xla": (Path.XLA,), "mosaic_gpu": (Path.MOSAIC_GPU,)}
 
 
 def resolve_interpret(impl, interpret):
@@ -81,70 +110,80 @@ def resolve_interpret(impl, interpret):
   return bool(interpret) if isinstance(interpret, np.bool_) else interpret
 
 
-def decode_path(impl, interpret, platform: str, *, triton_takes: bool = True,
-                hopper_takes: Callable[[], bool] = lambda: False) -> Path:
-  """A decode's path when lowered for ``platform``. ``triton_takes``: the compiled Triton
-  kernel tiles the call's head dims; ``hopper_takes()``: the Hopper MLA kernel takes it in
-  the default dispatch, asked only on a GPU where the Triton kernel would run (both decided
-  by the kernels' packages)."""
-  if impl == "reference":
-    return Path.REFERENCE
-  if impl == "xla":
-    return Path.XLA
-  if impl == "mosaic_gpu":
-    _need_triton("impl='mosaic_gpu' merges the Hopper kernels' splits with a Triton kernel")
-    return Path.MOSAIC_GPU
+def decode_route(impl, interpret, platform: str) -> tuple[Path, ...]:
+  """A decode's route when lowered for ``platform``: the paths tried in order (module doc)."""
+  if impl in NAMED:
+    return NAMED[impl]
   if isinstance(interpret, pltpu.InterpretParams):
-    return Path.MOSAIC_TPU_INTERPRET
-  if impl == "pallas" and interpret:
-    _need_triton("impl='pallas' with interpret=True runs the Triton kernel")
-    return Path.TRITON_INTERPRET
-  if platform == "cpu":
-    if impl == "pallas":
-      _need_triton("impl='pallas' on CPU runs the Triton kernel interpreted")
-      return Path.TRITON_INTERPRET
-    return Path.XLA
-  if platform == "gpu":
-    if not triton_kernels.pallas_triton_available():  # no Triton kernel (nor the Hopper ones, merged by one): XLA
-      if impl == "pallas":
-        _need_triton("impl='pallas' on GPU runs the Triton kernel")
-      _warn_no_triton()
-      return Path.XLA
-    # impl="pallas" traced on a GPU host never falls back silently: the Triton plan raises.
-    if not (triton_takes or (impl == "pallas" and jax.default_backend() == "gpu")):
-      return Path.XLA
-    return Path.MOSAIC_GPU if hopper_takes() else Path.TRITON
-  return Path.MOSAIC_TPU
+    return (Path.MOSAIC_TPU_INTERPRET, Path.XLA)
+  if impl == "pallas":
+    if interpret or platform == "cpu":  # CPU's only Pallas: the Triton interpreter
+      return (Path.TRITON_INTERPRET,)
+    if platform == "gpu":
+      # Traced on a GPU host, impl="pallas" never falls back: the Triton kernel's refusal is the error.
+      off_host = jax.default_backend() != "gpu" and triton_kernels.pallas_triton_available()
+      return (Path.MOSAIC_GPU_MLA, Path.TRITON) + ((Path.XLA,) if off_host else ())
+  return ROUTES[platform]
+
+
+def target(path: Path, platform: str | None, interpret) -> Target:
+  """Where ``path`` runs when lowered for ``platform`` (``interpret``: the call's)."""
+  if path is Path.TRITON_INTERPRET:
+    return Target(platform, True)
+  if path in (Path.MOSAIC_TPU_INTERPRET, Path.MOSAIC_GPU):
+    return Target(platform, interpret or False)
+  return Target(platform, False)
+
+
+def choose(call: Decode, platform: str) -> Path:
+  """The path that runs ``call`` when lowered for ``platform``: the first of its route whose
+  backend takes it (each refusal before it noted for `fdecode.plan`). A route's last path
+  is taken whatever it says: its refusal is raised when its branch is traced, for the
+  platform then lowered for."""
+  o = call.options
+  route = decode_route(o.impl, o.interpret, platform)
+  for path in route[:-1]:
+    backend = BACKENDS[path]
+    reason = backend.refuses(call, target(path, platform, o.interpret))
+    if reason is None:
+      return path
+    backend_lib.note(Refused(backend.name, reason), platform=platform)
+    if not backend.available():
+      _warn_unavailable(backend, reason, platform, BACKENDS[route[-1]])
+  return route[-1]
+
+
+def run_decode(call: Decode, finish: Callable[[States, object], T]) -> T:
+  """``finish(states, operands)`` of the backend `choose` picks for each platform lowered for (`lower`),
+  its plan noted for `fdecode.plan`. A route's last backend that refuses raises the
+  ValueError naming the call's impl and the reason."""
+  o = call.options
+
+  def branch(path):
+    def run(platform, operands):
+      c = Decode(o, operands)
+      backend, where = BACKENDS[path], target(path, platform, o.interpret)
+      reason = backend.refuses(c, where)
+      if reason is not None:
+        raise ValueError(f"flash_decode: impl={o.impl!r}" + (f" on {platform}" if platform else "") + f": {reason}")
+      plan = backend.plan(c, where)
+      if plan is not None:
+        backend_lib.note(plan)
+      return finish(backend.run(plan, c, where), operands)
+    return run
+
+  return lower(lambda platform: choose(call, platform), {path: branch(path) for path in Path}, call.operands)
 
 
 _WARNED = []
 
 
-def _need_triton(what: str) -> None:
-  """A ValueError naming the missing Triton backend for a call that asked for it."""
-  if not triton_kernels.pallas_triton_available():
-    raise ValueError(f"flash_decode: {what}, and {triton_kernels.PALLAS_TRITON_MISSING}; use impl=None or 'xla'")
-
-
-def _warn_no_triton() -> None:
-  """Once per process: GPU calls take the XLA path on a JAX without Pallas' Triton backend."""
+def _warn_unavailable(backend, reason, platform, last) -> None:
+  """Once per process: a default route skipped a backend this JAX lacks."""
   if not _WARNED:
     _WARNED.append(True)
-    warnings.warn(f"fdecode: {triton_kernels.PALLAS_TRITON_MISSING}: GPU calls take the XLA path", RuntimeWarning, stacklevel=3)
-
-
-def step_path(impl, interpret, platform: str, *, step_takes: bool, compiled_takes: Callable[[], bool]) -> Path | None:
-  """The Triton path a ragged step's own kernels run on when lowered for ``platform``, or
-  None where the step runs as two decodes. ``step_takes``: its kernels take the call (no
-  index lists, no fixed split count); ``compiled_takes()``: compiled for a GPU, they take
-  it too (head dims Triton tiles, a decode part the Hopper MLA kernel does not take),
-  asked only where the step would run compiled."""
-  if not step_takes:
-    return None
-  path = decode_path(impl, interpret, platform)
-  if path is Path.TRITON_INTERPRET or (path is Path.TRITON and compiled_takes()):
-    return path
-  return None
+    warnings.warn(f"fdecode: the {backend.name} backend is not available ({reason}): {platform.upper()} calls "
+                  f"take the {last.name.upper()} path", RuntimeWarning, stacklevel=4)
 
 
 def write_path(impl, interpret, platform: str) -> Path:
@@ -152,9 +191,10 @@ def write_path(impl, interpret, platform: str) -> Path:
   ``Path.TRITON_INTERPRET`` (the write kernel) or ``Path.XLA`` (a scatter per cache)."""
   if impl in ("xla", "reference") or isinstance(interpret, pltpu.InterpretParams):
     return Path.XLA
-  if not triton_kernels.pallas_triton_available():  # as `decode_path`: the XLA scatter, or impl="pallas" refused
+  if not triton_kernels.pallas_triton_available():  # as a decode: the XLA scatter, or impl="pallas" refused
     if impl == "pallas":
-      _need_triton("impl='pallas' writes with the Triton kernel")
+      raise ValueError(f"flash_decode: impl='pallas' writes with the Triton kernel, and "
+                       f"{triton_kernels.PALLAS_TRITON_MISSING}; use impl=None or 'xla'")
     return Path.XLA
   if impl == "pallas" and interpret:
     return Path.TRITON_INTERPRET
@@ -163,14 +203,87 @@ def write_path(impl, interpret, platform: str) -> Path:
   return Path.TRITON_INTERPRET if platform == "cpu" and impl == "pallas" else Path.XLA
 
 
-_BRANCH = contextvars.ContextVar("fdecode_branch", default=None)
+def part_path(call: Decode, platform: str) -> Path:
+  """The path a ragged step's part (``call``: the step's decode part, for its options and
+  cache) takes when lowered for ``platform``, as far as the step's structure needs to know:
+  `choose`'s, but never the Hopper MLA kernel (a part's shapes vary: it is asked of each
+  call when it runs)."""
+  o = call.options
+  route = decode_route(o.impl, o.interpret, platform)
+  for path in route[:-1]:
+    if path is not Path.MOSAIC_GPU_MLA and BACKENDS[path].refuses(call, target(path, platform, o.interpret)) is None:
+      return path
+  return route[-1]
+
+
+def step_path(call: Decode, platform: str, *, step_takes: bool) -> Path | None:
+  """The Triton path a ragged step's own kernels run on when lowered for ``platform``, or
+  None where the step runs as two decodes (`fdecode.ragged.parts`). ``call``: the step's
+  decode part; ``step_takes``: its kernels take the call (no index lists, no fixed split
+  count, not the batch-invariant mode). Compiled for a GPU they also leave a decode part
+  the Hopper MLA kernel takes to it (the step then runs as two decodes)."""
+  if not step_takes:
+    return None
+  path = part_path(call, platform)
+  if path is Path.TRITON_INTERPRET:
+    return path
+  if path is Path.TRITON and BACKENDS[Path.MOSAIC_GPU_MLA].refuses(call, Target(platform)) is not None:
+    return path
+  return None
+
+
+def lower_step(call: Decode, *, step_takes: bool, triton_step, two_parts, operand):
+  """A ragged step's attention: ``triton_step(operand, interpret)`` where `step_path` picks
+  the Triton step's kernels, else ``two_parts(operand)``."""
+  return lower(lambda platform: step_path(call, platform, step_takes=step_takes), {
+      None: lambda platform, x: two_parts(x),
+      Path.TRITON: lambda platform, x: triton_step(x, False),
+      Path.TRITON_INTERPRET: lambda platform, x: triton_step(x, True)}, operand)
+
+
+def lower_write(impl, interpret, *, triton, scatter, operands):
+  """A ragged step's cache write: ``triton(*operands, interpret)`` where `write_path` picks
+  the Triton write kernel, else ``scatter(*operands)``."""
+  return lower(lambda platform: write_path(impl, interpret, platform), {
+      Path.XLA: lambda platform, *xs: scatter(*xs),
+      Path.TRITON: lambda platform, *xs: triton(*xs, False),
+      Path.TRITON_INTERPRET: lambda platform, *xs: triton(*xs, True)}, *operands)
+
+
+def lower_prefill(call: Decode, *, sparse: bool, looped, batched, operand):
+  """A ragged step's prefill blocks on the two-part path: ``batched(operand)`` (every block
+  in one call) where the part's backend reads each block's rows in place, else
+  ``looped(operand)`` (a call per real block). ``call``: the step's decode part.
+
+  * Contiguous caches: batched where the Triton kernels read each block's cache row through
+    the `RowSource` (no index lists, ``sparse``); the others read the call's own gathered
+    caches, so they loop.
+  * Paged: the XLA path reads every block's whole table; it loops where it runs as chosen
+    (``impl="xla"``) or on CPU, and the reference too. A GPU's or TPU's XLA fallback and
+    the Pallas kernels batch."""
+  impl, paged = call.options.impl, call.operands.view.paged
+
+  def batches(platform):
+    path = part_path(call, platform)
+    if not paged:
+      return not sparse and path in (Path.TRITON, Path.TRITON_INTERPRET)
+    return not (path is Path.REFERENCE or (path is Path.XLA and (platform == "cpu" or impl == "xla")))
+  return lower(batches, {True: lambda platform, x: batched(x), False: lambda platform, x: looped(x)}, operand)
+
+
+def lower_blocks_call(call: Decode, *, run, skip_when_empty, operand):
+  """A ragged step's batched prefill call: ``run(operand)``, or ``skip_when_empty(operand)``
+  (the call under a ``lax.cond`` on there being a block). ``call``: the step's decode
+  part. On GPU the kernels that skip empty blocks (Triton's, the Hopper ones) run without
+  the cond: XLA:GPU's conditional copies its predicate to the host and waits for the
+  stream, once per call. The GPU's XLA fallback reads every block, so it keeps the cond,
+  as TPU (control flow on the chip) and CPU do."""
+  skips = lambda platform: platform == "gpu" and part_path(call, platform) in (Path.TRITON, Path.MOSAIC_GPU)
+  return lower(skips, {True: lambda platform, x: run(x), False: lambda platform, x: skip_when_empty(x)}, operand)
+
+
 _EVERY_BRANCH = contextvars.ContextVar("fdecode_every_branch", default=False)
-
-
-def branch_platform() -> str | None:
-  """The platform whose branch of `lower` is being traced (None: a choice made for every
-  platform at once): `fdecode.plan` keeps the plans of the platform it asks about."""
-  return _BRANCH.get()
+branch_platform = backend_lib.branch_platform
 
 
 @contextlib.contextmanager
@@ -183,15 +296,6 @@ def every_branch():
     yield
   finally:
     _EVERY_BRANCH.reset(token)
-
-
-@contextlib.contextmanager
-def _tracing(platform):
-  token = _BRANCH.set(platform)
-  try:
-    yield
-  finally:
-    _BRANCH.reset(token)
 
 
 def lower(choice: Callable[[str], K], branches: Mapping[K, Callable[..., T]], *operands) -> T:
@@ -224,7 +328,7 @@ def lower(choice: Callable[[str], K], branches: Mapping[K, Callable[..., T]], *o
 
 def _branch_fn(branch, platform):
   def run(*operands):
-    with _tracing(platform):
+    with backend_lib.tracing_branch(platform):
       return branch(platform, *operands)
   return run
 

@@ -15,7 +15,7 @@ How the work is split (all inside one jit-compiled program; `fdecode.ragged.part
 
 Where they run:
 
-* **The Triton step** (GPU, and ``impl="pallas"`` interpreted; `fdecode.ragged.triton_step`):
+* **The Triton step** (GPU, and ``impl="pallas"`` interpreted; `fdecode.kernels.triton.triton_step`):
   both parts in *one* split launch, each part's work items on its own balanced schedule
   (a grid sized to fill the GPU deals out the real units' keys, however few they are),
   then *one* combine launch that stores the packed rows, padding rows included. Every
@@ -68,13 +68,13 @@ from jax import Array, lax
 from jax.typing import ArrayLike
 
 from fdecode.cache.layout import CacheView, check_layout
-from fdecode.call import KvLayout, ScoreOptions
-from fdecode.dispatch import triton_supports
+from fdecode.call import KvLayout, ScoreOptions, decode_of
+from fdecode.kernels.triton import triton_step
 from fdecode.ragged.checks import CALLER, check_shapes, check_values
 from fdecode.ragged.parts import Step, searchsorted, triton_calls, two_parts, with_call
-from fdecode.ragged.triton_step import hopper_takes_decode_part, triton_step
 from fdecode.ragged.write import write_new_tokens
-from fdecode.route import Path, lower, resolve_interpret, step_path
+from fdecode import route
+from fdecode.route import resolve_interpret
 from fdecode.validation import as_arrays, static_options, to_int32
 # flash_decode's keywords ragged_decode forwards; the per-row ones are indexed by row.
 _OPTIONS = ("k_scale", "v_scale", "k_offset", "v_offset", "softmax_scale", "num_splits", "block_k",
@@ -234,7 +234,7 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   ``view``: the caches (`fdecode.cache.layout.CacheView`: k, v in the caller's layout,
   int32 block tables)."""
   opts = dict(statics)
-  k, v, paged = view.k, view.v, view.paged
+  k, v = view.k, view.v
   n_rows, m = q.shape[0], kv_lens.shape[0]
   dv = opts.get("v_head_dim") if v is None else v.shape[-1]
   hq = q.shape[1]
@@ -249,22 +249,14 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   caches = dict(k=k, v=v, **{n: arrays.get(n) for n in ("k_rope", "k_scale", "v_scale", "k_offset", "v_offset")})
   st = with_call(Step(q=q, caches=caches, view=view.with_arrays(k=k, v=v), geometry=geometry, given=given,
                       arrays=arrays, opts=opts, dv=dv))
-  # Whether the GPU's Triton kernels take these head dims (else its flash_decode runs XLA).
-  triton_tiles = triton_supports(view.with_arrays(**{n: arrays.get(n) for n in ("k_scale", "v_scale", "k_rope")}), dv)
   capacity = view.capacity
   step = lambda st, interpret: triton_step(*triton_calls(st), st.given, block=st.block, capacity=capacity,
                                            interpret=interpret)
-  # Compiled for a GPU, the step's kernels skip contiguous MLA latents whose decode part the
-  # Hopper MLA kernel takes (sm_90, bf16, G a multiple of 16: `triton_step.hopper_takes_decode_part`).
-  compiled_takes = lambda: triton_tiles and not (v is None and not paged and hopper_takes_decode_part(st.call))
   # The batch-invariant mode runs both parts on its own path (`fdecode.kernels.xla.invariant`).
   step_takes = ("indices" not in arrays and opts.get("num_splits") in (None, "balance")
                 and not opts.get("batch_invariant"))
-  out, lse = lower(
-      lambda platform: step_path(impl, interp, platform, step_takes=step_takes, compiled_takes=compiled_takes), {
-          None: lambda platform, st: two_parts(st, triton_tiles),
-          Path.TRITON: lambda platform, st: step(st, False),
-          Path.TRITON_INTERPRET: lambda platform, st: step(st, True)}, st)
+  out, lse = route.lower_step(decode_of(st.call), step_takes=step_takes, triton_step=step, two_parts=two_parts,
+                              operand=st)
   return out, lse, k, v
 
 

@@ -1,6 +1,6 @@
 """A ragged step's two parts (`fdecode.ragged.decode` describes them): their geometry in
 XLA, the two-part path that runs them as canonical calls (`fdecode.call`; every backend
-but the Triton step), and the calls the Triton step (`fdecode.ragged.triton_step`) is made of.
+but the Triton step), and the calls the Triton step (`fdecode.kernels.triton.triton_step`) is made of.
 
 `Step` holds what both read: the packed rows, the caches, the clipped geometry
 (`fdecode.ragged.row_positions`), the options, and the step's arguments checked and
@@ -18,10 +18,10 @@ import numpy as np
 from jax import lax
 
 from fdecode.cache.layout import QUANT_ARRAYS, CacheView
-from fdecode.call import Call, canonical_call, part, run
+from fdecode.call import Call, canonical_call, decode_of, part, run
 from fdecode.kernels.triton import RowSource
 from fdecode.ragged.checks import PER_ROW
-from fdecode.route import Path, decode_path, lower
+from fdecode import route
 
 QUERY_BLOCK = 64  # rows of a prefill query block
 
@@ -137,7 +137,7 @@ def _looped(st: Step):
   return lax.fori_loop(0, st.num_blocks, lambda j, c: lax.cond(j < real, block, lambda j, c: c, j, c), empty)
 
 
-def _batched(st: Step, triton_tiles: bool):
+def _batched(st: Step):
   """Every block in one flash_decode call (one kernel launch), its rows gathered back.
 
   Blocks past the real ones have kv length 0, which the Pallas kernels skip (no KV block is
@@ -159,44 +159,26 @@ def _batched(st: Step, triton_tiles: bool):
                return_lse=True)
   none = lambda: (jnp.zeros((num_blocks, tb, hq, st.dv), q.dtype), jnp.full((num_blocks, tb, hq), -jnp.inf,
                                                                           jnp.float32))
-  # On GPU the kernels that skip empty blocks run without the cond; the GPU's XLA fallback
-  # (head dims the Triton kernel cannot tile) reads every block: it keeps it.
-  skips = (Path.TRITON, Path.MOSAIC_GPU)
-  o, l = lower(lambda platform: platform == "gpu" and _path(st, platform, triton_tiles) in skips, {
-      True: lambda platform, st: blocks(st),
-      False: lambda platform, st: lax.cond(_blocks(st)[1][-1] > 0, lambda: blocks(st), none)}, st)
+  o, l = route.lower_blocks_call(decode_of(st.call), run=blocks, operand=st,
+                                 skip_when_empty=lambda st: lax.cond(_blocks(st)[1][-1] > 0, lambda: blocks(st), none))
   nb, ends = _blocks(st)
   j, t = _block_rows(st.geometry[0], st.geometry[3], ends - nb, tb, num_blocks)
   return o[j, t], l[j, t]
 
 
-def two_parts(st: Step, triton_tiles: bool):
+def two_parts(st: Step):
   """The step's ``(out [N, Hq, Dv], lse [N, Hq])``: the decode part's call, the prefill
-  blocks' (looped or batched, as the backend reads them), the rows gathered from both.
-  ``triton_tiles``: the GPU's Triton kernels take these head dims."""
+  blocks' (looped or batched, as the backend reads them), the rows gathered from both."""
   q, view, arrays, opts = st.q, st.view, st.arrays, st.opts
   n_rows, hq = q.shape[:2]
   dec_o, dec_l = run(_decode_call(st)[0], return_lse=True)
-  looped, batched = (lambda platform, st: _looped(st)), (lambda platform, st: _batched(st, triton_tiles))
   if n_rows < 2:  # no sequence has a row before its last: no prefill block
     pre_o, pre_l = jnp.zeros((n_rows, hq, st.dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32)
-  elif not view.paged:  # batched only where the Triton kernels read each block's cache row in place
-    # Sparse calls read the call's own (gathered) caches; so do Mosaic (TPU) and XLA: they loop.
-    triton = (Path.TRITON, Path.TRITON_INTERPRET)
-    pre_o, pre_l = lower(lambda platform: "indices" not in arrays and _path(st, platform, triton_tiles) in triton,
-                         {True: batched, False: looped}, st)
-  else:  # the XLA path reads every block's whole table where it runs as chosen or on CPU, so it loops
-    xla_loops = lambda path, platform: path is Path.REFERENCE or (
-        path is Path.XLA and (platform == "cpu" or opts.get("impl") == "xla"))
-    pre_o, pre_l = lower(lambda platform: xla_loops(_path(st, platform, triton_tiles), platform),
-                         {True: looped, False: batched}, st)
+  else:  # one batched call where the part's backend reads each block's rows in place, else a loop
+    pre_o, pre_l = route.lower_prefill(decode_of(st.call), sparse="indices" in arrays, looped=_looped,
+                                       batched=_batched, operand=st)
   cu, _, _, seq, pos = st.geometry
   return _gather_rows(cu, seq, pos, (dec_o[:, 0], dec_l[:, 0]), (pre_o, pre_l))
-
-
-def _path(st: Step, platform: str, triton_tiles: bool) -> Path:
-  """The path a part's call takes when lowered for ``platform``."""
-  return decode_path(st.opts.get("impl"), st.opts.get("interpret"), platform, triton_takes=triton_tiles)
 
 
 def _decode_call(st: Step, step=None):
@@ -226,14 +208,14 @@ def _prefill_call(st: Step, step=None, cfg=None):
 
 
 def triton_calls(st: Step):
-  """The two parts' calls as the Triton step takes them (`fdecode.ragged.triton_step`):
-  `fdecode.call.Call` s (``q4``, ``ends`` and the sources' index arrays for their shapes
+  """The two parts' calls as the Triton step takes them (`fdecode.kernels.triton.triton_step`):
+  `fdecode.kernels.backend.Decode` s (q, ``ends`` and the sources' index arrays for their shapes
   only), the rows read through a `RowSource` whose ``step`` holds the arrays every unit's
   geometry derives from (the caches in place: a pool through the whole table, a
   contiguous cache through the whole caches) and whose ``mask`` / ``bias`` are the step's
   per-row ones (the calls' own are their gathers, for their form only)."""
   rows = {n: st.arrays[n] for n in ("mask", "bias") if n in st.arrays}  # read at the packed rows
-  return tuple(c._replace(source=c.source._replace(**rows))
+  return tuple(decode_of(c._replace(source=c.source._replace(**rows)))
                for c, _ in (_decode_call(st, st.given), _prefill_call(st, st.given)))
 
 

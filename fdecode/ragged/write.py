@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from fdecode.cache.meshes import explicit_sharding
 from fdecode.cache.slots import contiguous_slot, paged_slot
 from fdecode.cache.write import scatter_keeping_sharding
-from fdecode.kernels.triton import write_plan, write_rows
-from fdecode.route import Path, lower, write_path
+from fdecode.kernels.triton import write_view
+from fdecode import route
 
 
 def write_new_tokens(view, new_k, new_v, seq, pos, *, impl=None, interpret=None, step=None):
@@ -36,24 +36,15 @@ def write_new_tokens(view, new_k, new_v, seq, pos, *, impl=None, interpret=None,
   Triton kernel derives each row's from them (no launch computes ``seq`` / ``pos``)."""
   if explicit_sharding(view.k) is not None:  # the scatter states the caches' sharding
     return _scatter(view, new_k, new_v, seq, pos)
-  return lower(lambda platform: write_path(impl, interpret, platform), {
-      Path.XLA: lambda platform, *args: _scatter(*args[:5]),
-      Path.TRITON: lambda platform, *args: _triton(*args[:5], False, args[5]),
-      Path.TRITON_INTERPRET: lambda platform, *args: _triton(*args[:5], True, args[5])},
-      view, new_k, new_v, seq, pos, step)
+  return route.lower_write(impl, interpret, triton=write_view, scatter=_scatter,
+                           operands=(view, new_k, new_v, seq, pos, step))
 
 
-def _triton(view, new_k, new_v, seq, pos, interpret, step):
-  tables = view.block_tables
-  plan = write_plan(view.layout, view.paged, view.k.shape, page_size=view.page_size if view.paged else 1,
-                    table_len=tables.shape[1] if view.paged else 1, interpret=interpret,
-                    step_rows=None if step is None else (seq.shape[0], step[1].shape[0]))
-  return write_rows(plan, (view.k, view.v), (new_k, new_v), (seq, pos) if step is None else step, tables)
-
-
-def _scatter(view, new_k, new_v, seq, pos):
+def _scatter(view, new_k, new_v, seq, pos, step=None):
   """Scatters the new rows into the caches at (sequence, position) in their own layout;
-  padding rows (pos -1) and positions without a page are dropped (`fdecode.cache.slots`)."""
+  padding rows (pos -1) and positions without a page are dropped (`fdecode.cache.slots`).
+  ``step``: unread (the rows' ``seq`` and ``pos`` are given)."""
+  del step
   k, v, tables, kv_layout = view.k, view.v, view.block_tables, view.layout
   if view.paged:
     ps, num_pages = view.page_size, view.num_pages

@@ -122,9 +122,9 @@ def test_public_plan_is_the_plan_a_call_runs(monkeypatch):
   """`fdecode.plan` returns the plan the kernel entry then receives (an odd shape: a fresh trace)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import fdecode  # pylint: disable=g-import-not-at-top
-  from fdecode import dispatch  # pylint: disable=g-import-not-at-top
-  seen, real = [], dispatch.xla_kernels.xla_partials
-  monkeypatch.setattr(dispatch.xla_kernels, "xla_partials",
+  from fdecode.kernels.xla import backend  # pylint: disable=g-import-not-at-top
+  seen, real = [], backend.xla_partials
+  monkeypatch.setattr(backend, "xla_partials",
                       lambda *a, **kw: seen.append((kw["num_splits"], kw["kv_layout"])) or real(*a, **kw))
   rng = np.random.default_rng(0)
   q = rng.standard_normal((1, 1, 4, 24), np.float32)

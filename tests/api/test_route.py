@@ -9,16 +9,17 @@ import pytest
 from helpers.lowering import TPU_CALL, TRITON_CALL, lower_for_cuda, lower_for_tpu
 
 import fdecode
-from fdecode import dispatch, route
+from fdecode import route
 
 
 @pytest.fixture
 def traced(monkeypatch):
-  """The backend paths traced (in order), by name."""
+  """The backends run (in order), by name."""
   seen = []
-  for name in ("_xla", "_triton", "_mosaic"):
-    real = getattr(dispatch, name)
-    monkeypatch.setattr(dispatch, name, lambda *a, _real=real, _name=name, **kw: seen.append(_name) or _real(*a, **kw))
+  for backend in (route.BACKENDS[route.Path.XLA], route.BACKENDS[route.Path.TRITON],
+                  route.BACKENDS[route.Path.MOSAIC_TPU]):
+    cls = type(backend)
+    monkeypatch.setattr(cls, "run", lambda self, *a, _real=cls.run, **kw: seen.append(self.name) or _real(self, *a, **kw))
   return seen
 
 
@@ -39,20 +40,20 @@ def test_each_platform_traces_its_own_branch(traced, paged):
   q, k, kw, lengths = _problem(paged, 208 + 16 * paged)
   f = lambda q: fdecode.flash_decode(q, k, k, lengths, **kw)
   out = f(q)
-  assert traced == ["_xla"]  # the CPU's: no Triton or Mosaic kernel traced
+  assert traced == ["xla"]  # the CPU's: no Triton or Mosaic kernel traced
   np.testing.assert_allclose(out, fdecode.flash_decode(q, k, k, lengths, impl="reference", **kw), atol=2e-5, rtol=2e-5)
   del traced[:]
   assert TPU_CALL in lower_for_tpu(f, q)
-  assert traced[-1] == "_mosaic" and set(traced) <= {"_xla", "_mosaic"}, traced  # (the host's: the types)
+  assert traced[-1] == "mosaic_tpu" and set(traced) <= {"xla", "mosaic_tpu"}, traced  # (the host's: the types)
   del traced[:]
   assert TRITON_CALL in lower_for_cuda(f, q)
-  assert traced[-1] == "_triton" and set(traced) <= {"_xla", "_triton"}, traced
+  assert traced[-1] == "triton" and set(traced) <= {"xla", "triton"}, traced
 
 
 def test_plan_traces_every_platform(traced):
   q, k, kw, lengths = _problem(False, 176)
   (tpu,) = fdecode.plan(q, k, k, lengths, platform="tpu", **kw)
-  assert sorted(traced) == ["_mosaic", "_triton", "_xla"] and tpu.backend == "mosaic"
+  assert sorted(traced) == ["mosaic_tpu", "triton", "xla"] and tpu.backend == "mosaic"
 
 
 def test_vmap_and_disable_jit_run_the_hosts_branch():

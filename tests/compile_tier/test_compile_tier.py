@@ -232,7 +232,7 @@ def test_gpu_ragged_step_split_launches(reports, target, name):
 # Launches of one ragged step (no conditional on GPU: both parts always run), on H100 /
 # A100: the fused write (one Triton kernel for keys and values, `fdecode.ragged.write`),
 # the split kernel of both parts (H100: one launch; A100: one a part) and one combine that
-# stores the packed rows (`fdecode.ragged.triton_step`). Nothing else: every program
+# stores the packed rows (`fdecode.kernels.triton.triton_step`). Nothing else: every program
 # derives its unit's geometry (and the write kernel each row's position) from the step's
 # own cu_q_lens, kv_lens and num_seqs (`fdecode.kernels.triton.geometry`), and reads its
 # q rows, table rows and contiguous cache rows in place. ragged-chunk40-g4 does not

@@ -75,9 +75,9 @@ def check(p, out, lse, expected, dtype=jnp.float32):
 
 
 def spy_step(monkeypatch):
-  """Counts the Triton step's part calls (its plans: `fdecode.ragged.triton_step.triton_plan_view`)."""
-  import fdecode.ragged.triton_step as step_module
+  """Counts the Triton step's part calls (its plans: `fdecode.kernels.triton.ragged_step.plan_view`)."""
+  import fdecode.kernels.triton.ragged_step as step_module
   calls = []
-  real = step_module.triton_plan_view
-  monkeypatch.setattr(step_module, "triton_plan_view", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+  real = step_module.plan_view
+  monkeypatch.setattr(step_module, "plan_view", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
   return calls

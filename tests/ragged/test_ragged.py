@@ -70,13 +70,13 @@ def test_triton_reads_contiguous_cache_rows_in_place(layout, case, monkeypatch):
   """A contiguous cache's prefill blocks go to one call of the interpreted Triton kernels,
   each block reading its sequence's cache row (and per-token scales) through the
   RowSource's cache rows, not a loop over the blocks: on the balanced schedule (the Triton
-  step, `fdecode.ragged.triton_step`: its decode part reads its sequences so too), and on
+  step, `fdecode.kernels.triton.triton_step`: its decode part reads its sequences so too), and on
   the per-sequence grid (a fixed split count turns the schedule off: the two-part path,
   with a per-row bias gathered per part). Other
   sequences' rows hold NaN past their lengths and in the rows no sequence owns, which no
   block may reach."""
   import fdecode.ragged.parts as ragged_module
-  import fdecode.ragged.triton_step as step_module
+  import fdecode.kernels.triton.ragged_step as step_module
   calls = []
 
   def spy(module, name, q_source):
@@ -89,7 +89,7 @@ def test_triton_reads_contiguous_cache_rows_in_place(layout, case, monkeypatch):
     monkeypatch.setattr(module, name, call)
 
   spy(ragged_module, "run", lambda c, *a, **kw: (c.q4, c.source))  # the two-part path's calls
-  spy(step_module, "triton_plan_view", lambda q, *a, source=None, **kw: (q, source))  # the Triton step's parts
+  spy(step_module, "plan_view", lambda q, *a, source=None, **kw: (q, source))  # the Triton step's parts
   p = batch(9, [1, 9, 70, 2, 65], [50, 9, 90, 2, 70], max_seqs=7, paged=False, layout=layout)
   ax = 2 if layout == "HND" else 1
   k = np.asarray(p["k"]).copy()
@@ -354,9 +354,9 @@ def test_prefill_blocks_in_one_call_on_the_kernels(impl, request, monkeypatch):
   (ceil(N / 64) + min(max_seqs, N // 2) blocks, the unused ones of kv length 0); the XLA
   path loops over the real blocks. A sequence of 300 new tokens spans 5 blocks, the
   first partial; one of 2 new tokens has a 1-row block; dead slots hold NaN. (The Triton
-  step, `fdecode.ragged.triton_step`, makes the same call, canonical, for its launch.)"""
+  step, `fdecode.kernels.triton.triton_step`, makes the same call, canonical, for its launch.)"""
   import fdecode.ragged.parts as parts_module
-  import fdecode.ragged.triton_step as step_module
+  import fdecode.kernels.triton.ragged_step as step_module
   batches = []
 
   def spy(module, name, query):
@@ -368,7 +368,7 @@ def test_prefill_blocks_in_one_call_on_the_kernels(impl, request, monkeypatch):
     monkeypatch.setattr(module, name, call)
 
   spy(parts_module, "run", lambda c, *a: c.q4)  # the two-part path's calls
-  spy(step_module, "triton_plan_view", lambda q, *a: q)  # the Triton step's parts
+  spy(step_module, "plan_view", lambda q, *a: q)  # the Triton step's parts
   p = batch(8, [300, 1, 2, 70], [333, 17, 2, 90], max_seqs=6, pad_rows=5)
   k = np.asarray(p["k"]).copy()  # which pages no table names: NaN there (never read)
   k[:, np.setdiff1d(np.arange(k.shape[1]), p["block_tables"])] = np.nan

@@ -1,8 +1,8 @@
 """`ragged_decode` over MLA latents (``v=None``: values are the keys' first ``v_head_dim``
-columns) on the Triton step (`fdecode.ragged.triton_step`, interpreted), contiguous and
+columns) on the Triton step (`fdecode.kernels.triton.triton_step`, interpreted), contiguous and
 paged, float and 8-bit, against the float32 reference per sequence; and which contiguous
 steps keep the two-part path on a GPU: the ones whose decode part `flash_decode` sends to
-the Hopper MLA kernel (`fdecode.ragged.triton_step.hopper_takes_decode_part`)."""
+the Hopper MLA kernel (`fdecode.route.step_path`)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -47,11 +47,14 @@ def test_latents_on_the_triton_step(cache, dtype, monkeypatch):
     ("a100", "bfloat16", 16, False, False),  # not sm_90
 ])
 def test_hopper_keeps_only_the_decode_parts_it_takes(gpu, dtype, g, paged, expected, monkeypatch):
-  from fdecode.ragged import triton_step  # pylint: disable=g-import-not-at-top
+  from fdecode import route  # pylint: disable=g-import-not-at-top
+  from fdecode.call import decode_of  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(chips, "lowering_gpu", lambda: chips.GPUS[gpu])
   m, s = 4, 256
   k = jnp.zeros((1, m * s // 16, 16, 576) if paged else (m, 1, s, 576), dtype)
   call = dict(q=jnp.zeros((m, 1, g, 576), jnp.bfloat16), k=k, v=None, lengths=jnp.full((m,), 7, jnp.int32),
               block_tables=jnp.zeros((m, s // 16), jnp.int32) if paged else None,
               **({} if dtype == "bfloat16" else dict(k_scale=0.5)))
-  assert triton_step.hopper_takes_decode_part(canonical_call(**call, v_head_dim=512)) is expected
+  # The Triton step leaves the decode part to the Hopper MLA kernel: the step runs as two decodes.
+  step = route.step_path(decode_of(canonical_call(**call, v_head_dim=512)), "gpu", step_takes=True)
+  assert (step is None) is expected, step

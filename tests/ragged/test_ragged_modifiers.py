@@ -1,4 +1,4 @@
-"""`ragged_decode`'s per-row masks and biases on the Triton step (`fdecode.ragged.triton_step`,
+"""`ragged_decode`'s per-row masks and biases on the Triton step (`fdecode.kernels.triton.triton_step`,
 interpreted): every form ragged_decode documents (``[N|1, S]`` and ``[N|1, Hq, S]``), paged
 and contiguous, both layouts, against the float32 reference run per sequence. Each program
 reads its rows' entries at their packed rows (`fdecode.kernels.triton.kernel.step_mod_rows`):

@@ -18,15 +18,15 @@ combine: what the sm_90 dispatch and ``impl="mosaic_gpu"`` run); `mla_partials` 
 cannot take. `InterpretGPUParams`: jax's Mosaic GPU interpreter parameters (``interpret=``
 of every entry point: the same kernels and plans on CPU).
 
-What fdecode's dispatch asks of them: `takes_mla` (the default dispatch sends the call to
-the MLA kernel), `refusal` (what of a call neither kernel takes), `decode_mla` (the
-default dispatch's MLA path) and `decode` (``impl="mosaic_gpu"``).
+What fdecode's route asks of them: `MLA_BACKEND` (the default GPU route's MLA kernel, where
+`takes_mla`) and `BACKEND` (``impl="mosaic_gpu"``), `fdecode.kernels.backend.Backend` s;
+`refusal` (what of a call neither kernel takes).
 
 Layout: `mla/` (plan, kernel, api) and `gqa/` (plan, kernel, paging, api), one kernel
 family each, over what both share: `fdecode.kernels.mosaic_gpu.plan` (the program's
 shape, the split rule, the launch checks) and `fdecode.kernels.mosaic_gpu.ops` (the TMA
 ring, 8-bit conversion, online softmax, epilogue, launch and Triton-combine hand-off);
-`fdecode.kernels.mosaic_gpu.calls` answers the dispatch.
+`fdecode.kernels.mosaic_gpu.calls` holds the backends.
 """
 
 try:  # jax >= 0.11 exports it; 0.10.2 has it only here (kept by 0.11)
@@ -34,7 +34,7 @@ try:  # jax >= 0.11 exports it; 0.10.2 has it only here (kept by 0.11)
 except ImportError:
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
-from fdecode.kernels.mosaic_gpu.calls import decode, decode_mla, refusal, takes_mla
+from fdecode.kernels.mosaic_gpu.calls import BACKEND, MLA_BACKEND, refusal, takes_mla
 from fdecode.kernels.mosaic_gpu.gqa.api import rows_decode, rows_run
 from fdecode.kernels.mosaic_gpu.gqa.kernel import rows_partials, rows_states
 from fdecode.kernels.mosaic_gpu.gqa.plan import RowsPlan, rows_plan, rows_unsupported
@@ -43,6 +43,6 @@ from fdecode.kernels.mosaic_gpu.mla.kernel import mla_partials, mla_states
 from fdecode.kernels.mosaic_gpu.mla.plan import MlaPlan, mla_plan, unsupported
 from fdecode.kernels.mosaic_gpu.plan import split_count
 
-__all__ = ["InterpretGPUParams", "MlaPlan", "RowsPlan", "decode", "decode_mla", "mla_decode", "mla_partials",
+__all__ = ["BACKEND", "InterpretGPUParams", "MLA_BACKEND", "MlaPlan", "RowsPlan", "mla_decode", "mla_partials",
            "mla_plan", "mla_run", "mla_states", "refusal", "rows_decode", "rows_partials", "rows_plan", "rows_run",
            "rows_states", "rows_unsupported", "split_count", "takes_mla", "unsupported"]

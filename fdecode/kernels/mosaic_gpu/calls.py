@@ -1,114 +1,161 @@
-"""What `fdecode.flash_decode`'s dispatch (`fdecode.dispatch`) asks of the Hopper kernels,
-and the calls it hands them.
+"""The Hopper kernels as `fdecode.kernels.backend.Backend` s.
 
-`takes_mla`: whether the default dispatch sends a call to the MLA kernel (sm_90 lowered
-for, a call the kernel takes, the 8-bit path left to the opt-in); `decode_mla` runs it
-there. `refusal`: what of a call neither kernel takes, whatever its shapes. `decode`:
-``impl="mosaic_gpu"``, the opt-in: the MLA kernel (``v`` None) or the rows kernel (GQA),
-or a ValueError naming why not (no fallback). Each plan made is handed to ``note`` (the
-dispatch's plan record, `fdecode.plan`).
+`MLA_BACKEND` (``"mosaic_gpu_mla"``): the default GPU route's first, the MLA kernel where
+`takes_mla` (sm_90 lowered for, a call the kernel takes, the 8-bit path left to the
+opt-in). `BACKEND` (``"mosaic_gpu"``): ``impl="mosaic_gpu"``, the opt-in: the MLA kernel
+(``v`` None) or the rows kernel (GQA), compiled for an sm_90 GPU or under the Mosaic GPU
+interpreter (``Target.interpret``: an ``InterpretGPUParams``); what it refuses is the
+call's ValueError (no fallback). Both merge their splits with a Triton kernel, so neither
+is available without Pallas' Triton backend. `refusal`: what of a call neither kernel
+takes, whatever its shapes.
 
-A call arrives canonical: q ``[B, T, Hq, Dk]``, ``view`` its cache (`fdecode.cache.layout.CacheView`),
-``ends`` int32 ``[B]``.
+A call arrives canonical (`fdecode.kernels.backend.Decode`): q ``[B, T, Hq, Dk]``, its
+cache view, ``ends`` int32 ``[B]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+from fdecode.kernels.backend import Decode, States, Target
 from fdecode.kernels.common import chips
 from fdecode.cache.quant import per_token_scale
 from fdecode.kernels.mosaic_gpu.gqa.api import rows_run
-from fdecode.kernels.mosaic_gpu.gqa.plan import rows_plan, rows_unsupported
+from fdecode.kernels.mosaic_gpu.gqa.plan import RowsPlan, rows_plan, rows_unsupported
 from fdecode.kernels.mosaic_gpu.mla.api import mla_run
-from fdecode.kernels.mosaic_gpu.mla.plan import mla_plan, unsupported
+from fdecode.kernels.mosaic_gpu.mla.plan import MlaPlan, mla_plan, unsupported
+from fdecode.kernels import triton as triton_kernels
+
+NO_INVARIANT_PLAN = "it has no batch-invariant plan (the XLA path runs the mode: fdecode.kernels.xla.invariant)"
 
 
-def takes_mla(q, view, mods, sinks, sparse, v_head_dim, mask, bias, alibi, cfg) -> bool:
+def _extras(call: Decode) -> bool:
+  """Whether the call has sinks, index lists, a mask, bias or ALiBi."""
+  m = call.operands.mod_arrays
+  return (call.operands.sinks is not None or call.options.sparse is not None
+          or any(m[n] is not None for n in ("mask", "bias", "alibi")))
+
+
+def takes_mla(call: Decode) -> bool:
   """Whether the default dispatch sends the call to the Hopper MLA kernel: an sm_90 GPU
   lowered for, and a call it takes (bf16 MLA latents 576 / 512, one contiguous kv head,
   T = 1, G a multiple of 16, no scales, modifiers, sinks or index lists; the kernel's
   8-bit path is opt-in, ``default_dispatch``, until a GPU measures it). The kernel is
-  faster than the Triton kernel there (`fdecode.kernels.mosaic_gpu` says by how much).
-
-  ``view``: the cache as read (its read layout); ``sinks``, ``sparse``, ``mask``,
-  ``bias``, ``alibi``: the call's, or None; ``mods``: its score modifiers; ``cfg``: its
-  options (a balanced schedule stays on Triton)."""
-  if chips.lowering_gpu().capability != (9, 0) or cfg.balance:
+  faster than the Triton kernel there (`fdecode.kernels.mosaic_gpu` says by how much). A
+  balanced schedule stays on Triton."""
+  o, x = call.options, call.operands
+  if chips.lowering_gpu().capability != (9, 0) or o.cfg.balance:
     return False
-  extras = (sinks is not None or sparse is not None or mask is not None or bias is not None
-            or alibi is not None or view.k_rope is not None or not mods.plain)
+  view = x.view.read(x.view.read_layout)
   return unsupported(
-      q_shape=q.shape, q_dtype=q.dtype, k_shape=view.k.shape, k_dtype=view.k.dtype, v_is_none=view.v is None,
-      v_head_dim=v_head_dim, k_scale_shape=None if view.k_scale is None else view.k_scale.shape,
-      paged=view.paged, modifiers=extras, default_dispatch=True) is None
+      q_shape=x.q.shape, q_dtype=x.q.dtype, k_shape=view.k.shape, k_dtype=view.k.dtype, v_is_none=view.v is None,
+      v_head_dim=o.v_head_dim, k_scale_shape=None if view.k_scale is None else view.k_scale.shape,
+      paged=view.paged, modifiers=_extras(call) or view.k_rope is not None or not o.mods.plain,
+      default_dispatch=True) is None
 
 
-def decode_mla(q, k, ends, k_scale=None, *, softmax_scale, num_splits, interpret=None, note=None):
-  """MLA decode on the Hopper kernel, its split states merged by the Triton combine kernel
-  (`fdecode.kernels.mosaic_gpu.mla_run`): two kernels. ``k`` ``[B, 1, S, 576]``;
-  ``k_scale``: an 8-bit cache's per-token scales (``impl="mosaic_gpu"`` only), canonical
-  rank 4. Returns ``(out [B, T, G, 512], lse float32 [B, T, G])``."""
-  b, t, g, _ = q.shape
-  if k_scale is not None:
-    k_scale = per_token_scale(k_scale, k.shape, "k_scale", "flash_decode")
-  p = mla_plan(batch=b, num_tokens=t, group=g, seq_len=k.shape[2], softmax_scale=softmax_scale,
-               cache_dtype=k.dtype, num_splits=num_splits)
-  if note is not None:
-    note(p)
-  return mla_run(p, q, ends, k, k_scale, interpret=interpret)
+def _mla_plan(call: Decode) -> MlaPlan:
+  o, x = call.options, call.operands
+  b, t, g, _ = x.q.shape
+  return mla_plan(batch=b, num_tokens=t, group=g, seq_len=x.view.capacity, softmax_scale=o.softmax_scale,
+                  cache_dtype=x.view.k.dtype, num_splits=o.cfg.num_splits)
 
 
-def _decode_rows(q, view, ends, *, softmax_scale, num_splits, interpret, note):
-  """GQA decode on the Hopper rows kernel over a head-major cache (contiguous, or a pool
-  read in place through the block table), its split states merged by the Triton combine
-  kernel (`fdecode.kernels.mosaic_gpu.rows_run`)."""
-  b, t, hq, d = q.shape
-  k, v = view.k, view.v
-  hkv = view.kv_heads
-  scales = [None if x is None else per_token_scale(x, c.shape, n, "flash_decode", broadcast=False)
-            for n, x, c in (("k_scale", view.k_scale, k), ("v_scale", view.v_scale, v))]
-  p = rows_plan(batch=b, kv_heads=hkv, num_tokens=t, group=hq // hkv, head_dim=d, seq_len=view.capacity,
-                softmax_scale=softmax_scale, cache_dtype=k.dtype, num_splits=num_splits, page_size=view.page_size)
-  if note is not None:
-    note(p)
-  return rows_run(p, q, ends, k, v, *scales, block_tables=view.block_tables, interpret=interpret)
+def _rows_plan(call: Decode) -> RowsPlan:
+  o, x = call.options, call.operands
+  b, t, hq, d = x.q.shape
+  view = x.view
+  return rows_plan(batch=b, kv_heads=view.kv_heads, num_tokens=t, group=hq // view.kv_heads, head_dim=d,
+                   seq_len=view.capacity, softmax_scale=o.softmax_scale, cache_dtype=view.k.dtype,
+                   num_splits=o.cfg.num_splits, page_size=view.page_size)
 
 
-def decode(q, view, ends, *, softmax_scale, cfg, interpret, mods, v_head_dim, sinks, sparse, mask, bias, alibi,
-           note=None):
-  """``impl="mosaic_gpu"``: the Hopper MLA kernel (``v`` None) or rows kernel (GQA) with
-  their plans, compiled for the sm_90 GPU lowered for or run under the Mosaic GPU
-  interpreter (``interpret``: an ``InterpretGPUParams``). A call the kernel does not take,
-  or a compiled trace not for an sm_90 GPU, raises ValueError saying why.
+def _run(plan, call: Decode, interpret) -> States:
+  """A Hopper plan run to the output, its split states merged by the Triton combine kernel
+  (`fdecode.kernels.mosaic_gpu.mla_run` / ``rows_run``): two kernels."""
+  x = call.operands
+  rv = x.view.read(x.view.read_layout)  # one kv head (MLA, MQA) stored token-major is read head-major: the same bytes
+  if isinstance(plan, MlaPlan):  # k [B, 1, S, 576]; an 8-bit cache's per-token scales canonical rank 4
+    k_scale = None if rv.k_scale is None else per_token_scale(rv.k_scale, rv.k.shape, "k_scale", "flash_decode")
+    out, lse = mla_run(plan, x.q, x.ends, rv.k, k_scale, interpret=interpret)
+  else:  # a head-major cache: contiguous, or a pool read in place through the block table
+    scales = [None if s is None else per_token_scale(s, c.shape, n, "flash_decode", broadcast=False)
+              for n, s, c in (("k_scale", rv.k_scale, rv.k), ("v_scale", rv.v_scale, rv.v))]
+    out, lse = rows_run(plan, x.q, x.ends, rv.k, rv.v, *scales, block_tables=rv.block_tables, interpret=interpret)
+  return States(out, lse, merged=True)
 
-  Returns ``(out [B, T, Hq, Dv] in q.dtype, lse float32 [B, T, Hq])``."""
-  if not interpret:
-    platform = chips.lowering_platform()
-    gpu = chips.lowering_gpu() if platform == "gpu" else None
-    if gpu is None or gpu.capability != (9, 0):
-      target = platform if gpu is None else f"{gpu.name} (sm_{gpu.capability[0]}{gpu.capability[1]})"
-      raise ValueError(f"flash_decode: impl='mosaic_gpu' compiles the Hopper kernels for an sm_90 GPU, but this "
-                       f"trace lowers for {target}; pass interpret=fdecode.kernels.mosaic_gpu.InterpretGPUParams() "
-                       "to run them under the Mosaic GPU interpreter (CPU)")
-  rv = view.read(view.read_layout)  # one kv head (MLA, MQA) stored token-major is read head-major: the same bytes
-  mla = rv.v is None
-  reason = refusal(rv, q.shape[1], mods=mods, modifiers=(
-      sinks is not None or sparse is not None or mask is not None or bias is not None or alibi is not None))
-  if reason is None and mla:
-    reason = unsupported(
-        q_shape=q.shape, q_dtype=q.dtype, k_shape=rv.k.shape, k_dtype=rv.k.dtype, v_is_none=True,
-        v_head_dim=v_head_dim, k_scale_shape=None if rv.k_scale is None else rv.k_scale.shape, paged=rv.paged)
-  elif reason is None:
-    reason = rows_unsupported(
-        q_shape=q.shape, q_dtype=q.dtype, k_shape=rv.k.shape, k_dtype=rv.k.dtype, v_shape=rv.v.shape,
-        v_dtype=rv.v.dtype, scales=rv.k_scale is not None or rv.v_scale is not None, paged=rv.paged)
-  if reason:
-    raise ValueError(f"flash_decode: impl='mosaic_gpu': the Hopper {'MLA' if mla else 'rows'} kernel cannot take "
-                     f"this call: {reason}")
-  if mla:
-    return decode_mla(q, rv.k, ends, rv.k_scale, softmax_scale=softmax_scale, num_splits=cfg.num_splits,
-                      interpret=interpret, note=note)
-  return _decode_rows(q, rv, ends, softmax_scale=softmax_scale, num_splits=cfg.num_splits, interpret=interpret,
-                      note=note)
+
+@dataclasses.dataclass(frozen=True)
+class MlaBackend:
+  """The default GPU route's Hopper MLA kernel."""
+  name: str = "mosaic_gpu_mla"
+
+  def available(self) -> bool:
+    return triton_kernels.pallas_triton_available()
+
+  def refuses(self, call: Decode, target: Target) -> str | None:
+    del target  # the GPU lowered for: `chips.lowering_gpu`
+    if not triton_kernels.pallas_triton_available():
+      return f"its splits are merged by a Triton kernel, and {triton_kernels.PALLAS_TRITON_MISSING}"
+    if call.options.cfg.batch_invariant:
+      return NO_INVARIANT_PLAN
+    if not takes_mla(call):
+      return ("it takes bf16 MLA latents (576 / 512, one contiguous kv head, T = 1, G a multiple of 16, no "
+              "modifiers) compiled for an sm_90 GPU")
+    return None
+
+  def plan(self, call: Decode, target: Target) -> MlaPlan:
+    del target
+    return _mla_plan(call)
+
+  def run(self, plan: MlaPlan, call: Decode, target: Target) -> States:
+    del target
+    return _run(plan, call, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperBackend:
+  """``impl="mosaic_gpu"``: the MLA kernel (``v`` None) or the rows kernel (GQA)."""
+  name: str = "mosaic_gpu"
+
+  def available(self) -> bool:
+    return triton_kernels.pallas_triton_available()
+
+  def refuses(self, call: Decode, target: Target) -> str | None:
+    if not triton_kernels.pallas_triton_available():
+      return f"it merges the Hopper kernels' splits with a Triton kernel, and {triton_kernels.PALLAS_TRITON_MISSING}"
+    o, x = call.options, call.operands
+    if not target.interpret:
+      platform = chips.lowering_platform()
+      gpu = chips.lowering_gpu() if platform == "gpu" else None
+      if gpu is None or gpu.capability != (9, 0):
+        where = platform if gpu is None else f"{gpu.name} (sm_{gpu.capability[0]}{gpu.capability[1]})"
+        return (f"it compiles the Hopper kernels for an sm_90 GPU, but this trace lowers for {where}; pass "
+                "interpret=fdecode.kernels.mosaic_gpu.InterpretGPUParams() to run them under the Mosaic GPU "
+                "interpreter (CPU)")
+    rv = x.view.read(x.view.read_layout)
+    mla = rv.v is None
+    reason = refusal(rv, x.q.shape[1], mods=o.mods, modifiers=_extras(call))
+    if reason is None and mla:
+      reason = unsupported(
+          q_shape=x.q.shape, q_dtype=x.q.dtype, k_shape=rv.k.shape, k_dtype=rv.k.dtype, v_is_none=True,
+          v_head_dim=o.v_head_dim, k_scale_shape=None if rv.k_scale is None else rv.k_scale.shape, paged=rv.paged)
+    elif reason is None:
+      reason = rows_unsupported(
+          q_shape=x.q.shape, q_dtype=x.q.dtype, k_shape=rv.k.shape, k_dtype=rv.k.dtype, v_shape=rv.v.shape,
+          v_dtype=rv.v.dtype, scales=rv.k_scale is not None or rv.v_scale is not None, paged=rv.paged)
+    return reason and f"the Hopper {'MLA' if mla else 'rows'} kernel cannot take this call: {reason}"
+
+  def plan(self, call: Decode, target: Target):
+    del target
+    return _mla_plan(call) if call.operands.view.v is None else _rows_plan(call)
+
+  def run(self, plan, call: Decode, target: Target) -> States:
+    return _run(plan, call, target.interpret or None)
+
+
+MLA_BACKEND = MlaBackend()
+BACKEND = HopperBackend()
 
 
 def refusal(view, num_tokens, *, mods, modifiers) -> str | None:

@@ -201,6 +201,7 @@ class CallPlan:
     sizes: block sizes and VMEM (`plan`); None for ``backend="xla"``.
     num_splits: chunks of the token axis (0 for ``backend="xla"``: its own plan decides).
     upcast_query: a float16 query computes in float32 (over a cache that is not float16).
+    reason: why the kernels do not take the call (``backend="xla"``), else None.
   """
   backend: str
   sparse: bool = False
@@ -209,6 +210,7 @@ class CallPlan:
   sizes: Plan | None = None
   num_splits: int = 0
   upcast_query: bool = False
+  reason: str | None = None
 
 
 def _struct(x):
@@ -228,7 +230,7 @@ def make_plan(q_rows, view: CacheView, *, extra: dict, num_tokens: int, num_spli
   (sequence, kv heads of a program)."""
   b, hkv = q_rows.shape[:2]
   if any(x is not None and jnp.dtype(x.dtype).itemsize > 4 for x in (q_rows, view.k, view.v, view.k_rope)):
-    return CallPlan("xla")  # float64 (jax_enable_x64): no 64-bit vectors
+    return CallPlan("xla", reason="64-bit operands (jax_enable_x64): a TPU has no 64-bit vectors")
   paged, sparse = view.paged, "sparse" in extra
   how = None if view.layout == "HND" else token_major_read(
       view.k, view.v, view.k_rope, view.k_scale, view.v_scale, paged=paged, sparse=sparse)
@@ -262,8 +264,10 @@ def make_plan(q_rows, view: CacheView, *, extra: dict, num_tokens: int, num_spli
     k, v, rope = view.head_major_shapes()
     args = dict(mods_etc, **dict(view.kernel_arrays(), k_rope=rope))
     unit = dma_unit(k, v, rope)
-    if float16_cache or ((sparse or paged) and k.shape[2] % unit):
-      return CallPlan("xla")
+    if float16_cache:
+      return CallPlan("xla", reason="a float16 cache: Mosaic has no float16 vectors")
+    if (sparse or paged) and k.shape[2] % unit:
+      return CallPlan("xla", reason=f"pages of {k.shape[2]} tokens split the {unit}-row unit a DMA addresses")
     if sparse:  # blocks of index-list slots, each token DMA'd on its own
       p = plan(qs, k, v, block_k=block_k, num_slots=slots, slot_rows=unit, head_axis=False, **args)
     else:

@@ -155,3 +155,15 @@ def write_plan(layout: str, paged: bool, cache_shape, *, page_size: int = 1, tab
   step = None if step_rows is None else StepPart(part="rows", rows=step_rows[0], seqs=step_rows[1],
                                                  units=step_rows[0], block=1, seq_len=capacity)
   return WritePlan(layout, paged, hkv, capacity, interpret=bool(interpret), step=step, **geometry)
+
+
+def write_view(view, new_k, new_v, seq, pos, step, interpret: bool):
+  """A ragged step's write into ``view``'s caches (`fdecode.cache.layout.CacheView`, int32
+  tables) in one launch: ``(k, v)``. ``seq`` / ``pos`` int32 ``[N]``; ``step``: the step's
+  ``(cu, kv_lens, num_seqs)`` they came from (the kernel derives each row's from them), or
+  None (the kernel reads ``seq`` / ``pos``)."""
+  tables = view.block_tables
+  plan = write_plan(view.layout, view.paged, view.k.shape, page_size=view.page_size if view.paged else 1,
+                    table_len=tables.shape[1] if view.paged else 1, interpret=interpret,
+                    step_rows=None if step is None else (seq.shape[0], step[1].shape[0]))
+  return write_rows(plan, (view.k, view.v), (new_k, new_v), (seq, pos) if step is None else step, tables)

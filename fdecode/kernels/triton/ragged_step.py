@@ -1,4 +1,4 @@
-"""`ragged_decode`'s step on the Triton kernels (GPU, or interpreted): the decode part
+"""`fdecode.ragged_decode`'s step on the Triton kernels (GPU, or interpreted): the decode part
 (each live sequence's last row, T = 1) and the prefill blocks (T = tb rows of one
 sequence) run in *one* split launch, each part's work items on its own balanced schedule
 (`fdecode.kernels.triton.split_states_merged`), and one combine launch merges both parts'
@@ -9,49 +9,41 @@ rows, kv length, the part's schedule) from the step's ``cu``, ``kv_lens`` and
 ``num_seqs`` (`fdecode.kernels.triton.geometry`); q rows, table rows and contiguous cache
 rows are read in place.
 
-The parts are the ones `fdecode.ragged.decode` describes; both take the balanced schedule
+The parts are the ones `fdecode.ragged.decode` describes, each a
+`fdecode.kernels.backend.Decode` (`fdecode.ragged.parts.triton_calls`); both take the balanced schedule
 (a contiguous cache's decode part too, reading its sequences through the source's
 caches), so their states are laid out alike and merge in one launch.
 """
 
 from __future__ import annotations
 
-from fdecode.call import Call
-from fdecode.dispatch import compute_dtype, triton_plan_view
-from fdecode.kernels.mosaic_gpu import takes_mla
-from fdecode.kernels.triton import StepPart, combine_step, merges_parts, split_states, split_states_merged
-from fdecode.ragged.checks import CALLER
+from fdecode.kernels.backend import Decode, note
+from fdecode.kernels.triton.backend import plan_view
+from fdecode.kernels.triton.geometry import StepPart
+from fdecode.kernels.triton.plan import merges_parts
+from fdecode.kernels.triton.split import split_states, split_states_merged
+from fdecode.kernels.triton.step import combine_step
 
 
-def _part(c: Call, step: StepPart, *, interpret: bool):
+def _part(c: Decode, step: StepPart, *, interpret: bool):
   """One part's balanced split: ``(plan, its split_states arguments, canonical sinks)``."""
-  cd = compute_dtype(c.q4.dtype, *(None if x is None else x.dtype for x in (c.view.k, c.view.v, c.view.k_rope)))
-  p, rv = triton_plan_view(c.q4, c.view, compute=cd, mods=c.mods, v_head_dim=c.v_head_dim, cfg=c.cfg,
-                           interpret=interpret, has_sinks=c.sinks is not None, source=c.source, balance=True,
-                           has_mask_or_bias=c.mod_arrays["mask"] is not None or c.mod_arrays["bias"] is not None,
-                           step=step)
+  o, x = c.options, c.operands
+  m = x.mod_arrays
+  p, rv = plan_view(x.q, x.view, compute=c.compute_dtype, mods=o.mods, v_head_dim=o.v_head_dim, cfg=o.cfg,
+                    interpret=interpret, has_sinks=x.sinks is not None, source=x.source, balance=True,
+                    has_mask_or_bias=m["mask"] is not None or m["bias"] is not None, step=step)
+  note(p)
   if not p.balanced:  # `ragged_decode` sends only calls the schedule takes
-    raise AssertionError(f"{CALLER}: the Triton step's plan is not balanced: {p}")
-  arrays = dict(softmax_scale=c.softmax_scale, alibi=c.mod_arrays["alibi"], sinks=c.sinks, source=c.source,
-                **rv.kernel_arrays())
-  return (p, c.q4, c.ends, rv.k, rv.v, arrays), c.sinks
+    raise AssertionError(f"ragged_decode: the Triton step's plan is not balanced: {p}")
+  arrays = dict(softmax_scale=o.softmax_scale, alibi=m["alibi"], sinks=x.sinks, source=x.source, **rv.kernel_arrays())
+  return (p, x.q, x.ends, rv.k, rv.v, arrays), x.sinks
 
 
-def hopper_takes_decode_part(c: Call) -> bool:
-  """Whether `flash_decode`'s compiled GPU dispatch sends the decode part (``c``: the
-  step's call, `fdecode.ragged.parts.with_call`) to the Hopper MLA kernel (`fdecode.kernels.mosaic_gpu.takes_mla`: an sm_90 GPU lowered for, bf16
-  latents of one contiguous head, G a multiple of 16, no modifiers): the step then keeps
-  the two-part path, the decode part on that kernel (2-8x the Triton kernel's speed, H200)."""
-  m = c.mod_arrays
-  return takes_mla(c.q4, c.view.read(c.view.read_layout), c.mods, c.sinks, None, c.v_head_dim, m["mask"],
-                   m["bias"], m["alibi"], c.cfg)
-
-
-def triton_step(decode: Call, prefill: Call, step, *, block: int, capacity: int, interpret: bool):
+def triton_step(decode: Decode, prefill: Decode, step, *, block: int, capacity: int, interpret: bool):
   """The step's packed ``(out [N, Hq, Dv] in q's dtype, lse f32 [N, Hq])``.
 
   ``decode`` / ``prefill``: each part's canonical call (`fdecode.ragged.parts.triton_calls`):
-  ``q4`` ``[B, T, Hq, Dk]`` (for its shape: a gather of the part's rows, never read),
+  q ``[B, T, Hq, Dk]`` (for its shape: a gather of the part's rows, never read),
   ``ends`` int32 ``[B]`` (likewise), the cache view (the part's table rows when paged), the
   canonical modifiers (a per-row mask / bias: gathers, for their form), sinks and options,
   and ``source``: the `RowSource` its rows are read through, with ``step``: ``(cu,
@@ -60,8 +52,8 @@ def triton_step(decode: Call, prefill: Call, step, *, block: int, capacity: int,
   decode part's B is M sequences, the prefill part's the NB blocks of ``block`` rows;
   ``capacity``: S. The knobs' ``num_splits`` is None (the schedule is balanced) and
   ``interpret`` is the step's."""
-  n_rows, m = decode.source.q.shape[0], decode.q4.shape[0]
-  parts = [StepPart(part=name, rows=n_rows, seqs=m, units=c.q4.shape[0], block=tb, seq_len=capacity)
+  n_rows, m = decode.operands.source.q.shape[0], decode.operands.q.shape[0]
+  parts = [StepPart(part=name, rows=n_rows, seqs=m, units=c.operands.q.shape[0], block=tb, seq_len=capacity)
            for name, c, tb in (("decode", decode, 1), ("prefill", prefill, block))]
   dec, sinks = _part(decode, parts[0], interpret=interpret)
   pre, _ = _part(prefill, parts[1], interpret=interpret)

@@ -1,0 +1,75 @@
+"""The Mosaic (TPU) kernels as a `fdecode.kernels.backend.Backend`: compiled for the TPU
+lowered for, or under the TPU interpreter (``Target.interpret``: its parameters). Its plan
+(`fdecode.kernels.mosaic_tpu.plan.make_plan`) refuses what the chip's vectors or DMAs
+cannot hold (float64, a float16 cache, pages that split a DMA unit), and the
+batch-invariant mode; the route hands those calls to the XLA path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from fdecode.kernels.backend import Decode, States, Target
+from fdecode.kernels.mosaic_tpu.kernel import mosaic_partials
+from fdecode.kernels.mosaic_tpu.plan import CallPlan, make_plan
+from fdecode.kernels.mosaic_tpu.sparse import mosaic_sparse_partials
+from fdecode.kernels.mosaic_tpu.token_major import contiguous_as_pool
+
+NO_INVARIANT_PLAN = "it has no batch-invariant plan (the XLA path runs the mode: fdecode.kernels.xla.invariant)"
+# The order `contiguous_as_pool` takes and returns the quantization arrays in.
+_QUANT = ("k_scale", "k_offset", "v_scale", "v_offset")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTpuBackend:
+  name: str = "mosaic_tpu"
+
+  def available(self) -> bool:
+    return True
+
+  def refuses(self, call: Decode, target: Target) -> str | None:
+    if call.options.cfg.batch_invariant:
+      return NO_INVARIANT_PLAN
+    p = self.plan(call, target)
+    return p.reason if p.backend == "xla" else None
+
+  def plan(self, call: Decode, target: Target) -> CallPlan:
+    del target  # the chip: `fdecode.kernels.common.chips.tpu_lowering`, set by the route's TPU branch
+    o, x = call.options, call.operands
+    return make_plan(call.q_rows_struct(), x.view, extra=_extra(call), num_tokens=x.q.shape[1],
+                     num_splits=o.cfg.num_splits, block_k=o.cfg.block_k)
+
+  def run(self, plan: CallPlan, call: Decode, target: Target) -> States:
+    o, x = call.options, call.operands
+    q_rows = call.q_rows()
+    if plan.upcast_query:  # Mosaic has no float16 vectors: a float16 query over another cache computes in float32
+      q_rows = q_rows.astype(jnp.float32)
+    kw = dict(num_tokens=x.q.shape[1], softmax_scale=o.softmax_scale, interpret=target.interpret,
+              num_splits=plan.num_splits, plan=plan.sizes)
+    layout = {}
+    view = x.view
+    rv = view.head_major() if plan.read is None else view  # token-major caches read in place, or head-major
+    k, v, arrays = rv.k, rv.v, rv.kernel_arrays()
+    if plan.read is not None:
+      layout = (dict(kv_layout="NHD", head_axis=plan.read.axis) if plan.sparse
+                else dict(kv_layout="NHD", read=plan.read))
+      if plan.as_pool:  # a contiguous cache as the pool of whole pages
+        k, v, rope, quant, tables = contiguous_as_pool(k, v, rv.k_rope, tuple(arrays[n] for n in _QUANT))
+        arrays = dict(arrays, k_rope=rope, block_tables=tables, **dict(zip(_QUANT, quant)))
+    partials = mosaic_sparse_partials if plan.sparse else mosaic_partials
+    return States(*partials(q_rows, x.ends, k, v, **kw, **layout, **arrays, **_extra(call)), merged=False)
+
+
+def _extra(call: Decode) -> dict:
+  """The kernels' modifier and index-list arguments."""
+  o, x = call.options, call.operands
+  m = x.mod_arrays
+  extra = dict(mods=o.mods, mask=m["mask"], bias=m["bias"], alibi=m["alibi"], v_head_dim=o.v_head_dim)
+  if o.sparse is not None:
+    extra.update(sparse=o.sparse, indices=x.lists["indices"], index_bounds=x.lists["index_bounds"])
+  return extra
+
+
+BACKEND = MosaicTpuBackend()
+__all__ = ["BACKEND", "MosaicTpuBackend"]

@@ -1,0 +1,75 @@
+"""The XLA path as a `fdecode.kernels.backend.Backend`: it takes every call, on every
+platform. Its plan is `fdecode.kernels.xla.plan.XlaPlan`; token-major caches are read in
+place, chunk by chunk (`xla_partials`); index lists read the K selected tokens
+(`sparse_partials`); the batch-invariant mode runs `invariant_partials` (splits of a
+fixed size at absolute positions, merged in one order)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from fdecode.kernels.backend import Decode, States, Target
+from fdecode.kernels.common.modifiers import window_tokens
+from fdecode.kernels.xla.dense import xla_partials
+from fdecode.kernels.xla.invariant import invariant_partials, split_tokens
+from fdecode.kernels.xla.plan import XlaPlan, make_plan
+from fdecode.kernels.xla.sparse import sparse_partials
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaBackend:
+  name: str = "xla"
+
+  def available(self) -> bool:
+    return True
+
+  def refuses(self, call: Decode, target: Target) -> None:
+    del call, target  # every call, every platform
+
+  def plan(self, call: Decode, target: Target) -> XlaPlan:
+    o, (q, view) = call.options, call.operands[:2]
+    b, t = q.shape[:2]
+    hkv = view.kv_heads
+    if o.cfg.batch_invariant:
+      split, tokens = split_tokens(o.cfg.split_size, view.page_size), view.capacity
+      return XlaPlan(num_splits=max(-(-tokens // split), 1), kv_layout=view.read_layout, tokens=tokens, loop=True,
+                     split_size=split)
+    platform = target.platform or jax.default_backend()
+    if o.sparse is not None:  # the K selected tokens, in chunks
+      return make_plan(batch=b, kv_heads=hkv, tokens=call.operands.lists["indices"].shape[-1], platform=platform,
+                       sparse=True, num_splits=o.cfg.num_splits)
+    return make_plan(
+        batch=b, kv_heads=hkv, tokens=window_tokens(view.capacity, t, o.mods, view.page_size), platform=platform,
+        paged=view.paged, quantized=view.k_scale is not None or view.v_scale is not None,
+        kv_layout=view.read_layout, num_splits=o.cfg.num_splits, rows=t * (q.shape[2] // hkv),
+        token_bytes=b * hkv * view.k.shape[-1] * jnp.dtype(view.k.dtype).itemsize)  # K of one position, all sequences
+
+  def run(self, plan: XlaPlan, call: Decode, target: Target) -> States:
+    del target  # the plan holds the platform's choices
+    o, x = call.options, call.operands
+    q_rows, t = call.q_rows(), x.q.shape[1]
+    m = x.mod_arrays
+    common = dict(num_tokens=t, softmax_scale=o.softmax_scale, mods=o.mods, mask=m["mask"], bias=m["bias"],
+                  alibi=m["alibi"])
+    if o.cfg.batch_invariant:
+      rv = x.view.read(x.view.read_layout)
+      return _split(invariant_partials(q_rows, rv.k, rv.v, x.ends, split=plan.split_size, kv_layout=rv.layout,
+                                       v_head_dim=o.v_head_dim, **rv.kernel_arrays(), **common))
+    if o.sparse is not None:
+      hm = x.view.head_major()
+      return _split(sparse_partials(q_rows, hm.k, hm.v, x.ends, num_splits=plan.num_splits, v_head_dim=o.v_head_dim,
+                                    sparse=o.sparse, indices=x.lists["indices"], index_bounds=x.lists["index_bounds"],
+                                    **hm.kernel_arrays(), **common))
+    rv = x.view.read(plan.kv_layout)
+    return _split(xla_partials(q_rows, rv.k, rv.v, x.ends, num_splits=plan.num_splits, kv_layout=plan.kv_layout,
+                               loop=plan.loop, v_head_dim=o.v_head_dim, **rv.kernel_arrays(), **common))
+
+
+def _split(states) -> States:
+  return States(*states, merged=False)
+
+
+BACKEND = XlaBackend()
