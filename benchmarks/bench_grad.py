@@ -32,6 +32,7 @@ import fdecode
 from _records import add_json_arg, machine_line, record, write  # benchmarks/ is on sys.path
 from _timing import timeit_interleaved
 from bench_decode import as_float32_words, floor_fn
+from fdecode.cache.layout import CacheView
 from fdecode.combine import merge_states
 from fdecode.kernels import xla as xla_kernels
 
@@ -45,8 +46,8 @@ def plain_xla(q, k, v, lengths, t, num_splits):
   hkv = k.shape[1]
   g = hq // hkv
   rows = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, d)
-  o, lse = xla_kernels.xla_partials(rows, k, v, lengths, num_tokens=t, softmax_scale=1.0 / np.sqrt(d),
-                                    num_splits=num_splits)
+  o, lse = xla_kernels.xla_partials(rows, CacheView.of(k, v), lengths, dict(mask=None, bias=None, alibi=None),
+                                    num_tokens=t, softmax_scale=1.0 / np.sqrt(d), num_splits=num_splits)
   o, _ = merge_states(o, lse, axis=2)
   return o.reshape(b, hkv, t, g, -1).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, -1)
 

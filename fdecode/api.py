@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 Plan = Union["XlaPlan", "TritonPlan", "CallPlan", "MlaPlan", "RowsPlan"]
 
 
-class Plans(tuple):
+class Plans(tuple[Plan, ...]):
   """`plan`'s result: the plans in the order they run (a tuple), and ``refused``: each
   backend the route tried before the one chosen, as `fdecode.kernels.backend.Refused`
   ``(backend, reason)`` pairs, in the order tried."""

@@ -232,22 +232,29 @@ def step_path(call: Decode, platform: str, *, step_takes: bool) -> Path | None:
   return None
 
 
-def lower_step(call: Decode, *, step_takes: bool, triton_step, two_parts, operand):
-  """A ragged step's attention: ``triton_step(operand, interpret)`` where `step_path` picks
-  the Triton step's kernels, else ``two_parts(operand)``."""
-  return lower(lambda platform: step_path(call, platform, step_takes=step_takes), {
-      None: lambda platform, x: two_parts(x),
-      Path.TRITON: lambda platform, x: triton_step(x, False),
-      Path.TRITON_INTERPRET: lambda platform, x: triton_step(x, True)}, operand)
+def lower_step(call: Decode, *, step_takes: bool, step_args, two_parts, operand):
+  """A ragged step's attention: the step whole on the kernels `step_path` picks (their
+  backend's ``ragged_step`` of ``step_args(operand)``: the decode and prefill parts'
+  `Decode` s, the step's ``(cu, kv_lens, num_seqs)``, the prefill block's rows and the
+  capacity), else ``two_parts(operand)``."""
+  def whole(path):
+    def run(platform, x):
+      decode, prefill, step, block, capacity = step_args(x)
+      return BACKENDS[path].ragged_step(decode, prefill, step, block=block, capacity=capacity,
+                                        interpret=path is Path.TRITON_INTERPRET)
+    return run
+  return lower(lambda platform: step_path(call, platform, step_takes=step_takes),
+               {None: lambda platform, x: two_parts(x), Path.TRITON: whole(Path.TRITON),
+                Path.TRITON_INTERPRET: whole(Path.TRITON_INTERPRET)}, operand)
 
 
-def lower_write(impl, interpret, *, triton, scatter, operands):
-  """A ragged step's cache write: ``triton(*operands, interpret)`` where `write_path` picks
-  the Triton write kernel, else ``scatter(*operands)``."""
+def lower_write(impl, interpret, *, scatter, operands):
+  """A ragged step's cache write: the write kernel of the backend `write_path` picks (its
+  ``write(*operands, interpret)``), else ``scatter(*operands)``."""
   return lower(lambda platform: write_path(impl, interpret, platform), {
       Path.XLA: lambda platform, *xs: scatter(*xs),
-      Path.TRITON: lambda platform, *xs: triton(*xs, False),
-      Path.TRITON_INTERPRET: lambda platform, *xs: triton(*xs, True)}, *operands)
+      Path.TRITON: lambda platform, *xs: BACKENDS[Path.TRITON].write(*xs, False),
+      Path.TRITON_INTERPRET: lambda platform, *xs: BACKENDS[Path.TRITON_INTERPRET].write(*xs, True)}, *operands)
 
 
 def lower_prefill(call: Decode, *, sparse: bool, looped, batched, operand):

@@ -69,9 +69,8 @@ from jax.typing import ArrayLike
 
 from fdecode.cache.layout import CacheView, check_layout
 from fdecode.call import KvLayout, ScoreOptions, decode_of
-from fdecode.kernels.triton import triton_step
 from fdecode.ragged.checks import CALLER, check_shapes, check_values
-from fdecode.ragged.parts import Step, searchsorted, triton_calls, two_parts, with_call
+from fdecode.ragged.parts import Step, searchsorted, step_calls, two_parts, with_call
 from fdecode.ragged.write import write_new_tokens
 from fdecode import route
 from fdecode.route import resolve_interpret
@@ -250,12 +249,11 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   st = with_call(Step(q=q, caches=caches, view=view.with_arrays(k=k, v=v), geometry=geometry, given=given,
                       arrays=arrays, opts=opts, dv=dv))
   capacity = view.capacity
-  step = lambda st, interpret: triton_step(*triton_calls(st), st.given, block=st.block, capacity=capacity,
-                                           interpret=interpret)
+  step_args = lambda st: (*step_calls(st), st.given, st.block, capacity)
   # The batch-invariant mode runs both parts on its own path (`fdecode.kernels.xla.invariant`).
   step_takes = ("indices" not in arrays and opts.get("num_splits") in (None, "balance")
                 and not opts.get("batch_invariant"))
-  out, lse = route.lower_step(decode_of(st.call), step_takes=step_takes, triton_step=step, two_parts=two_parts,
+  out, lse = route.lower_step(decode_of(st.call), step_takes=step_takes, step_args=step_args, two_parts=two_parts,
                               operand=st)
   return out, lse, k, v
 

@@ -207,8 +207,9 @@ def _prefill_call(st: Step, step=None, cfg=None):
               cfg=cfg), idx
 
 
-def triton_calls(st: Step):
-  """The two parts' calls as the Triton step takes them (`fdecode.kernels.triton.triton_step`):
+def step_calls(st: Step):
+  """The two parts' calls as a backend's whole step takes them (`fdecode.route.lower_step`:
+  the Triton step, `fdecode.kernels.triton.triton_step`):
   `fdecode.kernels.backend.Decode` s (q, ``ends`` and the sources' index arrays for their shapes
   only), the rows read through a `RowSource` whose ``step`` holds the arrays every unit's
   geometry derives from (the caches in place: a pool through the whole table, a

@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from fdecode.cache.meshes import explicit_sharding
 from fdecode.cache.slots import contiguous_slot, paged_slot
 from fdecode.cache.write import scatter_keeping_sharding
-from fdecode.kernels.triton import write_view
 from fdecode import route
 
 
@@ -36,8 +35,7 @@ def write_new_tokens(view, new_k, new_v, seq, pos, *, impl=None, interpret=None,
   Triton kernel derives each row's from them (no launch computes ``seq`` / ``pos``)."""
   if explicit_sharding(view.k) is not None:  # the scatter states the caches' sharding
     return _scatter(view, new_k, new_v, seq, pos)
-  return route.lower_write(impl, interpret, triton=write_view, scatter=_scatter,
-                           operands=(view, new_k, new_v, seq, pos, step))
+  return route.lower_write(impl, interpret, scatter=_scatter, operands=(view, new_k, new_v, seq, pos, step))
 
 
 def _scatter(view, new_k, new_v, seq, pos, step=None):

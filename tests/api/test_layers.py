@@ -104,3 +104,34 @@ def test_kernel_internals_stay_inside_their_package(package):
 def test_every_module_has_a_layer():
   for name in MODULES:
     layer(name)
+
+
+def _functions(name):
+  return [n for n in ast.walk(ast.parse(MODULES[name].read_text())) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_only_the_route_calls_lower():
+  """`fdecode.route` is the one module that runs per-platform branches (`route.lower`):
+  the others ask it (`run_decode`, `lower_step`, `lower_prefill`, `lower_blocks_call`,
+  `lower_write`) rather than pass their own rules."""
+  callers = []
+  for name in sorted(MODULES):
+    if name == "fdecode.route":
+      continue
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+      f = getattr(node, "func", None)
+      if isinstance(node, ast.Call) and ((isinstance(f, ast.Attribute) and f.attr == "lower" and
+                                          isinstance(f.value, ast.Name) and f.value.id == "route")
+                                         or (isinstance(f, ast.Name) and f.id == "lower")):
+        callers.append(f"{name}:{node.lineno}")
+  assert not callers, callers
+
+
+def test_no_keyword_catch_alls_inside_the_library():
+  """Inside the kernels, the dispatch, the canonical call and the ragged step no function
+  takes ``**kwargs``: a misspelt option is a TypeError. (A public entry point's typed
+  ``**options: Unpack[...]`` is its declared keyword set, not a catch-all.)"""
+  inside = [n for n in MODULES if n.startswith(("fdecode.kernels", "fdecode.ragged")) or n in ("fdecode.dispatch", "fdecode.call")]
+  found = [f"{name}.{fn.name}(**{fn.args.kwarg.arg})" for name in sorted(inside) for fn in _functions(name)
+           if fn.args.kwarg is not None and "Unpack" not in ast.unparse(fn.args.kwarg.annotation or ast.Constant(""))]
+  assert not found, found

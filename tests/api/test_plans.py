@@ -125,7 +125,7 @@ def test_public_plan_is_the_plan_a_call_runs(monkeypatch):
   from fdecode.kernels.xla import backend  # pylint: disable=g-import-not-at-top
   seen, real = [], backend.xla_partials
   monkeypatch.setattr(backend, "xla_partials",
-                      lambda *a, **kw: seen.append((kw["num_splits"], kw["kv_layout"])) or real(*a, **kw))
+                      lambda q, cache, *a, **kw: seen.append((kw["num_splits"], cache.layout)) or real(q, cache, *a, **kw))
   rng = np.random.default_rng(0)
   q = rng.standard_normal((1, 1, 4, 24), np.float32)
   k = rng.standard_normal((1, 3000, 2, 24), np.float32)  # token-major, 2 kv heads

@@ -51,9 +51,7 @@ EXPECTED = [
     f"tuple[{ARRAY}, {ARRAY}, {ARRAY}]",
     f"tuple[{ARRAY}, {ARRAY}, {ARRAY}, {ARRAY}]",
     f"tuple[{ARRAY}, {ARRAY}]",
-    "tuple[fdecode.kernels.xla.plan.XlaPlan | fdecode.kernels.triton.plan.TritonPlan | "
-    "fdecode.kernels.mosaic_tpu.plan.CallPlan | fdecode.kernels.mosaic_gpu.mla.plan.MlaPlan | "
-    "fdecode.kernels.mosaic_gpu.gqa.plan.RowsPlan, ...]",
+    "fdecode.api.Plans",  # a tuple[Plan, ...] with its refusals
     ARRAY,
     "dict[int, fdecode.decoding.serving.Finished]",
 ]

@@ -167,8 +167,7 @@ def lowering_platform() -> str:
   platform only (``impl="mosaic_gpu"``) refuses others with it at trace time."""
   if _TRACING_FOR.get() is not None:
     return _TRACING_FOR.get()
-  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  device = getattr(mesh_lib.get_abstract_mesh(), "abstract_device", None)
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
   platform = getattr(device, "platform", None)
   return platform if platform else jax.default_backend()
 
@@ -180,8 +179,7 @@ def lowering_gpu() -> Gpu:
   explicit-mesh programs), then the first local GPU, then `H100` (a cross-platform
   export from a host without one).
   """
-  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  device = getattr(mesh_lib.get_abstract_mesh(), "abstract_device", None)
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
   if device is not None and getattr(device, "platform", None) == "gpu":
     known = _known_gpu(device.device_kind)
     cores = getattr(device, "num_cores", None) or 0
@@ -211,11 +209,10 @@ def tpu_lowering():
   stand in, since that mesh is part of every array's type there: Pallas' refusal is raised
   as a ValueError that shows the abstract-mesh recipe.
   """
-  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
-  from jax._src.interpreters import pxla  # pylint: disable=g-import-not-at-top
-  mesh = mesh_lib.get_abstract_mesh()
+  mesh = jax.sharding.get_abstract_mesh()
   device = getattr(mesh, "abstract_device", None)
-  platform = device.platform if device is not None else pxla.get_default_device().platform
+  default = jax.config.jax_default_device  # a device, a platform name, or None
+  platform = device.platform if device is not None else (getattr(default, "platform", default) or jax.default_backend())
   if platform == "tpu":
     yield
     return

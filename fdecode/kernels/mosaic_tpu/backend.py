@@ -10,6 +10,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from fdecode.cache.layout import CacheView
 from fdecode.kernels.backend import Decode, States, Target
 from fdecode.kernels.mosaic_tpu.kernel import mosaic_partials
 from fdecode.kernels.mosaic_tpu.plan import CallPlan, make_plan
@@ -31,14 +32,12 @@ class MosaicTpuBackend:
   def refuses(self, call: Decode, target: Target) -> str | None:
     if call.options.cfg.batch_invariant:
       return NO_INVARIANT_PLAN
-    p = self.plan(call, target)
+    p = _plan(call, count_splits=False)
     return p.reason if p.backend == "xla" else None
 
   def plan(self, call: Decode, target: Target) -> CallPlan:
     del target  # the chip: `fdecode.kernels.common.chips.tpu_lowering`, set by the route's TPU branch
-    o, x = call.options, call.operands
-    return make_plan(call.q_rows_struct(), x.view, extra=_extra(call), num_tokens=x.q.shape[1],
-                     num_splits=o.cfg.num_splits, block_k=o.cfg.block_k)
+    return _plan(call, count_splits=True)
 
   def run(self, plan: CallPlan, call: Decode, target: Target) -> States:
     o, x = call.options, call.operands
@@ -47,22 +46,29 @@ class MosaicTpuBackend:
       q_rows = q_rows.astype(jnp.float32)
     kw = dict(num_tokens=x.q.shape[1], softmax_scale=o.softmax_scale, interpret=target.interpret,
               num_splits=plan.num_splits, plan=plan.sizes)
-    layout = {}
     view = x.view
     rv = view.head_major() if plan.read is None else view  # token-major caches read in place, or head-major
-    k, v, arrays = rv.k, rv.v, rv.kernel_arrays()
-    if plan.read is not None:
-      layout = (dict(kv_layout="NHD", head_axis=plan.read.axis) if plan.sparse
-                else dict(kv_layout="NHD", read=plan.read))
-      if plan.as_pool:  # a contiguous cache as the pool of whole pages
-        k, v, rope, quant, tables = contiguous_as_pool(k, v, rv.k_rope, tuple(arrays[n] for n in _QUANT))
-        arrays = dict(arrays, k_rope=rope, block_tables=tables, **dict(zip(_QUANT, quant)))
-    partials = mosaic_sparse_partials if plan.sparse else mosaic_partials
-    return States(*partials(q_rows, x.ends, k, v, **kw, **layout, **arrays, **_extra(call)), merged=False)
+    if plan.as_pool:  # a contiguous cache as the pool of whole pages
+      k, v, rope, quant, tables = contiguous_as_pool(rv.k, rv.v, rv.k_rope, tuple(getattr(rv, n) for n in _QUANT))
+      rv = CacheView(k, v, rope, block_tables=tables, layout=rv.layout, paged=True, **dict(zip(_QUANT, quant)))
+    statics = dict(mods=o.mods, v_head_dim=o.v_head_dim)
+    if plan.sparse:
+      read = {} if plan.read is None else dict(head_axis=plan.read.axis)
+      states = mosaic_sparse_partials(q_rows, x.ends, rv, x.mod_arrays, x.lists, sparse=o.sparse, **kw, **statics,
+                                      **read)
+    else:
+      states = mosaic_partials(q_rows, x.ends, rv, x.mod_arrays, read=plan.read, **kw, **statics)
+    return States(*states, merged=False)
+
+
+def _plan(call: Decode, *, count_splits: bool) -> CallPlan:
+  o, x = call.options, call.operands
+  return make_plan(call.q_rows_struct(), x.view, extra=_extra(call), num_tokens=x.q.shape[1],
+                   num_splits=o.cfg.num_splits, block_k=o.cfg.block_k, count_splits=count_splits)
 
 
 def _extra(call: Decode) -> dict:
-  """The kernels' modifier and index-list arguments."""
+  """What the plan reads of the modifiers and index lists."""
   o, x = call.options, call.operands
   m = x.mod_arrays
   extra = dict(mods=o.mods, mask=m["mask"], bias=m["bias"], alibi=m["alibi"], v_head_dim=o.v_head_dim)

@@ -3,6 +3,7 @@ kv-step grid axis (`fdecode.kernels.mosaic_tpu.kernel` describes the kernels).""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -77,10 +78,14 @@ def _contiguous_kernel(ins, bufs, o_ref, lse_ref, m_ref, l_ref, *acc_refs, softm
     store_partials(o_ref, lse_ref, v_pieces, o_pieces, lse)
 
 
-def contiguous_call(q_rows, ends, p: Plan, *, k, v, k_rope, k_scale, k_offset, v_scale, v_offset, mask, bias,
-                    alibi, num_rows, num_tokens, softmax_scale, num_splits, interpret, mods, v_head_dim):
+def contiguous_call(q_rows, ends, p: Plan, cache, modifier_arrays, *, num_rows, num_tokens, softmax_scale, num_splits,
+                    interpret, mods, v_head_dim):
   """The contiguous kernel's partials ``(o [B, Hkv, n_splits, R_p, Dv], lse [..., R_p, 1])`` over
-  the operands `fdecode.kernels.mosaic_tpu.kernel.mosaic_partials` takes."""
+  the operands `fdecode.kernels.mosaic_tpu.kernel.mosaic_partials` takes (``cache``: its
+  `fdecode.cache.layout.CacheView`, ``modifier_arrays`` the modifiers' mask / bias / alibi)."""
+  k, v, k_rope = cache.k, cache.v, cache.k_rope
+  k_scale, k_offset, v_scale, v_offset = cache.k_scale, cache.k_offset, cache.v_scale, cache.v_offset
+  mask, bias, alibi = (modifier_arrays[n] for n in ("mask", "bias", "alibi"))
   b, hkv, _, dq = q_rows.shape
   r = num_rows
   seq_len = k.shape[2]
@@ -121,10 +126,10 @@ def contiguous_call(q_rows, ends, p: Plan, *, k, v, k_rope, k_scale, k_offset, v
       v_scale=scale(v_scale), v_offset=scale(v_offset), mask=rows_of_positions(mask), bias=rows_of_positions(bias),
       alibi=None if alibi is None else Operand(alibi, alibi_spec(p.rows_p))))
   k_pieces, v_pieces = all_pieces(k, v, k_scale, v_scale, v_head_dim)
-  kernel = by_name(
-      _contiguous_kernel, ops.layout, softmax_scale=softmax_scale, steps_per_split=steps, num_splits=num_splits,
+  kernel = by_name(functools.partial(
+      _contiguous_kernel, softmax_scale=softmax_scale, steps_per_split=steps, num_splits=num_splits,
       seq_len=seq_len, num_rows=r, group=r // num_tokens, num_tokens=num_tokens, k_pieces=k_pieces,
-      v_pieces=v_pieces, mods=mods)
+      v_pieces=v_pieces, mods=mods), ops.layout)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=ops.num_scalar_prefetch,
       grid=(b, hkv, num_splits, steps),

@@ -49,16 +49,15 @@ from fdecode.kernels.mosaic_tpu.plan import Plan
 from fdecode.kernels.mosaic_tpu.token_major import TokenMajorRead
 
 
-def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float,
-                    num_splits: int, plan: Plan, interpret,
-                    block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
-                    mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None,
-                    v_head_dim=None, k_rope=None, kv_layout="HND", read: TokenMajorRead | None = None):
+def mosaic_partials(q_rows, ends, cache, modifier_arrays, *, num_tokens: int, softmax_scale: float, num_splits: int,
+                    plan: Plan, interpret, mods: Modifiers = Modifiers(), v_head_dim=None,
+                    read: TokenMajorRead | None = None):
   """Per-split partial states from the Mosaic (TPU) kernels.
 
   Args:
     q_rows: ``[B, Hkv, R, Dk]`` queries in the compute dtype, row r = t * G + g.
     ends: int32 ``[B]``: each sequence's end relative to the cache's first token.
+    cache: the cache (`fdecode.cache.layout.CacheView`): its arrays and layout, as follows.
     k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables`` int32 ``[B, n]``, paged
       ``[Hkv, P, page_size, D]``; float or 8-bit with canonical rank-4 scales / offsets.
       ``v`` None (MLA): no value stream; the values are the key block's first
@@ -66,10 +65,10 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
     k_rope: optional key-only columns laid out like k (float): a second key stream.
     k_scale, k_offset, v_scale, v_offset: float32, canonical rank 4: contiguous
       ``[B|1, Hkv|1, S|1, nt]``, paged ``[Hkv|1, P|1, page_size|1, nt]`` (None: absent).
-    mods, mask, bias, alibi: the score modifiers; mask ``[Bm, Hm, T, G, S]`` (Bm, Hm 1 or
+    mods, modifier_arrays: the score modifiers and their ``mask``, ``bias``, ``alibi``; mask ``[Bm, Hm, T, G, S]`` (Bm, Hm 1 or
       B, Hkv), bias likewise (read as float32, as the kernel adds it: a float64 bias under
       ``jax_enable_x64`` too), alibi slopes float32 ``[Hkv, G]``.
-    kv_layout: ``"NHD"``: k, v and k_rope are token-major pools ``[P, page_size, Hkv, D]``
+    layout (``cache.layout``) ``"NHD"``: k, v and k_rope are token-major pools ``[P, page_size, Hkv, D]``
       (a contiguous ``[B, S, Hkv, D]`` cache as `contiguous_as_pool` makes it), read in
       place by the paged kernel as ``read`` says (`token_major_read` of these caches;
       only where it allows).
@@ -85,20 +84,21 @@ def mosaic_partials(q_rows, ends, k, v, *, num_tokens: int, softmax_scale: float
   p = plan
   if p.rows_p != r:
     q_rows = jnp.pad(q_rows, [(0, 0), (0, 0), (0, p.rows_p - r), (0, 0)])
+  bias = modifier_arrays["bias"]
   if bias is not None and jnp.dtype(bias.dtype).itemsize > 4:  # no 64-bit vectors in the kernel
-    bias = bias.astype(jnp.float32)
-  kw = dict(k=k, v=v, k_rope=k_rope, k_scale=k_scale, k_offset=k_offset, v_scale=v_scale, v_offset=v_offset,
-            mask=mask, bias=bias, alibi=alibi, num_rows=r, num_tokens=num_tokens, softmax_scale=softmax_scale,
-            num_splits=num_splits, interpret=interpret, mods=mods, v_head_dim=v_head_dim)
+    modifier_arrays = dict(modifier_arrays, bias=bias.astype(jnp.float32))
+  kw = dict(num_rows=r, num_tokens=num_tokens, softmax_scale=softmax_scale, num_splits=num_splits,
+            interpret=interpret, mods=mods, v_head_dim=v_head_dim)
   ends = ends.astype(jnp.int32)
-  if kv_layout == "NHD":
+  block_tables = cache.block_tables
+  if cache.layout == "NHD":
     if block_tables is None or read is None:
       raise ValueError("mosaic_partials: a token-major cache is read as a pool, as token_major_read says: "
                        f"pass contiguous_as_pool(...)'s pool and tables and read=; got "
                        f"block_tables={'None' if block_tables is None else 'given'}, {read=}")
-    o, lse = paged_call(q_rows, ends, block_tables.astype(jnp.int32), p, read=read, **kw)
+    o, lse = paged_call(q_rows, ends, block_tables.astype(jnp.int32), p, cache, modifier_arrays, read=read, **kw)
   elif block_tables is None:
-    o, lse = contiguous_call(q_rows, ends, p, **kw)
+    o, lse = contiguous_call(q_rows, ends, p, cache, modifier_arrays, **kw)
   else:
-    o, lse = paged_call(q_rows, ends, block_tables.astype(jnp.int32), p, **kw)
+    o, lse = paged_call(q_rows, ends, block_tables.astype(jnp.int32), p, cache, modifier_arrays, **kw)
   return o[:, :, :, :r], lse[:, :, :, :r, 0]

@@ -62,9 +62,10 @@ def flatten(operands) -> Flat:
               buffers=[op.buffer for _, op in present if op.buffer is not None], layout=layout)
 
 
-def by_name(body: Callable, layout: Layout, **static) -> Callable:
-  """The pallas kernel ``(*refs)`` that calls ``body(ins, bufs, o_ref, lse_ref, *scratch,
-  **static)``: ``ins`` the input refs and ``bufs`` the DMA buffers, each a ``layout.kind``
+def by_name(body: Callable, layout: Layout) -> Callable:
+  """The pallas kernel ``(*refs)`` that calls ``body(ins, bufs, o_ref, lse_ref, *scratch)``
+  (its statics bound, ``functools.partial``): ``ins`` the input refs and ``bufs`` the DMA
+  buffers, each a ``layout.kind``
   (`Layout.named`); ``scratch`` the scratch refs after the buffers. Every Mosaic kernel
   here has two outputs, its partial outputs and LSEs."""
 
@@ -73,6 +74,6 @@ def by_name(body: Callable, layout: Layout, **static) -> Callable:
     ins = layout.named(refs[:n], layout.inputs)
     o_ref, lse_ref = refs[n:n + 2]
     bufs = layout.named(refs[n + 2:n + 2 + m], layout.buffered)
-    return body(ins, bufs, o_ref, lse_ref, *refs[n + 2 + m:], **static)
+    return body(ins, bufs, o_ref, lse_ref, *refs[n + 2 + m:])
 
   return kernel

@@ -176,12 +176,16 @@ def _paged_kernel(ins, bufs, o_ref, lse_ref, sems, *, softmax_scale, num_splits,
     store_partials(o_ref.at[hh], lse_ref.at[hh], v_pieces, o_pieces, lse)
 
 
-def paged_call(q_rows, ends, tables, p: Plan, *, k, v, k_rope, k_scale, k_offset, v_scale, v_offset, mask, bias,
-               alibi, num_rows, num_tokens, softmax_scale, num_splits, interpret, mods, v_head_dim,
-               read: TokenMajorRead | None = None):
+def paged_call(q_rows, ends, tables, p: Plan, cache, modifier_arrays, *, num_rows, num_tokens, softmax_scale, num_splits,
+               interpret, mods, v_head_dim, read: TokenMajorRead | None = None):
   """The paged kernel's partials ``(o [B, Hkv, n_splits, R_p, Dv], lse [..., R_p, 1])`` over the
   operands `fdecode.kernels.mosaic_tpu.kernel.mosaic_partials` takes (``tables`` int32 ``[B,
-  n]``); ``read``: how token-major pools are read, None for head-major pools."""
+  n]``; ``cache``: the pool's `fdecode.cache.layout.CacheView`; ``modifier_arrays``: the
+  modifiers' mask / bias / alibi); ``read``: how token-major pools are read, None for
+  head-major pools."""
+  k, v, k_rope = cache.k, cache.v, cache.k_rope
+  k_scale, k_offset, v_scale, v_offset = cache.k_scale, cache.k_offset, cache.v_scale, cache.v_offset
+  mask, bias, alibi = (modifier_arrays[n] for n in ("mask", "bias", "alibi"))
   b, hkv, _, dq = q_rows.shape
   r = num_rows
   token_major = read is not None
@@ -233,9 +237,9 @@ def paged_call(q_rows, ends, tables, p: Plan, *, k, v, k_rope, k_scale, k_offset
       v_offset=v_offset, mask=per_step(mask), bias=per_step(bias),
       alibi=None if alibi is None else Operand(alibi, alibi_spec(p.rows_p, heads))))
   paging = _Paging(read, token_major, word_dtypes, p.pages_per_step, page_size, num_pages, table_len)
-  kernel = by_name(
-      _paged_kernel, ops.layout, softmax_scale=softmax_scale, num_splits=num_splits, paging=paging, num_rows=r,
-      group=r // num_tokens, num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods)
+  kernel = by_name(functools.partial(
+      _paged_kernel, softmax_scale=softmax_scale, num_splits=num_splits, paging=paging, num_rows=r,
+      group=r // num_tokens, num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods), ops.layout)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=ops.num_scalar_prefetch,
       grid=(b, hkv // heads, num_splits),

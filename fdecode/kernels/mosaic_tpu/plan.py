@@ -218,7 +218,7 @@ def _struct(x):
 
 
 def make_plan(q_rows, view: CacheView, *, extra: dict, num_tokens: int, num_splits: int | None = None,
-              block_k: int | None = None) -> CallPlan:
+              block_k: int | None = None, count_splits: bool = True) -> CallPlan:
   """The plan of one Mosaic call (arrays or ShapeDtypeStructs): the read mode, the fallback
   to XLA, the block sizes and the split count, each decided here only.
 
@@ -227,7 +227,9 @@ def make_plan(q_rows, view: CacheView, *, extra: dict, num_tokens: int, num_spli
   ``extra``: the dispatch's other canonical operands (mods, mask / bias / alibi,
   v_head_dim; sparse, indices, index_bounds for index lists).
   ``num_splits`` None: `split_count` over the blocks the rows see, on one program per
-  (sequence, kv heads of a program)."""
+  (sequence, kv heads of a program). ``count_splits`` False: the plan without its split
+  count (``num_splits`` 0), all a refusal needs: nothing of it depends on B (a symbolic B
+  under ``jax.export`` is never compared)."""
   b, hkv = q_rows.shape[:2]
   if any(x is not None and jnp.dtype(x.dtype).itemsize > 4 for x in (q_rows, view.k, view.v, view.k_rope)):
     return CallPlan("xla", reason="64-bit operands (jax_enable_x64): a TPU has no 64-bit vectors")
@@ -272,6 +274,8 @@ def make_plan(q_rows, view: CacheView, *, extra: dict, num_tokens: int, num_spli
       p = plan(qs, k, v, block_k=block_k, num_slots=slots, slot_rows=unit, head_axis=False, **args)
     else:
       p = plan(qs, k, v, block_k=block_k, **args)
+  if not count_splits:
+    return CallPlan("mosaic", sparse=sparse, read=how, as_pool=as_pool, sizes=p, upcast_query=upcast)
   if sparse:
     seen, programs = slots, hkv
   else:

@@ -30,6 +30,7 @@ row a token, DMA'd beside its cache row.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
@@ -203,22 +204,23 @@ def _scale_operand(a, slots: _Slots):
       i // fold if d0 > 1 else 0, h if d1 > 1 else 0, 0, 0)))  # [B|1, Hkv|1, 1, nt]
 
 
-def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse: Sparse, num_tokens: int,
+def mosaic_sparse_partials(q_rows, ends, cache, modifier_arrays, lists, *, sparse: Sparse, num_tokens: int,
                            softmax_scale: float, num_splits: int, plan: Plan, interpret,
-                           block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
-                           mods: Modifiers = Modifiers(), alibi=None, v_head_dim=None, k_rope=None,
-                           mask=None, bias=None, kv_layout="HND", head_axis=False):
+                           mods: Modifiers = Modifiers(), v_head_dim=None, head_axis=False):
   """Per-split partial states over the selected tokens (arguments as
-  `fdecode.kernels.mosaic_tpu.mosaic_partials`, plus the canonical ``indices`` ``[B', Hi, K]``,
-  ``index_bounds`` ``[B', Hi, 2]`` and ``sparse``; ``plan.block`` slots per step).
-  ``kv_layout="NHD"``: k, v and k_rope are token-major (contiguous ``[B, S, Hkv, D]``,
+  `fdecode.kernels.mosaic_tpu.mosaic_partials`, plus ``lists``: the canonical ``indices``
+  ``[B', Hi, K]`` and ``index_bounds`` ``[B', Hi, 2]``, and ``sparse``; ``plan.block`` slots
+  per step). ``cache.layout`` ``"NHD"``: k, v and k_rope are token-major (contiguous ``[B, S, Hkv, D]``,
   paged ``[P, page_size, Hkv, D]``), read in place; ``head_axis`` as
   `fdecode.kernels.mosaic_tpu.token_major.sparse_token_major_read` says.
 
   Returns:
     ``(o, lse)``: float32 ``[B', Hkv, n_splits, R, Dv]`` and ``[B', Hkv, n_splits, R]``.
   """
-  del mask, bias  # not combinable with indices (`fdecode.kernels.common.sparse.validate`)
+  # No mask or bias: not combinable with indices (`fdecode.kernels.common.sparse.validate`).
+  k, v, k_rope, block_tables = cache.k, cache.v, cache.k_rope, cache.block_tables
+  k_scale, k_offset, v_scale, v_offset = cache.k_scale, cache.k_offset, cache.v_scale, cache.v_offset
+  indices, index_bounds, alibi, kv_layout = lists["indices"], lists["index_bounds"], modifier_arrays["alibi"], cache.layout
   b, hkv, r, dq = q_rows.shape
   paged = block_tables is not None
   bk = plan.block
@@ -260,9 +262,9 @@ def mosaic_sparse_partials(q_rows, ends, k, v, *, indices, index_bounds, sparse:
       q=Operand(q_rows, pl.BlockSpec((None, None, plan.rows_p, dq), lambda i, h, s, *_: (i, h, 0, 0))),
       k=cache(k), v=cache(v), k_rope=cache(k_rope), k_scale=k_scale, k_offset=k_offset, v_scale=v_scale,
       v_offset=v_offset, alibi=None if alibi is None else Operand(alibi, alibi_spec(plan.rows_p))))
-  kernel = by_name(
-      _sparse_kernel, ops.layout, slots=slots, softmax_scale=softmax_scale, num_splits=num_splits, num_rows=r,
-      group=r // num_tokens, num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods)
+  kernel = by_name(functools.partial(
+      _sparse_kernel, slots=slots, softmax_scale=softmax_scale, num_splits=num_splits, num_rows=r,
+      group=r // num_tokens, num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods), ops.layout)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=ops.num_scalar_prefetch,
       grid=(b, hkv, num_splits),

@@ -22,7 +22,8 @@ from fdecode.kernels.triton.tiles import row_tiling, triton_unsupported
 from fdecode.kernels.triton.tuned import (CALIBRATION_CASES, LAUNCH, CalibrationSample, check_calibration,
                                           measure_calibration)
 from fdecode.kernels.triton.write import WritePlan, write_plan, write_rows, write_view
-from fdecode.kernels.triton.backend import BACKEND, plan_view, supports, unsupported
+from fdecode.kernels.triton.backend import BACKEND, supports, unsupported
+from fdecode.kernels.triton.view import plan_view
 from fdecode.kernels.triton.pallas_triton import MISSING as PALLAS_TRITON_MISSING
 from fdecode.kernels.triton.pallas_triton import available as pallas_triton_available
 

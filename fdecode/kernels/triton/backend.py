@@ -1,8 +1,8 @@
 """The Triton kernels as a `fdecode.kernels.backend.Backend`: compiled for the GPU lowered
 for, or in Pallas' interpreter (``Target.interpret``: the same plan, on any host). It
 refuses where this JAX has no Pallas Triton backend, head dims its dot cannot tile
-(compiled), and the batch-invariant mode. `plan_view` is the plan of a canonical call and
-the view its kernels read (also a ragged step's parts', `fdecode.kernels.triton.triton_step`)."""
+(compiled), and the batch-invariant mode. A ragged step asks it for the step whole
+(``ragged_step``: `fdecode.kernels.triton.triton_step`) and for its cache write (``write``)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import dataclasses
 
 import numpy as np
 
-from fdecode.cache.layout import QUANT_ARRAYS
 from fdecode.kernels.backend import Decode, States, Target, compute_dtype
 from fdecode.kernels.triton.pallas_triton import MISSING, available
-from fdecode.kernels.triton.plan import TritonPlan, make_plan
-from fdecode.kernels.triton.split import run
+from fdecode.kernels.triton.plan import TritonPlan
+from fdecode.kernels.triton.ragged_step import triton_step
+from fdecode.kernels.triton.split import Arrays, run
+from fdecode.kernels.triton.write import write_view
 from fdecode.kernels.triton.tiles import triton_unsupported
+from fdecode.kernels.triton.view import plan_view, read_view
 
 NO_INVARIANT_PLAN = "it has no batch-invariant plan (the XLA path runs the mode: fdecode.kernels.xla.invariant)"
 
@@ -42,14 +44,21 @@ class TritonBackend:
   def run(self, plan: TritonPlan, call: Decode, target: Target) -> States:
     del target  # the plan holds what the kernels need of it
     o, x = call.options, call.operands
-    rv = _read_view(plan, x.view, x.source)
-    runs = x.lists.get("index_runs")  # the kernel's lists: sorted, repeats kept (it drops the repeats itself)
-    lists = {} if runs is None else dict(indices=runs, index_bounds=x.lists["index_bounds"])
+    rv = read_view(plan, x.view, x.source)
     m = x.mod_arrays
-    out, lse = run(plan, x.q, x.ends, rv.k, rv.v, softmax_scale=o.softmax_scale, mask=m["mask"], bias=m["bias"],
-                   alibi=m["alibi"], sinks=x.sinks, sparse=o.sparse, source=x.source if plan.q_source else None,
-                   **rv.kernel_arrays(), **lists)
+    arrays = Arrays(**rv.kernel_arrays(), mask=m["mask"], bias=m["bias"], alibi=m["alibi"], sinks=x.sinks,
+                    indices=x.lists.get("index_runs"),  # sorted, repeats kept: the kernel drops the repeats itself
+                    source=x.source if plan.q_source else None)
+    out, lse = run(plan, x.q, x.ends, rv.k, rv.v, arrays, softmax_scale=o.softmax_scale)
     return States(out, lse, merged=True)
+
+  # What a ragged step asks of the backend whose kernels run it whole (`fdecode.route.lower_step`,
+  # `lower_write`): the step in one split launch and one combine, and the fused cache write.
+  def ragged_step(self, decode: Decode, prefill: Decode, step, *, block: int, capacity: int, interpret: bool):
+    return triton_step(decode, prefill, step, block=block, capacity=capacity, interpret=interpret)
+
+  def write(self, view, new_k, new_v, seq, pos, step, interpret: bool):
+    return write_view(view, new_k, new_v, seq, pos, step, interpret)
 
 
 def _plan_view(call: Decode, target: Target):
@@ -61,30 +70,6 @@ def _plan_view(call: Decode, target: Target):
                    has_sinks=x.sinks is not None, index_slots=None if o.sparse is None else indices.shape[-1],
                    sparse_fold=1 if o.sparse is None else o.sparse.fold,
                    source=x.source if o.sparse is None else None)
-
-
-def plan_view(q, view, *, compute, mods, v_head_dim, cfg, interpret, has_mask_or_bias=False,
-              has_sinks=False, index_slots=None, sparse_fold=1, source=None, balance=None, step=None):
-  """The Triton kernels' plan of a canonical call (q ``[B, T, Hq, Dq]``, its cache ``view``)
-  and the view they read (its read layout; a `RowSource`'s whole
-  contiguous caches where the plan reads cache rows). ``balance`` None: ``cfg.balance``;
-  ``step``: a ragged step's part (`fdecode.kernels.triton.make_plan`)."""
-  rv = view.read(view.read_layout)
-  p = make_plan(q.shape, rv.k, rv.v, compute_dtype=compute, out_dtype=q.dtype, kv_layout=rv.layout,
-                block_tables=rv.block_tables, k_rope=rv.k_rope,
-                **{n: getattr(rv, n) for n in QUANT_ARRAYS}, v_head_dim=v_head_dim, mods=mods,
-                has_mask_or_bias=has_mask_or_bias, has_sinks=has_sinks, index_slots=index_slots,
-                sparse_fold=sparse_fold, num_splits=cfg.num_splits, block_k=cfg.block_k,
-                balance=cfg.balance if balance is None else balance, interpret=interpret, source=source,
-                step=step)
-  return p, _read_view(p, view, source)
-
-
-def _read_view(p: TritonPlan, view, source):
-  rv = view.read(view.read_layout)
-  if p.cache_source:  # the whole contiguous caches the call's are gathers of, read at the source's rows
-    rv = source.caches.read(rv.layout)
-  return rv
 
 
 def unsupported(view, v_head_dim=None) -> str | None:

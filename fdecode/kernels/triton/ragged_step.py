@@ -10,7 +10,7 @@ rows, kv length, the part's schedule) from the step's ``cu``, ``kv_lens`` and
 rows are read in place.
 
 The parts are the ones `fdecode.ragged.decode` describes, each a
-`fdecode.kernels.backend.Decode` (`fdecode.ragged.parts.triton_calls`); both take the balanced schedule
+`fdecode.kernels.backend.Decode` (`fdecode.ragged.parts.step_calls`); both take the balanced schedule
 (a contiguous cache's decode part too, reading its sequences through the source's
 caches), so their states are laid out alike and merge in one launch.
 """
@@ -18,11 +18,11 @@ caches), so their states are laid out alike and merge in one launch.
 from __future__ import annotations
 
 from fdecode.kernels.backend import Decode, note
-from fdecode.kernels.triton.backend import plan_view
 from fdecode.kernels.triton.geometry import StepPart
 from fdecode.kernels.triton.plan import merges_parts
-from fdecode.kernels.triton.split import split_states, split_states_merged
+from fdecode.kernels.triton.split import Arrays, split_states, split_states_merged
 from fdecode.kernels.triton.step import combine_step
+from fdecode.kernels.triton.view import plan_view
 
 
 def _part(c: Decode, step: StepPart, *, interpret: bool):
@@ -35,14 +35,14 @@ def _part(c: Decode, step: StepPart, *, interpret: bool):
   note(p)
   if not p.balanced:  # `ragged_decode` sends only calls the schedule takes
     raise AssertionError(f"ragged_decode: the Triton step's plan is not balanced: {p}")
-  arrays = dict(softmax_scale=o.softmax_scale, alibi=m["alibi"], sinks=x.sinks, source=x.source, **rv.kernel_arrays())
-  return (p, x.q, x.ends, rv.k, rv.v, arrays), x.sinks
+  arrays = Arrays(**rv.kernel_arrays(), alibi=m["alibi"], sinks=x.sinks, source=x.source)
+  return (p, x.q, x.ends, rv.k, rv.v, arrays, o.softmax_scale), x.sinks
 
 
 def triton_step(decode: Decode, prefill: Decode, step, *, block: int, capacity: int, interpret: bool):
   """The step's packed ``(out [N, Hq, Dv] in q's dtype, lse f32 [N, Hq])``.
 
-  ``decode`` / ``prefill``: each part's canonical call (`fdecode.ragged.parts.triton_calls`):
+  ``decode`` / ``prefill``: each part's canonical call (`fdecode.ragged.parts.step_calls`):
   q ``[B, T, Hq, Dk]`` (for its shape: a gather of the part's rows, never read),
   ``ends`` int32 ``[B]`` (likewise), the cache view (the part's table rows when paged), the
   canonical modifiers (a per-row mask / bias: gathers, for their form), sinks and options,
@@ -60,5 +60,6 @@ def triton_step(decode: Decode, prefill: Decode, step, *, block: int, capacity: 
   if merges_parts():  # one launch for both parts' work items
     decode_states, prefill_states = split_states_merged([dec, pre])
   else:  # (A100: the merged kernel spilled; `fdecode.kernels.triton.plan.MERGE_PARTS_CAPABILITY`)
-    decode_states, prefill_states = (split_states(p, q, ends, k, v, **arrays) for p, q, ends, k, v, arrays in (dec, pre))
+    decode_states, prefill_states = (split_states(p, q, ends, k, v, arrays, softmax_scale=scale)
+                                     for p, q, ends, k, v, arrays, scale in (dec, pre))
   return combine_step(dec[0], pre[0], decode_states, prefill_states, step, sinks)

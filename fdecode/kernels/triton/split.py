@@ -207,15 +207,34 @@ class _SplitCall(NamedTuple):
   layout: object
 
 
-def _split_call(p: TritonPlan, q, ends, k, v, *, block_tables=None, k_scale=None, v_scale=None, k_offset=None,
-                v_offset=None, mask=None, bias=None, alibi=None, sinks=None, k_rope=None, indices=None,
-                index_bounds=None, source: RowSource | None = None, **unused) -> _SplitCall:
-  del unused, index_bounds  # softmax_scale, sparse: the kernel's; the bounds it counts itself
+class Arrays(NamedTuple):
+  """The split kernel's operands besides q, ends and the caches, by name (each or None): the
+  cache view's ``block_tables``, canonical scales / offsets and ``k_rope``; the modifiers'
+  canonical ``mask``, ``bias`` and ``alibi``; ``sinks``; ``indices`` (sorted index lists,
+  repeats kept: `fdecode.kernels.common.sparse.canonicalize`'s ``runs``; the kernel counts
+  each list's live slots itself); ``source``: the `RowSource` of a plan made with it (q is
+  then its gather, read only for its shape; so is block_tables where the source has table
+  rows)."""
+  block_tables: object = None
+  k_scale: object = None
+  v_scale: object = None
+  k_offset: object = None
+  v_offset: object = None
+  k_rope: object = None
+  mask: object = None
+  bias: object = None
+  alibi: object = None
+  sinks: object = None
+  indices: object = None
+  source: RowSource | None = None
+
+
+def _split_call(p: TritonPlan, q, ends, k, v, a: Arrays) -> _SplitCall:
   b, t, hq, _ = q.shape
   named, caches = split_operands(
-      p, q, ends, k, v, block_tables=block_tables, k_rope=k_rope,
-      quant_arrays=(k_scale, k_offset, v_scale, v_offset), mask=mask, bias=bias, alibi=alibi, sinks=sinks,
-      indices=indices, source=source)
+      p, q, ends, k, v, block_tables=a.block_tables, k_rope=a.k_rope,
+      quant_arrays=(a.k_scale, a.k_offset, a.v_scale, a.v_offset), mask=a.mask, bias=a.bias, alibi=a.alibi,
+      sinks=a.sinks, indices=a.indices, source=a.source)
   operands, specs, layout = flatten(named)
   n, hkv, rb, dv = p.work.items, hq // p.rows.group, p.rows.row_blocks, p.columns.dv
   specs = [pl.BlockSpec(s.block_shape, lambda i, hr, j, f=s.index_map: f(i, hr // rb, j)) for s in specs]
@@ -231,19 +250,19 @@ def _split_call(p: TritonPlan, q, ends, k, v, *, block_tables=None, k_scale=None
     out_shape = [blk.out_struct((n, hkv, p.rows.padded, p.work.num_splits, dv), jnp.float32, *operands),
                  blk.out_struct((n, hkv, p.rows.padded, p.work.num_splits), jnp.float32, *operands)]
   sparse = p.cache.read.sparse
-  keys = p.cache.seq_len if not sparse else indices.shape[-1]
+  keys = p.cache.seq_len if not sparse else a.indices.shape[-1]
   cost = blk.cost_estimate(b=n, hkv=hkv, rows=p.rows.num_rows, keys=keys, dk=q.shape[-1], dv=dv, caches=caches,
                            operands=operands, outputs=out_shape, sparse=sparse)
   return _SplitCall(operands, specs, out_specs, out_shape, cost, layout)
 
 
-def split_states(p: TritonPlan, q, ends, k, v, *, softmax_scale: float, **arrays):
+def split_states(p: TritonPlan, q, ends, k, v, arrays: Arrays, *, softmax_scale: float):
   """The split kernel of plan ``p`` (one launch), its outputs as they are: with one split
   (``p.work.final``) the finished ``(out [B, T * Hq, Dv] in the plan's out dtype, lse f32
   [B, T * Hq])``, else the partial states ``(o f32 [n, Hkv, R_p, n_splits, Dv], lse f32
   [n, Hkv, R_p, n_splits])`` (n = B, or the balanced schedule's work items) for a combine.
   Arguments as `run` takes them."""
-  c = _split_call(p, q, ends, k, v, **arrays)
+  c = _split_call(p, q, ends, k, v, arrays)
   compiler_params = None if p.interpret else plgpu.CompilerParams(num_warps=p.launch.warps,
                                                                   num_stages=p.launch.stages)
   return pl.pallas_call(
@@ -256,7 +275,7 @@ def split_states(p: TritonPlan, q, ends, k, v, *, softmax_scale: float, **arrays
 
 def split_states_merged(parts):
   """Balanced plans' split kernels in *one* launch: ``parts``, a list of ``(p, q, ends, k,
-  v, arrays)`` (arguments as `split_states` takes them, ``softmax_scale`` in ``arrays``) ->
+  v, arrays, softmax_scale)`` (arguments as `split_states` takes them) ->
   each part's partial states, in order. The grid is one axis: each part's programs, its
   work items by its ``Hkv * row_blocks``, one after the other; each program runs its
   part's plan (`fdecode.kernels.triton.kernel.split_kernel` with that part's ids), so no
@@ -265,7 +284,7 @@ def split_states_merged(parts):
   plans = [part[0] for part in parts]
   if not all(p.work.balanced for p in plans) or len({p.interpret for p in plans}) != 1:
     raise ValueError(f"split_states_merged takes balanced plans, all interpreted or none: {plans}")
-  calls = [_split_call(p, q, ends, k, v, **arrays) for p, q, ends, k, v, arrays in parts]
+  calls = [_split_call(p, q, ends, k, v, arrays) for p, q, ends, k, v, arrays, _ in parts]
   widths = [(q.shape[2] // p.rows.group) * p.rows.row_blocks for p, q, *_ in parts]
   sizes = [p.work.items * w for p, w in zip(plans, widths)]
   starts = [sum(sizes[:i]) for i in range(len(plans))]
@@ -279,7 +298,7 @@ def split_states_merged(parts):
     out_specs += [pl.BlockSpec(s.block_shape, remap(s.index_map)) for s in c.out_specs]
     out_shape += c.out_shape
   counts = [len(c.operands) for c in calls]
-  scales = [arrays["softmax_scale"] for *_, arrays in parts]
+  scales = [scale for *_, scale in parts]
 
   def kernel(*refs):
     i = pl.program_id(0)  # read outside the branches (the interpreter)
@@ -302,20 +321,16 @@ def split_states_merged(parts):
   return [tuple(out[2 * n:2 * n + 2]) for n in range(len(plans))]
 
 
-def run(p: TritonPlan, q, ends, k, v, *, sinks=None, **arrays):
+def run(p: TritonPlan, q, ends, k, v, arrays: Arrays, *, softmax_scale: float):
   """Runs plan ``p``: q ``[B, T, Hq, Dq]`` (any float dtype: cast in the kernel), ``ends``
   int32 ``[B]`` (each sequence's end relative to the cache's first token), the caches and
-  their canonical scales / modifier arrays (`fdecode.dispatch`: ``softmax_scale``,
-  ``block_tables``, ``k_scale``, ``v_scale``, ``k_offset``, ``v_offset``, ``mask``, ``bias``,
-  ``alibi``, ``sinks``, ``k_rope``, ``indices`` (sorted index lists, repeats kept:
-  `fdecode.kernels.common.sparse.canonicalize`'s ``runs``), ``index_bounds`` (not read: the
-  kernel counts its own from the lists)) -> ``(out [B, T, Hq, Dv] in the plan's out dtype,
-  lse f32 [B, T, Hq])``. ``sparse``: a sparse call's fold (q row b' reads cache row
-  ``b' // fold``). ``source``: the `RowSource` of a plan made with it (q is then its
-  gather, read only for its shape; so is block_tables where the source has table rows)."""
+  the other operands (`Arrays`) -> ``(out [B, T, Hq, Dv] in the plan's out dtype, lse f32
+  [B, T, Hq])``. A sparse call's fold (q row b' reads cache row ``b' // fold``) is the
+  plan's."""
   b, t, hq, _ = q.shape
   dv = p.columns.dv
-  o, lse = split_states(p, q, ends, k, v, sinks=sinks, **arrays)
+  sinks = arrays.sinks
+  o, lse = split_states(p, q, ends, k, v, arrays, softmax_scale=softmax_scale)
   if p.work.final:
     return o.reshape(b, t, hq, dv), lse.reshape(b, t, hq)
   # Balanced: the combine merges each sequence's run of items, derived from the same ends.

@@ -51,21 +51,15 @@ class XlaBackend:
     del target  # the plan holds the platform's choices
     o, x = call.options, call.operands
     q_rows, t = call.q_rows(), x.q.shape[1]
-    m = x.mod_arrays
-    common = dict(num_tokens=t, softmax_scale=o.softmax_scale, mods=o.mods, mask=m["mask"], bias=m["bias"],
-                  alibi=m["alibi"])
+    common = dict(num_tokens=t, softmax_scale=o.softmax_scale, mods=o.mods, v_head_dim=o.v_head_dim)
     if o.cfg.batch_invariant:
       rv = x.view.read(x.view.read_layout)
-      return _split(invariant_partials(q_rows, rv.k, rv.v, x.ends, split=plan.split_size, kv_layout=rv.layout,
-                                       v_head_dim=o.v_head_dim, **rv.kernel_arrays(), **common))
+      return _split(invariant_partials(q_rows, rv, x.ends, x.mod_arrays, split=plan.split_size, **common))
     if o.sparse is not None:
-      hm = x.view.head_major()
-      return _split(sparse_partials(q_rows, hm.k, hm.v, x.ends, num_splits=plan.num_splits, v_head_dim=o.v_head_dim,
-                                    sparse=o.sparse, indices=x.lists["indices"], index_bounds=x.lists["index_bounds"],
-                                    **hm.kernel_arrays(), **common))
-    rv = x.view.read(plan.kv_layout)
-    return _split(xla_partials(q_rows, rv.k, rv.v, x.ends, num_splits=plan.num_splits, kv_layout=plan.kv_layout,
-                               loop=plan.loop, v_head_dim=o.v_head_dim, **rv.kernel_arrays(), **common))
+      return _split(sparse_partials(q_rows, x.view.head_major(), x.ends, x.mod_arrays, x.lists, sparse=o.sparse,
+                                    num_splits=plan.num_splits, **common))
+    return _split(xla_partials(q_rows, x.view.read(plan.kv_layout), x.ends, x.mod_arrays, num_splits=plan.num_splits,
+                               loop=plan.loop, **common))
 
 
 def _split(states) -> States:

@@ -259,21 +259,21 @@ def pad_tokens(x, total, axis=2, broadcast_ok=False):
   return jnp.pad(x, pad)
 
 
-def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, num_splits: int,
-                 block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
-                 mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None, v_head_dim=None,
-                 k_rope=None, kv_layout="HND", loop=False):
+def xla_partials(q_rows, cache, ends, mod_arrays, *, num_tokens: int, softmax_scale: float, num_splits: int,
+                 mods: Modifiers = Modifiers(), v_head_dim=None, loop=False):
   """Per-split partial states.
 
   Args:
     q_rows: ``[B, Hkv, R, Dk]`` queries in the compute dtype, the G heads (times T tokens)
       of a kv head as rows (r = t * G + g); cache blocks are cast to it after the load.
+    cache: the cache (`fdecode.cache.layout.CacheView`, in the layout it is read in): its
+      ``k``, ``v``, ``k_rope``, ``block_tables``, scales and offsets, as follows.
     k, v: contiguous ``[B, Hkv, S, D]`` or, with ``block_tables [B, n]``, paged
       ``[Hkv, P, page_size, D]``; float, or 8-bit with canonical rank-4 scales
       (`fdecode.cache.quant.canonical_scale`) and optional offsets. ``v`` None: the values are
       the loaded (dequantized) ``k[..., :v_head_dim]`` (MLA).
     k_rope: optional key-only columns laid out like k (float), after k's own.
-    kv_layout: the layout of k, v and k_rope: ``"NHD"`` caches ``[B, S, Hkv, D]`` and
+    layout (``cache.layout``): of k, v and k_rope: ``"NHD"`` caches ``[B, S, Hkv, D]`` and
       pools ``[P, page_size, Hkv, D]`` are read in place (each chunk's rows are sliced or
       its pages gathered, then only those rows transposed). Scales and offsets are
       head-major either way.
@@ -282,7 +282,8 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
     softmax_scale: multiplies the scores (in float32).
     num_splits: ``n`` chunks (of the window view, with a window). A contiguous float
       cache that ``n`` does not divide is padded (a copy); the heuristic only picks divisors.
-    mods, mask, bias, alibi: `fdecode.kernels.common.modifiers.Modifiers` and their canonical arrays.
+    mods, mod_arrays: `fdecode.kernels.common.modifiers.Modifiers` and their canonical
+      arrays (``mask``, ``bias``, ``alibi``: each or None).
 
   Returns:
     ``(o, lse)``: float32 ``[B, Hkv, n, R, Dv]`` and ``[B, Hkv, n, R]``. With a window,
@@ -290,18 +291,16 @@ def xla_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, n
     wholly before every window or past every end), nothing is read: the states are empty.
   """
   b, hkv, r, _ = q_rows.shape
-  s = capacity(k.shape, kv_layout, block_tables)
-  arrays = dict(q_rows=q_rows, k=k, v=v, ends=ends.astype(jnp.int32), block_tables=block_tables,
-                k_scale=k_scale, v_scale=v_scale, k_offset=k_offset, v_offset=v_offset, mask=mask,
-                bias=bias, alibi=alibi, k_rope=k_rope)
+  s = capacity(cache.k.shape, cache.layout, cache.block_tables)
+  arrays = dict(q_rows=q_rows, cache=cache, ends=ends.astype(jnp.int32), mod_arrays=mod_arrays)
   static = dict(num_tokens=num_tokens, softmax_scale=softmax_scale, num_splits=num_splits, mods=mods,
-                v_head_dim=v_head_dim, kv_layout=kv_layout, loop=loop)
+                v_head_dim=v_head_dim, loop=loop)
   if mods.window is None:  # the skip costs ~7% of a plain decode on CPU (benchmarks/RESULTS.md)
     return _partials(**arrays, **static)
   arrays = _vary_together(arrays)  # what the cond closes over
   ends = arrays["ends"]
   seen = jnp.any(window_start(ends, num_tokens, s, mods) < jnp.clip(ends, 0, s))
-  dv = v_head_dim if v is None else v.shape[-1]
+  dv = v_head_dim if cache.v is None else cache.v.shape[-1]
   # Empty states typed as the computed ones: varying as the operands do.
   empty = lambda: _vary_together((jnp.zeros((b, hkv, num_splits, r, dv), jnp.float32),
                                   jnp.full((b, hkv, num_splits, r), -jnp.inf, jnp.float32)), like=arrays)
@@ -328,9 +327,12 @@ def _vary_together(tree, like=None):
   return jax.tree.map(vary, tree) if axes else tree
 
 
-def _partials(q_rows, k, v, ends, *, num_tokens, softmax_scale, num_splits, block_tables, k_scale,
-              v_scale, k_offset, v_offset, mods, mask, bias, alibi, v_head_dim, k_rope, kv_layout, loop):
+def _partials(q_rows, cache, ends, mod_arrays, *, num_tokens, softmax_scale, num_splits, mods, v_head_dim, loop):
   """`xla_partials`, computed."""
+  k, v, k_rope, block_tables = cache.k, cache.v, cache.k_rope, cache.block_tables
+  k_scale, k_offset, v_scale, v_offset = cache.k_scale, cache.k_offset, cache.v_scale, cache.v_offset
+  mask, bias, alibi = mod_arrays["mask"], mod_arrays["bias"], mod_arrays["alibi"]
+  kv_layout = cache.layout
   maybe = lambda f, x: None if x is None else f(x)
   n = num_splits
   b, hkv, r, _ = q_rows.shape

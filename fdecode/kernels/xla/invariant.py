@@ -65,16 +65,18 @@ def split_tokens(split_size: int | None, page_size: int | None) -> int:
   return c
 
 
-def invariant_partials(q_rows, k, v, ends, *, num_tokens: int, softmax_scale: float, split: int,
-                       block_tables=None, k_scale=None, v_scale=None, k_offset=None, v_offset=None,
-                       mods: Modifiers = Modifiers(), mask=None, bias=None, alibi=None, v_head_dim=None,
-                       k_rope=None, kv_layout="HND"):
+def invariant_partials(q_rows, cache, ends, mod_arrays, *, num_tokens: int, softmax_scale: float, split: int,
+                       mods: Modifiers = Modifiers(), v_head_dim=None):
   """The merged state of every split, as `fdecode.kernels.xla.xla_partials` takes and returns
   its arguments (one split out): ``(o f32 [B, Hkv, 1, R, Dv], lse f32 [B, Hkv, 1, R])``.
 
   ``split``: positions per split (`split_tokens`; a multiple of the page size when paged).
   The window is applied by masking (every split is read: a window view would move the
   splits off absolute positions)."""
+  k, v, k_rope, block_tables = cache.k, cache.v, cache.k_rope, cache.block_tables
+  k_scale, k_offset, v_scale, v_offset = cache.k_scale, cache.k_offset, cache.v_scale, cache.v_offset
+  mask, bias, alibi = mod_arrays["mask"], mod_arrays["bias"], mod_arrays["alibi"]
+  kv_layout = cache.layout
   b, hkv, r, dq = q_rows.shape
   t = num_tokens
   g = r // t

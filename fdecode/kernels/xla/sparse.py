@@ -50,15 +50,14 @@ def _gather(x, idx, src, block_tables, page_size, fold=False, scale=False):
   return x[hs, page, slot]
 
 
-def sparse_partials(q_rows, k, v, ends, *, indices, index_bounds, sparse: Sparse, num_tokens: int,
-                    softmax_scale: float, num_splits: int, block_tables=None, k_scale=None,
-                    v_scale=None, k_offset=None, v_offset=None, mods: Modifiers = Modifiers(),
-                    alibi=None, v_head_dim=None, k_rope=None, mask=None, bias=None):
+def sparse_partials(q_rows, cache, ends, mod_arrays, lists, *, sparse: Sparse, num_tokens: int,
+                    softmax_scale: float, num_splits: int, mods: Modifiers = Modifiers(), v_head_dim=None):
   """Per-split partial states over the selected tokens.
 
   Args:
     q_rows: ``[B', Hkv, R, Dk]`` queries in the compute dtype (row r = t * G + g).
-    k, v, k_rope, scales: as `fdecode.kernels.xla.xla_partials` (``v`` None: MLA).
+    cache, mod_arrays: as `fdecode.kernels.xla.xla_partials` (head-major; ``v`` None: MLA;
+      no mask or bias with index lists).
     ends: int32 ``[B']`` each pseudo-sequence's end relative to the cache.
     indices, index_bounds: canonical lists ``[B', Hi, K]`` and their live slots
       (`fdecode.kernels.common.sparse.canonicalize`); ``sparse.fold``: row b' reads the contiguous cache
@@ -68,7 +67,10 @@ def sparse_partials(q_rows, k, v, ends, *, indices, index_bounds, sparse: Sparse
   Returns:
     ``(o, lse)``: float32 ``[B', Hkv, n, R, Dv]`` and ``[B', Hkv, n, R]``.
   """
-  del index_bounds, mask, bias  # positions already encode liveness; no mask with indices
+  # Positions already encode liveness (index_bounds unread); no mask or bias with indices.
+  k, v, k_rope, block_tables = cache.k, cache.v, cache.k_rope, cache.block_tables
+  k_scale, k_offset, v_scale, v_offset = cache.k_scale, cache.k_offset, cache.v_scale, cache.v_offset
+  indices, alibi = lists["indices"], mod_arrays["alibi"]
   b, hkv, r, _ = q_rows.shape
   paged = block_tables is not None
   page_size = k.shape[2] if paged else None

@@ -10,6 +10,7 @@
   does not grow with S.
 """
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -240,8 +241,9 @@ def test_operands_flatten_in_field_order_and_come_back_by_name():
   assert ops.arrays == ("e", "q", "k", "s") and ops.num_scalar_prefetch == 1
   assert ops.in_specs == [spec] * 3 and ops.buffers == [buf]
   seen = {}
-  kernel = by_name(lambda ins, bufs, o, lse, *rest, x: seen.update(ins=ins, bufs=bufs, out=(o, lse), rest=rest, x=x),
-                   ops.layout, x=7)
+  kernel = by_name(functools.partial(
+      lambda ins, bufs, o, lse, *rest, x: seen.update(ins=ins, bufs=bufs, out=(o, lse), rest=rest, x=x), x=7),
+      ops.layout)
   kernel("E", "Q", "K", "S", "O", "L", "KBUF", "SEMS")
   assert seen["ins"] == _Ops(ends="E", q="Q", k="K", v=None, scale="S")
   assert seen["bufs"] == _Ops(ends=None, q=None, k="KBUF", v=None, scale=None)
