@@ -10,7 +10,9 @@ token_major (``kv_layout="NHD"``), quant (int8 per-token scales, fp8 e4m3: again
 reference of the same 8-bit cache, which dequantizes), mla (``v=None``, Dv 512 of 576, G 16,
 bf16), sparse (``indices=``), splits (``num_splits=4``: the combine kernel; ``"balance"``),
 ragged (`ragged_decode` with the fused write: outputs and written caches against the
-same call with ``impl="reference"``), and hopper (``impl="mosaic_gpu"``: MLA bf16, MLA
+same call with ``impl="reference"``), grad (the backward of the default dispatch's decode,
+contiguous and paged, against plain autodiff of dense float32 attention), invariant
+(``batch_invariant=True``: a sequence alone and in a batch of 4, equal bit for bit), and hopper (``impl="mosaic_gpu"``: MLA bf16, MLA
 int8, rows bf16 / int8 / paged; on a GPU only on sm_90, else "skipped: <reason>").
 
 On a GPU the Triton cases run the default dispatch (``impl=None``) or ``impl="pallas"``
@@ -29,11 +31,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
 import time
 import traceback
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +45,8 @@ import numpy as np
 
 from fdecode.devtools.interpret import compiled_once
 
-FAMILIES = ("contiguous", "paged", "token_major", "quant", "mla", "sparse", "splits", "ragged", "hopper")
+FAMILIES = ("contiguous", "paged", "token_major", "quant", "mla", "sparse", "splits", "ragged", "grad", "invariant",
+            "hopper")
 TOL = {"bf16": 2.5e-2, "f32": 3e-5, "f32_gpu": 5e-3}
 
 
@@ -78,151 +83,231 @@ def _hopper_skip_reason(interpret):
   return None
 
 
+class _Setup(NamedTuple):
+  """What every case builder reads: the impl options, sizes, tolerances and one rng."""
+  interpret: bool
+  tri: dict    # the Triton path: the default dispatch, or interpreted
+  pal: dict    # impl="pallas"
+  mgpu: dict   # impl="mosaic_gpu"
+  s: int       # cache length
+  d: int       # head dim
+  f32: float   # float32 tolerance
+  rng: np.random.Generator
+
+  def rand(self, shape, dtype=jnp.float32):
+    return jnp.asarray(self.rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+
+def _setup(interpret) -> _Setup:
+  from fdecode.kernels import mosaic_gpu  # pylint: disable=g-import-not-at-top
+  s, d = (40, 32) if interpret else (300, 128)
+  return _Setup(interpret=interpret, tri=dict(impl="pallas", interpret=True) if interpret else {},
+                pal=dict(impl="pallas", interpret=True) if interpret else dict(impl="pallas"),
+                mgpu=(dict(impl="mosaic_gpu", interpret=mosaic_gpu.InterpretGPUParams()) if interpret
+                      else dict(impl="mosaic_gpu")),
+                s=s, d=d, f32=TOL["f32"] if interpret else TOL["f32_gpu"], rng=np.random.default_rng(0))
+
+
+def _ref(*args, **kw):
+  import fdecode  # pylint: disable=g-import-not-at-top
+  kw = {n: x for n, x in kw.items() if n not in ("impl", "interpret")}
+  with jax.default_matmul_precision("highest"):
+    return fdecode.flash_decode(*args, impl="reference", return_lse=True, **kw)
+
+
+def _both(q, k, v, lengths, opts, tol, **kw):
+  import fdecode  # pylint: disable=g-import-not-at-top
+  lengths = jnp.asarray(lengths, jnp.int32)
+  return fdecode.flash_decode(q, k, v, lengths, return_lse=True, **opts, **kw), _ref(q, k, v, lengths, **kw), tol
+
+
+def _tol(st: _Setup, dtype):
+  return TOL["bf16"] if dtype == jnp.bfloat16 else st.f32
+
+
+def _contiguous(st: _Setup, dtype, t, hq, hkv, opts="tri", **kw):
+  qs = (2, hq, st.d) if t is None else (2, t, hq, st.d)
+  k, v = st.rand((2, hkv, st.s, st.d), dtype), st.rand((2, hkv, st.s, st.d), dtype)
+  return _both(st.rand(qs, dtype), k, v, [st.s, st.s // 2 + 1], getattr(st, opts), _tol(st, dtype), **kw)
+
+
+def _paged(st: _Setup, page_size, dtype=jnp.bfloat16, kv_dtype=None, **kw):
+  from fdecode.cache.quant import quantize  # pylint: disable=g-import-not-at-top
+  n = -(-st.s // page_size)
+  pages = 2 * n + 1
+  tables = jnp.asarray(st.rng.permutation(pages)[:2 * n].reshape(2, n), jnp.int32)
+  k, v = st.rand((2, pages, page_size, st.d)), st.rand((2, pages, page_size, st.d))
+  extra = {}
+  if kv_dtype is not None:
+    (k, ks), (v, vs) = quantize(k, kv_dtype), quantize(v, kv_dtype)
+    extra = dict(k_scale=ks, v_scale=vs)
+  else:
+    k, v = k.astype(dtype), v.astype(dtype)
+  return _both(st.rand((2, 4, st.d), dtype), k, v, [n * page_size, 7], st.tri, _tol(st, dtype), block_tables=tables,
+               **extra, **kw)
+
+
+def _token_major(st: _Setup):
+  s, d = st.s, st.d
+  q, k, v = st.rand((2, 3, 4, d), jnp.bfloat16), st.rand((2, s, 2, d), jnp.bfloat16), st.rand((2, s, 2, d), jnp.bfloat16)
+  return _both(q, k, v, [s, 9], st.tri, TOL["bf16"], kv_layout="NHD")
+
+
+def _quant(st: _Setup, qdtype):
+  from fdecode.cache.quant import quantize  # pylint: disable=g-import-not-at-top
+  s, d = st.s, st.d
+  (k, ks), (v, vs) = quantize(st.rand((2, 2, s, d)), qdtype), quantize(st.rand((2, 2, s, d)), qdtype)
+  return _both(st.rand((2, 8, d), jnp.bfloat16), k, v, [s, 5], st.pal, TOL["bf16"], k_scale=ks, v_scale=vs)
+
+
+def _mla(st: _Setup):
+  sm = 32 if st.interpret else 256
+  q, k = st.rand((2, 16, 576), jnp.bfloat16), st.rand((2, 1, sm, 576), jnp.bfloat16)
+  return _both(q, k, None, [sm, 3], st.tri, TOL["bf16"], v_head_dim=512)
+
+
+def _sparse(st: _Setup):
+  s, d = st.s, st.d
+  idx = jnp.asarray(np.stack([st.rng.choice(s, 12, replace=False) for _ in range(2)]), jnp.int32)
+  idx = idx.at[1, -3:].set(-1)
+  q, k, v = st.rand((2, 4, d), jnp.bfloat16), st.rand((2, 2, s, d), jnp.bfloat16), st.rand((2, 2, s, d), jnp.bfloat16)
+  return _both(q, k, v, [s, s - 4], st.tri, TOL["bf16"], indices=idx)
+
+
+def _ragged(st: _Setup):
+  import fdecode  # pylint: disable=g-import-not-at-top
+  s, d, page_size, hkv, hq = st.s, st.d, 16, 2, 4
+  n = -(-s // page_size)
+  pages = 2 * n + 1
+  tables = jnp.asarray(st.rng.permutation(pages)[:2 * n].reshape(2, n), jnp.int32)
+  k, v = st.rand((hkv, pages, page_size, d), jnp.bfloat16), st.rand((hkv, pages, page_size, d), jnp.bfloat16)
+  q_lens, kv_lens = [1, 5], [s - 3, 9]
+  rows = sum(q_lens) + 2  # two padding rows
+  cu = jnp.asarray([0, 1, 6], jnp.int32)
+  q = st.rand((rows, hq, d), jnp.bfloat16)
+  nk, nv = st.rand((rows, hkv, d), jnp.bfloat16), st.rand((rows, hkv, d), jnp.bfloat16)
+  args = (q, k, v, jnp.asarray(kv_lens, jnp.int32), tables, cu, 2)
+  got = fdecode.ragged_decode(*args, new_k=nk, new_v=nv, return_lse=True, **st.tri)
+  try:
+    with jax.default_matmul_precision("highest"):
+      want = fdecode.ragged_decode(*args, new_k=nk, new_v=nv, return_lse=True, impl="reference")
+  except (ValueError, NotImplementedError):  # the reference path does not write: the caches against XLA's
+    with jax.default_matmul_precision("highest"):
+      want = fdecode.ragged_decode(*args, new_k=nk, new_v=nv, return_lse=True, impl="xla")
+  return [(got[:2], want[:2]), ((got[2], got[3]), (want[2], want[3]))], TOL["bf16"]
+
+
+def _hopper_mla(st: _Setup, qdtype):
+  from fdecode.cache.quant import quantize  # pylint: disable=g-import-not-at-top
+  sm = 64 if st.interpret else 256
+  q = st.rand((1 if st.interpret else 2, 16, 576), jnp.bfloat16)
+  k = st.rand((q.shape[0], 1, sm, 576))
+  kw = {}
+  if qdtype is None:
+    k = k.astype(jnp.bfloat16)
+  else:
+    k, kw["k_scale"] = quantize(k, qdtype)
+  lengths = [sm - 5] + ([sm // 3] if q.shape[0] > 1 else [])
+  return _both(q, k, None, lengths, st.mgpu, TOL["bf16"], v_head_dim=512, num_splits=1 if st.interpret else None, **kw)
+
+
+def _hopper_rows(st: _Setup, qdtype, page_size=None):
+  from fdecode.cache.quant import quantize  # pylint: disable=g-import-not-at-top
+  b, sm, dh = (1, 64, 64) if st.interpret else (2, 256, 128)
+  q = st.rand((b, 4, 16, dh), jnp.bfloat16)
+  kw = dict(num_splits=1) if st.interpret else {}
+  if page_size:
+    n = sm // page_size
+    kw["block_tables"] = jnp.asarray(st.rng.permutation(b * n + 1)[:b * n].reshape(b, n), jnp.int32)
+    shape = (1, b * n + 1, page_size, dh)
+  else:
+    shape = (b, 1, sm, dh)
+  k, v = st.rand(shape), st.rand(shape)
+  if qdtype is None:
+    k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  else:
+    (k, kw["k_scale"]), (v, kw["v_scale"]) = quantize(k, qdtype), quantize(v, qdtype)
+  lengths = [sm - 3] + [sm // 2] * (b - 1)
+  return _both(q, k, v, lengths, st.mgpu, TOL["bf16"], **kw)
+
+
+def _dense_attention(q, k, v, lengths):
+  """Plain float32 attention, autodiff's oracle: q ``[B, Hq, D]``, k / v ``[B, Hkv, S, D]``."""
+  b, hq, d = q.shape
+  hkv = k.shape[1]
+  qg = q.reshape(b, hkv, hq // hkv, d)
+  sc = jnp.einsum("bkgd,bksd->bkgs", qg, k) / np.sqrt(d)
+  seen = (jnp.arange(k.shape[2])[None, :] < lengths[:, None])[:, None, None, :]
+  p = jax.nn.softmax(jnp.where(seen, sc, -jnp.inf), axis=-1)
+  return jnp.einsum("bkgs,bksd->bkgd", p, v).reshape(b, hq, d)
+
+
+def _grad(st: _Setup, paged: bool):
+  """The backward (`fdecode.derivatives`) of the default dispatch's decode: d(q, k, v) of
+  ``sum(out * w)`` against plain autodiff of dense float32 attention, both at "highest"."""
+  import fdecode  # pylint: disable=g-import-not-at-top
+  s, d = st.s, st.d
+  q, k, v = st.rand((2, 8, d)), st.rand((2, 2, s, d)), st.rand((2, 2, s, d))
+  w = st.rand((2, 8, d))
+  lengths = jnp.asarray([s, s // 2 + 1], jnp.int32)
+  opts = dict(st.tri)
+  if paged:  # the pool [Hkv, P, 1, D] of page size 1, read through the identity table
+    to_pool = lambda x: x.transpose(1, 0, 2, 3).reshape(2, 2 * s, 1, d)
+    opts["block_tables"] = jnp.arange(2 * s, dtype=jnp.int32).reshape(2, s)
+    fn = lambda q, k, v: jnp.sum(fdecode.flash_decode(q, to_pool(k), to_pool(v), lengths, **opts) * w)
+  else:
+    fn = lambda q, k, v: jnp.sum(fdecode.flash_decode(q, k, v, lengths, **opts) * w)
+  with jax.default_matmul_precision("highest"):
+    got = jax.grad(fn, argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda q, k, v: jnp.sum(_dense_attention(q, k, v, lengths) * w), argnums=(0, 1, 2))(q, k, v)
+  return [(got, want)], st.f32
+
+
+def _invariant(st: _Setup):
+  """``batch_invariant=True``: a sequence's output and lse alone and as row 0 of a batch of
+  4, compared for equality (tolerance 0)."""
+  import fdecode  # pylint: disable=g-import-not-at-top
+  s, d = st.s, st.d
+  q, k, v = st.rand((4, 8, d), jnp.bfloat16), st.rand((4, 2, s, d), jnp.bfloat16), st.rand((4, 2, s, d), jnp.bfloat16)
+  lengths = jnp.asarray([s - 1, 3, s, s // 2], jnp.int32)
+  call = lambda b: fdecode.flash_decode(q[:b], k[:b], v[:b], lengths[:b], batch_invariant=True, split_size=16,
+                                        return_lse=True)
+  (o4, l4), (o1, l1) = call(4), call(1)
+  return [((o4[:1], l4[:1]), (o1, l1))], 0.0
+
+
+# The cases, as data: (name, family, builder, its parameters); `_cases` binds each to a setup.
+_BF16, _F32 = jnp.bfloat16, jnp.float32
+CASES = (
+    ("contiguous_bf16_gqa4", "contiguous", _contiguous, dict(dtype=_BF16, t=None, hq=8, hkv=2)),
+    ("contiguous_f32_gqa2_T3", "contiguous", _contiguous, dict(dtype=_F32, t=3, hq=4, hkv=2)),
+    ("contiguous_bf16_mqa_T3_pallas", "contiguous", _contiguous, dict(dtype=_BF16, t=3, hq=4, hkv=1, opts="pal")),
+    ("paged16_bf16", "paged", _paged, dict(page_size=16)),
+    ("paged1_f32", "paged", _paged, dict(page_size=1, dtype=_F32)),
+    ("token_major_nhd_bf16_T3", "token_major", _token_major, {}),
+    ("quant_int8_per_token", "quant", _quant, dict(qdtype=jnp.int8)),
+    ("quant_fp8_e4m3_per_token", "quant", _quant, dict(qdtype=jnp.float8_e4m3fn)),
+    ("quant_int8_paged16", "quant", _paged, dict(page_size=16, kv_dtype=jnp.int8)),
+    ("mla_bf16_g16", "mla", _mla, {}),
+    ("sparse_indices_bf16", "sparse", _sparse, {}),
+    ("splits4_bf16", "splits", _contiguous, dict(dtype=_BF16, t=None, hq=8, hkv=2, num_splits=4)),
+    ("splits_balance_paged16", "splits", _paged, dict(page_size=16, num_splits="balance")),
+    ("ragged_fused_write_paged16", "ragged", _ragged, {}),
+    ("grad_contiguous_f32", "grad", _grad, dict(paged=False)),
+    ("grad_paged1_f32", "grad", _grad, dict(paged=True)),
+    ("invariant_batch_of_4_bf16", "invariant", _invariant, {}),
+    ("hopper_mla_bf16", "hopper", _hopper_mla, dict(qdtype=None)),
+    ("hopper_mla_int8", "hopper", _hopper_mla, dict(qdtype=jnp.int8)),
+    ("hopper_rows_bf16", "hopper", _hopper_rows, dict(qdtype=None)),
+    ("hopper_rows_int8", "hopper", _hopper_rows, dict(qdtype=jnp.int8)),
+    ("hopper_rows_paged16_bf16", "hopper", _hopper_rows, dict(qdtype=None, page_size=16)),
+)
+
+
 def _cases(interpret):
   """(name, family, fn) with fn() -> (got, want, tol) or (list of (got, want), tol)."""
-  import fdecode
-  from fdecode.cache.quant import quantize
-  from fdecode.kernels import mosaic_gpu
-
-  tri = dict(impl="pallas", interpret=True) if interpret else {}
-  pal = dict(impl="pallas", interpret=True) if interpret else dict(impl="pallas")
-  mgpu = dict(impl="mosaic_gpu", interpret=mosaic_gpu.InterpretGPUParams()) if interpret else dict(impl="mosaic_gpu")
-  s, d = (40, 32) if interpret else (300, 128)
-  f32_tol = TOL["f32"] if interpret else TOL["f32_gpu"]
-  rng = np.random.default_rng(0)
-
-  def rand(shape, dtype=jnp.float32):
-    return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
-
-  def ref(*args, **kw):
-    kw = {n: x for n, x in kw.items() if n not in ("impl", "interpret")}
-    with jax.default_matmul_precision("highest"):
-      return fdecode.flash_decode(*args, impl="reference", return_lse=True, **kw)
-
-  def both(q, k, v, lengths, opts, tol, **kw):
-    lengths = jnp.asarray(lengths, jnp.int32)
-    return fdecode.flash_decode(q, k, v, lengths, return_lse=True, **opts, **kw), ref(q, k, v, lengths, **kw), tol
-
-  def contiguous(dtype, t, hq, hkv, tol, opts=tri, **kw):
-    def fn():
-      qs = (2, hq, d) if t is None else (2, t, hq, d)
-      return both(rand(qs, dtype), rand((2, hkv, s, d), dtype), rand((2, hkv, s, d), dtype), [s, s // 2 + 1],
-                  opts, tol, **kw)
-    return fn
-
-  def paged(page_size, dtype=jnp.bfloat16, kv_dtype=None, **kw):
-    def fn():
-      n = -(-s // page_size)
-      pages = 2 * n + 1
-      tables = jnp.asarray(rng.permutation(pages)[:2 * n].reshape(2, n), jnp.int32)
-      k, v = rand((2, pages, page_size, d)), rand((2, pages, page_size, d))
-      extra = {}
-      if kv_dtype is not None:
-        (k, ks), (v, vs) = quantize(k, kv_dtype), quantize(v, kv_dtype)
-        extra = dict(k_scale=ks, v_scale=vs)
-      else:
-        k, v = k.astype(dtype), v.astype(dtype)
-      return both(rand((2, 4, d), dtype), k, v, [n * page_size, 7], tri, TOL["bf16"] if dtype == jnp.bfloat16
-                  else f32_tol, block_tables=tables, **extra, **kw)
-    return fn
-
-  def token_major():
-    q, k, v = rand((2, 3, 4, d), jnp.bfloat16), rand((2, s, 2, d), jnp.bfloat16), rand((2, s, 2, d), jnp.bfloat16)
-    return both(q, k, v, [s, 9], tri, TOL["bf16"], kv_layout="NHD")
-
-  def quant(qdtype):
-    def fn():
-      (k, ks), (v, vs) = quantize(rand((2, 2, s, d)), qdtype), quantize(rand((2, 2, s, d)), qdtype)
-      return both(rand((2, 8, d), jnp.bfloat16), k, v, [s, 5], pal, TOL["bf16"], k_scale=ks, v_scale=vs)
-    return fn
-
-  def mla():
-    sm = 32 if interpret else 256
-    q, k = rand((2, 16, 576), jnp.bfloat16), rand((2, 1, sm, 576), jnp.bfloat16)
-    return both(q, k, None, [sm, 3], tri, TOL["bf16"], v_head_dim=512)
-
-  def sparse():
-    idx = jnp.asarray(np.stack([rng.choice(s, 12, replace=False) for _ in range(2)]), jnp.int32)
-    idx = idx.at[1, -3:].set(-1)
-    q, k, v = rand((2, 4, d), jnp.bfloat16), rand((2, 2, s, d), jnp.bfloat16), rand((2, 2, s, d), jnp.bfloat16)
-    return both(q, k, v, [s, s - 4], tri, TOL["bf16"], indices=idx)
-
-  def ragged():
-    page_size, hkv, hq = 16, 2, 4
-    n = -(-s // page_size)
-    pages = 2 * n + 1
-    tables = jnp.asarray(rng.permutation(pages)[:2 * n].reshape(2, n), jnp.int32)
-    k, v = rand((hkv, pages, page_size, d), jnp.bfloat16), rand((hkv, pages, page_size, d), jnp.bfloat16)
-    q_lens, kv_lens = [1, 5], [s - 3, 9]
-    rows = sum(q_lens) + 2  # two padding rows
-    cu = jnp.asarray([0, 1, 6], jnp.int32)
-    q, nk, nv = rand((rows, hq, d), jnp.bfloat16), rand((rows, hkv, d), jnp.bfloat16), rand((rows, hkv, d), jnp.bfloat16)
-    args = (q, k, v, jnp.asarray(kv_lens, jnp.int32), tables, cu, 2)
-    got = fdecode.ragged_decode(*args, new_k=nk, new_v=nv, return_lse=True, **tri)
-    try:
-      with jax.default_matmul_precision("highest"):
-        want = fdecode.ragged_decode(*args, new_k=nk, new_v=nv, return_lse=True, impl="reference")
-    except (ValueError, NotImplementedError):  # the reference path does not write: the caches against XLA's
-      with jax.default_matmul_precision("highest"):
-        want = fdecode.ragged_decode(*args, new_k=nk, new_v=nv, return_lse=True, impl="xla")
-    return [(got[:2], want[:2]), ((got[2], got[3]), (want[2], want[3]))], TOL["bf16"]
-
-  def hopper_mla(qdtype):
-    def fn():
-      sm = 64 if interpret else 256
-      q = rand((1 if interpret else 2, 16, 576), jnp.bfloat16)
-      k = rand((q.shape[0], 1, sm, 576))
-      kw = {}
-      if qdtype is None:
-        k = k.astype(jnp.bfloat16)
-      else:
-        k, kw["k_scale"] = quantize(k, qdtype)
-      lengths = [sm - 5] + ([sm // 3] if q.shape[0] > 1 else [])
-      return both(q, k, None, lengths, mgpu, TOL["bf16"], v_head_dim=512, num_splits=1 if interpret else None, **kw)
-    return fn
-
-  def hopper_rows(qdtype, page_size=None):
-    def fn():
-      b, sm, dh = (1, 64, 64) if interpret else (2, 256, 128)
-      q = rand((b, 4, 16, dh), jnp.bfloat16)
-      kw = dict(num_splits=1) if interpret else {}
-      if page_size:
-        n = sm // page_size
-        kw["block_tables"] = jnp.asarray(rng.permutation(b * n + 1)[:b * n].reshape(b, n), jnp.int32)
-        shape = (1, b * n + 1, page_size, dh)
-      else:
-        shape = (b, 1, sm, dh)
-      k, v = rand(shape), rand(shape)
-      if qdtype is None:
-        k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
-      else:
-        (k, kw["k_scale"]), (v, kw["v_scale"]) = quantize(k, qdtype), quantize(v, qdtype)
-      lengths = [sm - 3] + [sm // 2] * (b - 1)
-      return both(q, k, v, lengths, mgpu, TOL["bf16"], **kw)
-    return fn
-
-  bf, f32 = TOL["bf16"], f32_tol
-  return [
-      ("contiguous_bf16_gqa4", "contiguous", contiguous(jnp.bfloat16, None, 8, 2, bf)),
-      ("contiguous_f32_gqa2_T3", "contiguous", contiguous(jnp.float32, 3, 4, 2, f32)),
-      ("contiguous_bf16_mqa_T3_pallas", "contiguous", contiguous(jnp.bfloat16, 3, 4, 1, bf, opts=pal)),
-      ("paged16_bf16", "paged", paged(16)),
-      ("paged1_f32", "paged", paged(1, jnp.float32)),
-      ("token_major_nhd_bf16_T3", "token_major", token_major),
-      ("quant_int8_per_token", "quant", quant(jnp.int8)),
-      ("quant_fp8_e4m3_per_token", "quant", quant(jnp.float8_e4m3fn)),
-      ("quant_int8_paged16", "quant", paged(16, kv_dtype=jnp.int8)),
-      ("mla_bf16_g16", "mla", mla),
-      ("sparse_indices_bf16", "sparse", sparse),
-      ("splits4_bf16", "splits", contiguous(jnp.bfloat16, None, 8, 2, bf, num_splits=4)),
-      ("splits_balance_paged16", "splits", paged(16, num_splits="balance")),
-      ("ragged_fused_write_paged16", "ragged", ragged),
-      ("hopper_mla_bf16", "hopper", hopper_mla(None)),
-      ("hopper_mla_int8", "hopper", hopper_mla(jnp.int8)),
-      ("hopper_rows_bf16", "hopper", hopper_rows(None)),
-      ("hopper_rows_int8", "hopper", hopper_rows(jnp.int8)),
-      ("hopper_rows_paged16_bf16", "hopper", hopper_rows(None, page_size=16)),
-  ]
+  st = _setup(interpret)
+  return [(name, family, functools.partial(build, st, **params)) for name, family, build, params in CASES]
 
 
 def run(interpret=False, families=None):

@@ -147,7 +147,14 @@ def online_softmax(s, visible, m, l, softmax_scale: float, k_scale=None, v_scale
   are never applied to a tile: k_scale multiplies column j of S before the select,
   v_scale column j of P after the row sum (l sums the unscaled probabilities), then a
   select again (a dead slot's scale is garbage: ``0 * inf`` would be NaN). Returns (P for
-  the PV wgmma, alpha = the rescale of the running O, m, l)."""
+  the PV wgmma, alpha = the rescale of the running O, m, l).
+
+  Not `fdecode.kernels.common.block.online_update`, which the Triton and Mosaic TPU
+  kernels share: that one runs the PV product itself (a ``lax.dot_general`` into value
+  pieces, with ``[R_p, 1]`` state), where here the caller issues it as a wgmma into an
+  accumulator ref (`Ops.pv`, rescaled by ``alpha`` there), the state is one value per row
+  of the warpgroup's 64-row tile, and the exponent is base 2 (the scale folded into
+  ``softmax_scale * log2 e``). The masking rules are the same: select, never multiply."""
   if k_scale is not None:
     s = s * lax.broadcast_in_dim(k_scale, s.shape, [1])
   s = jnp.where(visible, s * (softmax_scale * _LOG2E), MASK_VALUE)

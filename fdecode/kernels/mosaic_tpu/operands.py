@@ -1,7 +1,7 @@
 """The Mosaic kernels' operands, by name.
 
 Each kernel declares its inputs once, as a NamedTuple of `Operand` fields in the
-pallas_call's order (the scalar-prefetched ones first), None where an operand is absent.
+pallas_call's order (the scalar-prefetched ones first: ``spec`` None), None where an operand is absent.
 `flatten` turns it into the pallas_call's operands, BlockSpecs and DMA buffers; the kernel,
 wrapped by `by_name`, gets the same NamedTuple back holding refs: one of its inputs, and
 one of its DMA buffers, each under the name of the operand it holds (None for an absent
@@ -10,21 +10,9 @@ operand, and in the buffers for one that is not DMA'd).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
-
-class Operand(NamedTuple):
-  """One kernel input.
-
-  Attributes:
-    array: what the pallas_call is given.
-    spec: its BlockSpec; None: scalar-prefetched (SMEM, whole).
-    buffer: for an operand left in HBM (``pl.BlockSpec(memory_space=pl.ANY)``) that the
-      kernel DMAs itself: its VMEM scratch (``pltpu.VMEM``); else None.
-  """
-  array: Any
-  spec: Any = None
-  buffer: Any = None
+from fdecode.kernels.common.operands import Operand
 
 
 class Layout(NamedTuple):

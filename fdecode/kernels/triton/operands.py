@@ -6,16 +6,10 @@ call has none, tuples where a field holds several), flattened by `flatten` into 
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 from jax.experimental import pallas as pl
 
-
-class Operand(NamedTuple):
-  """One operand of a launch and its BlockSpec."""
-  array: object
-  spec: pl.BlockSpec
+from fdecode.kernels.common.operands import Operand
 
 
 def whole(x) -> Operand:
