@@ -65,6 +65,31 @@ def split_tokens(split_size: int | None, page_size: int | None) -> int:
   return c
 
 
+def _split_loader(cache, c: int, n: int, dtype):
+  """``(load, arrays)``: ``load(i, x, scale, offset)`` gives split i of cache ``x`` as
+  ``[B, Hkv, C, D]`` in ``dtype`` (``n`` splits of ``c`` positions: a pool through its
+  table padded to ``n * c // page_size`` pages, a contiguous cache padded to ``n * c``
+  positions), and ``arrays``: ``(k, v, k_rope, k_scale, k_offset, v_scale, v_offset)`` as
+  ``load`` reads them."""
+  k, v, k_rope, block_tables = cache.k, cache.v, cache.k_rope, cache.block_tables
+  k_scale, k_offset, v_scale, v_offset = cache.k_scale, cache.k_offset, cache.v_scale, cache.v_offset
+  tok = token_axis(cache.layout)
+  if block_tables is not None:
+    page_size = k.shape[tok]
+    per = c // page_size
+    tables = pad_tokens(block_tables, per * n, axis=1)
+    gather = gather_token_major_pages if cache.layout == "NHD" else gather_pages_head_major
+    paged_load = functools.partial(load_pages, tables=tables, pages=per, page_size=page_size, gather=gather,
+                                   dtype=dtype)
+    load = lambda *a: paged_load(*a).transpose(1, 0, 2, 3)  # split i -> [B, Hkv, C, D]
+  else:
+    k, v, k_rope = (None if x is None else pad_tokens(x, c * n, axis=tok) for x in (k, v, k_rope))
+    k_scale, v_scale, k_offset, v_offset = (None if a is None else pad_tokens(a, c * n, broadcast_ok=True)
+                                            for a in (k_scale, v_scale, k_offset, v_offset))
+    load = functools.partial(load_rows, chunk=c, tok=tok, dtype=dtype)  # split i -> [B, Hkv, C, D]
+  return load, (k, v, k_rope, k_scale, k_offset, v_scale, v_offset)
+
+
 def invariant_partials(q_rows, cache, ends, mod_arrays, *, num_tokens: int, softmax_scale: float, split: int,
                        mods: Modifiers = Modifiers(), v_head_dim=None):
   """The merged state of every split, as `fdecode.kernels.xla.xla_partials` takes and returns
@@ -73,34 +98,16 @@ def invariant_partials(q_rows, cache, ends, mod_arrays, *, num_tokens: int, soft
   ``split``: positions per split (`split_tokens`; a multiple of the page size when paged).
   The window is applied by masking (every split is read: a window view would move the
   splits off absolute positions)."""
-  k, v, k_rope, block_tables = cache.k, cache.v, cache.k_rope, cache.block_tables
-  k_scale, k_offset, v_scale, v_offset = cache.k_scale, cache.k_offset, cache.v_scale, cache.v_offset
   mask, bias, alibi = mod_arrays["mask"], mod_arrays["bias"], mod_arrays["alibi"]
-  kv_layout = cache.layout
   b, hkv, r, dq = q_rows.shape
   t = num_tokens
   g = r // t
-  paged = block_tables is not None
-  tok = token_axis(kv_layout)
-  s = capacity(k.shape, kv_layout, block_tables)
+  s = capacity(cache.k.shape, cache.layout, cache.block_tables)
   c = split
   n = max(-(-s // c), 1)
-  cd = q_rows.dtype
-  dv = v_head_dim if v is None else v.shape[-1]
-
-  if paged:
-    page_size = k.shape[tok]
-    per = c // page_size
-    tables = pad_tokens(block_tables, per * n, axis=1)
-    gather = gather_token_major_pages if kv_layout == "NHD" else gather_pages_head_major
-    paged_load = functools.partial(load_pages, tables=tables, pages=per, page_size=page_size, gather=gather, dtype=cd)
-    load = lambda *a: paged_load(*a).transpose(1, 0, 2, 3)  # split i -> [B, Hkv, C, D]
-  else:
-    k, v, k_rope = (None if x is None else pad_tokens(x, c * n, axis=tok) for x in (k, v, k_rope))
-    k_scale, v_scale, k_offset, v_offset = (None if a is None else pad_tokens(a, c * n, broadcast_ok=True)
-                                            for a in (k_scale, v_scale, k_offset, v_offset))
-
-    load = functools.partial(load_rows, chunk=c, tok=tok, dtype=cd)  # split i -> [B, Hkv, C, D]
+  cd, block_tables = q_rows.dtype, cache.block_tables
+  dv = v_head_dim if cache.v is None else cache.v.shape[-1]
+  load, (k, v, k_rope, k_scale, k_offset, v_scale, v_offset) = _split_loader(cache, c, n, q_rows.dtype)
 
   # Per row (b, t, g): the positions it may see, lo <= j < hi, and its own position.
   lo, hi, qpos = (x.reshape(b, 1, t, g, 1) for x in row_bounds(ends.astype(jnp.int32), t, g, s, mods))
