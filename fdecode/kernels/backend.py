@@ -34,7 +34,8 @@ import jax.numpy as jnp
 
 from fdecode.cache.quant import is_quantized
 
-__all__ = ["Backend", "Decode", "Operands", "Options", "Refused", "States", "Target", "branch_platform",
+__all__ = ["NO_INVARIANT_PLAN", "Backend", "Decode", "Operands", "Options", "Refused", "States", "TakesEveryCall",
+           "Target", "branch_platform",
            "compute_dtype", "note", "recording", "tracing_branch"]
 
 
@@ -127,6 +128,21 @@ class Backend(Protocol):
   def plan(self, call: Decode, target: Target): ...
 
   def run(self, plan, call: Decode, target: Target) -> States: ...
+
+
+class TakesEveryCall:
+  """A backend's ``available`` and ``refuses`` when it runs on every JAX and takes every
+  call on every platform (the XLA path, the reference)."""
+
+  def available(self) -> bool:
+    return True
+
+  def refuses(self, call: Decode, target: Target) -> None:
+    del call, target
+
+
+# Why a Pallas backend refuses ``batch_invariant=True``.
+NO_INVARIANT_PLAN = "it has no batch-invariant plan (the XLA path runs the mode: fdecode.kernels.xla.invariant)"
 
 
 class Refused(NamedTuple):

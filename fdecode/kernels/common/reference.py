@@ -6,20 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from fdecode.kernels.backend import Decode, States, Target
+from fdecode.kernels.backend import Decode, States, TakesEveryCall, Target
 from fdecode.kernels.common.dense import dense_call
 from fdecode.reference import reference_decode
 
 
 @dataclasses.dataclass(frozen=True)
-class ReferenceBackend:
+class ReferenceBackend(TakesEveryCall):
   name: str = "reference"
-
-  def available(self) -> bool:
-    return True
-
-  def refuses(self, call: Decode, target: Target) -> None:
-    del call, target
 
   def plan(self, call: Decode, target: Target) -> None:
     del call, target  # nothing to plan (`fdecode.plan` lists none)

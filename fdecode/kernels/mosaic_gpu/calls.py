@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fdecode.kernels.backend import Decode, States, Target
+from fdecode.kernels.backend import NO_INVARIANT_PLAN, Decode, States, Target
 from fdecode.kernels.common import chips
 from fdecode.cache.quant import per_token_scale
 from fdecode.kernels.mosaic_gpu.gqa.api import rows_run
@@ -26,7 +26,6 @@ from fdecode.kernels.mosaic_gpu.mla.api import mla_run
 from fdecode.kernels.mosaic_gpu.mla.plan import MlaPlan, mla_plan, unsupported
 from fdecode.kernels import triton as triton_kernels
 
-NO_INVARIANT_PLAN = "it has no batch-invariant plan (the XLA path runs the mode: fdecode.kernels.xla.invariant)"
 
 
 def _extras(call: Decode) -> bool:
@@ -85,18 +84,27 @@ def _run(plan, call: Decode, interpret) -> States:
   return States(out, lse, merged=True)
 
 
-@dataclasses.dataclass(frozen=True)
-class MlaBackend:
-  """The default GPU route's Hopper MLA kernel."""
-  name: str = "mosaic_gpu_mla"
+class _Hopper:
+  """What both Hopper backends share: their splits are merged by a Triton kernel."""
 
   def available(self) -> bool:
     return triton_kernels.pallas_triton_available()
 
+  def _unavailable(self) -> str | None:
+    if not self.available():
+      return f"its splits are merged by a Triton kernel, and {triton_kernels.PALLAS_TRITON_MISSING}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaBackend(_Hopper):
+  """The default GPU route's Hopper MLA kernel."""
+  name: str = "mosaic_gpu_mla"
+
   def refuses(self, call: Decode, target: Target) -> str | None:
     del target  # the GPU lowered for: `chips.lowering_gpu`
-    if not triton_kernels.pallas_triton_available():
-      return f"its splits are merged by a Triton kernel, and {triton_kernels.PALLAS_TRITON_MISSING}"
+    if self._unavailable():
+      return self._unavailable()
     if call.options.cfg.batch_invariant:
       return NO_INVARIANT_PLAN
     if not takes_mla(call):
@@ -114,16 +122,13 @@ class MlaBackend:
 
 
 @dataclasses.dataclass(frozen=True)
-class HopperBackend:
+class HopperBackend(_Hopper):
   """``impl="mosaic_gpu"``: the MLA kernel (``v`` None) or the rows kernel (GQA)."""
   name: str = "mosaic_gpu"
 
-  def available(self) -> bool:
-    return triton_kernels.pallas_triton_available()
-
   def refuses(self, call: Decode, target: Target) -> str | None:
-    if not triton_kernels.pallas_triton_available():
-      return f"it merges the Hopper kernels' splits with a Triton kernel, and {triton_kernels.PALLAS_TRITON_MISSING}"
+    if self._unavailable():
+      return self._unavailable()
     o, x = call.options, call.operands
     if not target.interpret:
       platform = chips.lowering_platform()

@@ -10,16 +10,12 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from fdecode.cache.layout import CacheView
-from fdecode.kernels.backend import Decode, States, Target
+from fdecode.kernels.backend import NO_INVARIANT_PLAN, Decode, States, Target
 from fdecode.kernels.mosaic_tpu.kernel import mosaic_partials
 from fdecode.kernels.mosaic_tpu.plan import CallPlan, make_plan
 from fdecode.kernels.mosaic_tpu.sparse import mosaic_sparse_partials
-from fdecode.kernels.mosaic_tpu.token_major import contiguous_as_pool
+from fdecode.kernels.mosaic_tpu.token_major import pool_view
 
-NO_INVARIANT_PLAN = "it has no batch-invariant plan (the XLA path runs the mode: fdecode.kernels.xla.invariant)"
-# The order `contiguous_as_pool` takes and returns the quantization arrays in.
-_QUANT = ("k_scale", "k_offset", "v_scale", "v_offset")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +45,7 @@ class MosaicTpuBackend:
     view = x.view
     rv = view.head_major() if plan.read is None else view  # token-major caches read in place, or head-major
     if plan.as_pool:  # a contiguous cache as the pool of whole pages
-      k, v, rope, quant, tables = contiguous_as_pool(rv.k, rv.v, rv.k_rope, tuple(getattr(rv, n) for n in _QUANT))
-      rv = CacheView(k, v, rope, block_tables=tables, layout=rv.layout, paged=True, **dict(zip(_QUANT, quant)))
+      rv = pool_view(rv)
     statics = dict(mods=o.mods, v_head_dim=o.v_head_dim)
     if plan.sparse:
       read = {} if plan.read is None else dict(head_axis=plan.read.axis)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from fdecode import config as config_lib
 from fdecode.cache.layout import CacheView
 from fdecode.kernels.common.modifiers import Modifiers, window_tokens
-from fdecode.kernels.mosaic_tpu.token_major import contiguous_as_pool, token_major_read
+from fdecode.kernels.mosaic_tpu.token_major import pool_view, token_major_read
 
 _LANES = 128
 # Default bytes of K + V one grid step moves: large enough to amortize the ~0.35 us
@@ -38,8 +38,6 @@ MAX_HEAD_AXIS_VMEM_BYTES = 48 * 1024 * 1024
 _VREG_BYTES = 4096
 # Headroom above the computed footprint for Mosaic's internal scratch.
 _VMEM_HEADROOM = 4 * 1024 * 1024
-# The order `contiguous_as_pool` takes and returns the quantization arrays in.
-_QUANT = ("k_scale", "k_offset", "v_scale", "v_offset")
 # Split the cache only while the programs leave the TensorCores idle: the Ascend
 # IncreFlashAttention rule (split when the work units are under 0.4 * cores).
 _SPLIT_OCCUPANCY = 0.4
@@ -248,11 +246,7 @@ def make_plan(q_rows, view: CacheView, *, extra: dict, num_tokens: int, num_spli
       read = dataclasses.replace(view, paged=True)
     elif not paged:  # by the paged kernel: a contiguous cache as the pool of whole pages
       as_pool = True
-      quant = tuple(_struct(getattr(view, n)) for n in _QUANT)
-      k, v, rope, quant, pool_tables = jax.eval_shape(
-          contiguous_as_pool, _struct(view.k), _struct(view.v), _struct(view.k_rope), quant)
-      read = CacheView(k, v, rope, block_tables=pool_tables, layout=view.layout, paged=True,
-                       **dict(zip(_QUANT, quant)))
+      read = jax.eval_shape(pool_view, jax.tree.map(_struct, view))
     k, v, rope = read.head_major_shapes()  # the head-major pool `plan` sizes
     args = dict(mods_etc, **dict(read.kernel_arrays(), k_rope=rope))
     if sparse:  # each listed token's heads DMA'd

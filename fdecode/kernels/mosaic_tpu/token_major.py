@@ -24,6 +24,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
+from fdecode.cache.layout import CacheView
 from fdecode.kernels.common import block as blk
 
 
@@ -188,3 +189,11 @@ def contiguous_as_pool(k, v, k_rope, quant):
 
   tables = jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
   return as_pool(k), as_pool(v), as_pool(k_rope), tuple(scale(a) for a in quant), tables
+
+
+def pool_view(view: CacheView) -> CacheView:
+  """A contiguous token-major view as the pool view the paged kernel reads
+  (`contiguous_as_pool` of its caches, scales and offsets, with the pool's tables)."""
+  names = ("k_scale", "k_offset", "v_scale", "v_offset")
+  k, v, rope, quant, tables = contiguous_as_pool(view.k, view.v, view.k_rope, tuple(getattr(view, n) for n in names))
+  return CacheView(k, v, rope, block_tables=tables, layout=view.layout, paged=True, **dict(zip(names, quant)))

@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from fdecode.kernels.backend import Decode, States, Target, compute_dtype
+from fdecode.kernels.backend import NO_INVARIANT_PLAN, Decode, States, Target, compute_dtype
 from fdecode.kernels.triton.pallas_triton import MISSING, available
 from fdecode.kernels.triton.plan import TritonPlan
 from fdecode.kernels.triton.ragged_step import triton_step
@@ -19,7 +19,6 @@ from fdecode.kernels.triton.write import write_view
 from fdecode.kernels.triton.tiles import triton_unsupported
 from fdecode.kernels.triton.view import plan_view, read_view
 
-NO_INVARIANT_PLAN = "it has no batch-invariant plan (the XLA path runs the mode: fdecode.kernels.xla.invariant)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,4 +86,4 @@ def supports(view, v_head_dim=None) -> bool:
 
 
 BACKEND = TritonBackend()
-__all__ = ["BACKEND", "NO_INVARIANT_PLAN", "TritonBackend", "compute_dtype", "plan_view", "supports", "unsupported"]
+__all__ = ["BACKEND", "TritonBackend", "compute_dtype", "plan_view", "supports", "unsupported"]

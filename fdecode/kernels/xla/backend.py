@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fdecode.kernels.backend import Decode, States, Target
+from fdecode.kernels.backend import Decode, States, TakesEveryCall, Target
 from fdecode.kernels.common.modifiers import window_tokens
 from fdecode.kernels.xla.dense import xla_partials
 from fdecode.kernels.xla.invariant import invariant_partials, split_tokens
@@ -20,14 +20,8 @@ from fdecode.kernels.xla.sparse import sparse_partials
 
 
 @dataclasses.dataclass(frozen=True)
-class XlaBackend:
+class XlaBackend(TakesEveryCall):
   name: str = "xla"
-
-  def available(self) -> bool:
-    return True
-
-  def refuses(self, call: Decode, target: Target) -> None:
-    del call, target  # every call, every platform
 
   def plan(self, call: Decode, target: Target) -> XlaPlan:
     o, (q, view) = call.options, call.operands[:2]
