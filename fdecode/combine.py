@@ -165,16 +165,28 @@ def combine_across(o: Array, lse: Array, axis_name: str | tuple[str, ...]) -> tu
   """
   if o.shape[:-1] != lse.shape:
     raise ValueError(f"combine_across: o.shape[:-1] must equal lse.shape, got {o.shape=} {lse.shape=}")
-  # all_gather_invariant (not all_gather) types the gathered stack as identical on every
-  # device of the axis, which it is, so shard_map's default check_vma=True accepts an
-  # out_specs without the axis. JAX 0.10 does not re-export it under jax.lax yet.
-  import jax  # pylint: disable=g-import-not-at-top (combine.py is append-only here)
-  all_gather_invariant = getattr(jax.lax, "all_gather_invariant", None)
-  if all_gather_invariant is None:
-    from jax._src.lax.parallel import all_gather_invariant  # pylint: disable=g-import-not-at-top
-  o_all = all_gather_invariant(o, axis_name)  # [n, ..., Dv]
-  lse_all = all_gather_invariant(lse.astype(jnp.float32), axis_name)  # [n, ...]
+  o_all = _gather_invariant(o, axis_name)  # [n, ..., Dv]
+  lse_all = _gather_invariant(lse.astype(jnp.float32), axis_name)  # [n, ...]
   return merge_states(o_all, lse_all, axis=0)
+
+
+def _gather_invariant(x: Array, axis_name: str | tuple[str, ...]) -> Array:
+  """``x`` of every device of ``axis_name``, stacked ``[n, ...]`` in mesh order and typed
+  invariant along the axis (identical on every device, which it is), so that shard_map's
+  default ``check_vma=True`` takes an ``out_specs`` without the axis: ``jax.lax.all_gather``
+  types it varying. ``jax.lax.all_gather_invariant`` where this JAX has it (0.11); else
+  (0.10.2) the same stack as a ``pmax`` (a reduction types its result invariant) of each
+  device's bits in its own slot of zeros, as unsigned integers: every bit comes back as it
+  went (NaN, -0.0), where a float ``pmax`` drops NaN on XLA:CPU. It moves an all-reduce's
+  bytes rather than an all-gather's."""
+  all_gather_invariant = getattr(jax.lax, "all_gather_invariant", None)
+  if all_gather_invariant is not None:
+    return all_gather_invariant(x, axis_name)
+  n = jax.lax.axis_size(axis_name)
+  slot = jnp.arange(n).reshape((n,) + (1,) * x.ndim) == jax.lax.axis_index(axis_name)
+  bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+  stack = jax.lax.pmax(jnp.where(slot, bits[None], jnp.zeros((), bits.dtype)), axis_name)
+  return jax.lax.bitcast_convert_type(stack, x.dtype)
 
 
 def add_sink(o: jnp.ndarray, lse: jnp.ndarray, sink: jnp.ndarray):

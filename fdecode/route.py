@@ -104,6 +104,7 @@ def resolve_interpret(impl, interpret):
   parameters of an enclosing ``pltpu.force_tpu_interpret_mode(...)`` (the TPU kernel
   interpreted, as that context promises); numpy bools as bools."""
   if impl == "pallas" and interpret is None:
+    # No public getter of force_tpu_interpret_mode's parameters (jax 0.10.2 and 0.11): waits for one.
     from jax._src import config as jax_config  # pylint: disable=g-import-not-at-top
     flag = getattr(jax_config, "pallas_tpu_interpret_mode_context_manager", None)
     interpret = None if flag is None else flag.value

@@ -24,13 +24,14 @@ import numpy as np
 
 
 def _eval(jaxpr, consts, *args):
-  from jax._src import core as jax_core  # pylint: disable=g-import-not-at-top
-  jax_core.eval_jaxpr(jaxpr, consts, *args)
+  jax.core.eval_jaxpr(jaxpr, consts, *args)
 
 
 @contextlib.contextmanager
 def compiled_once():
   """Within: each interpreted thread jaxpr compiles once per argument signature."""
+  # No public replacement: this patches the interpreter's own per-thread compilation; waits
+  # for JAX's interpreter to compile each thread jaxpr once itself.
   try:
     from jax._src.pallas.mosaic.interpret import thread_map  # pylint: disable=g-import-not-at-top
   except ImportError:

@@ -29,7 +29,7 @@ ring, 8-bit conversion, online softmax, epilogue, launch and Triton-combine hand
 `fdecode.kernels.mosaic_gpu.calls` holds the backends.
 """
 
-try:  # jax >= 0.11 exports it; 0.10.2 has it only here (kept by 0.11)
+try:  # jax >= 0.11 exports it; 0.10.2 only privately: waits for a jax>=0.11 floor (the compile tier pins 0.10.2)
   from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
 except ImportError:
   from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
