@@ -1,7 +1,9 @@
 """fdecode on a JAX without Pallas' Triton backend (``jax.experimental.pallas.triton``,
 deprecated in JAX 0.11): simulated in a fresh process by refusing that module's import.
-fdecode imports, the CPU default and `ragged_decode` run, GPU plans take the XLA path with
-one warning per process, and ``impl="pallas"`` names the missing module."""
+fdecode imports, the CPU default and `ragged_decode` run, GPU plans take the Hopper MLA
+kernel where it applies and the XLA path elsewhere, with one warning per process, the
+Hopper rows kernel runs (interpreted) with its splits merged by XLA, and ``impl="pallas"``
+names the missing module."""
 
 import subprocess
 import sys
@@ -42,6 +44,22 @@ SCRIPT = textwrap.dedent("""
     o = fdecode.ragged_decode(rows, pool, pool, jnp.array([20, 30], jnp.int32), tables,
                               jnp.array([0, 4, 5], jnp.int32), jnp.array([2], jnp.int32))
     assert o.shape == (5, 8, 64) and bool(jnp.all(jnp.isfinite(o)))
+
+    # The Hopper kernels still apply: their splits merged by XLA instead of the Triton combine.
+    mla = fdecode.plan(jax.ShapeDtypeStruct((2, 16, 576), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((2, 1, 256, 576), jnp.bfloat16), None,
+                       jax.ShapeDtypeStruct((2,), jnp.int32), v_head_dim=512, platform="gpu")
+    assert [type(p).__name__ for p in mla] == ["MlaPlan"] and not mla.refused, mla
+    from fdecode.devtools.interpret import compiled_once
+    from fdecode.kernels import mosaic_gpu
+    qh = jnp.asarray(rng.standard_normal((1, 2, 16, 64)), jnp.bfloat16)
+    kh = jnp.asarray(rng.standard_normal((1, 1, 128, 64)), jnp.bfloat16)
+    nh = jnp.array([100], jnp.int32)
+    with compiled_once():
+      rows = fdecode.flash_decode(qh, kh, kh, nh, impl="mosaic_gpu", interpret=mosaic_gpu.InterpretGPUParams())
+    f32 = lambda x: x.astype(jnp.float32)
+    ref = fdecode.flash_decode(f32(qh), f32(kh), f32(kh), nh, impl="reference")
+    np.testing.assert_allclose(np.asarray(f32(rows)), np.asarray(ref), atol=2e-2)  # bf16 operands
 
     try:
       fdecode.flash_decode(q, k, k, n, impl="pallas")

@@ -5,9 +5,9 @@
 opt-in). `BACKEND` (``"mosaic_gpu"``): ``impl="mosaic_gpu"``, the opt-in: the MLA kernel
 (``v`` None) or the rows kernel (GQA), compiled for an sm_90 GPU or under the Mosaic GPU
 interpreter (``Target.interpret``: an ``InterpretGPUParams``); what it refuses is the
-call's ValueError (no fallback). Both merge their splits with a Triton kernel, so neither
-is available without Pallas' Triton backend. `refusal`: what of a call neither kernel
-takes, whatever its shapes.
+call's ValueError (no fallback). Both merge their splits with the Triton combine kernel,
+or with XLA on a JAX without Pallas' Triton backend. `refusal`: what of a call neither
+kernel takes, whatever its shapes.
 
 A call arrives canonical (`fdecode.kernels.backend.Decode`): q ``[B, T, Hq, Dk]``, its
 cache view, ``ends`` int32 ``[B]``.
@@ -24,8 +24,6 @@ from fdecode.kernels.mosaic_gpu.gqa.api import rows_run
 from fdecode.kernels.mosaic_gpu.gqa.plan import RowsPlan, rows_plan, rows_unsupported
 from fdecode.kernels.mosaic_gpu.mla.api import mla_run
 from fdecode.kernels.mosaic_gpu.mla.plan import MlaPlan, mla_plan, unsupported
-from fdecode.kernels import triton as triton_kernels
-
 
 
 def _extras(call: Decode) -> bool:
@@ -71,7 +69,8 @@ def _rows_plan(call: Decode) -> RowsPlan:
 
 def _run(plan, call: Decode, interpret) -> States:
   """A Hopper plan run to the output, its split states merged by the Triton combine kernel
-  (`fdecode.kernels.mosaic_gpu.mla_run` / ``rows_run``): two kernels."""
+  (`fdecode.kernels.mosaic_gpu.mla_run` / ``rows_run``): two kernels (the merge in XLA on a
+  JAX without Pallas' Triton backend)."""
   x = call.operands
   rv = x.view.read(x.view.read_layout)  # one kv head (MLA, MQA) stored token-major is read head-major: the same bytes
   if isinstance(plan, MlaPlan):  # k [B, 1, S, 576]; an 8-bit cache's per-token scales canonical rank 4
@@ -85,15 +84,12 @@ def _run(plan, call: Decode, interpret) -> States:
 
 
 class _Hopper:
-  """What both Hopper backends share: their splits are merged by a Triton kernel."""
+  """What both Hopper backends share: Mosaic GPU is in every JAX fdecode supports, and their
+  splits are merged by the Triton combine kernel, or by XLA on a JAX without Pallas' Triton
+  backend (`fdecode.kernels.mosaic_gpu.ops.combine`)."""
 
   def available(self) -> bool:
-    return triton_kernels.pallas_triton_available()
-
-  def _unavailable(self) -> str | None:
-    if not self.available():
-      return f"its splits are merged by a Triton kernel, and {triton_kernels.PALLAS_TRITON_MISSING}"
-    return None
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +99,6 @@ class MlaBackend(_Hopper):
 
   def refuses(self, call: Decode, target: Target) -> str | None:
     del target  # the GPU lowered for: `chips.lowering_gpu`
-    if self._unavailable():
-      return self._unavailable()
     if call.options.cfg.batch_invariant:
       return NO_INVARIANT_PLAN
     if not takes_mla(call):
@@ -127,8 +121,6 @@ class HopperBackend(_Hopper):
   name: str = "mosaic_gpu"
 
   def refuses(self, call: Decode, target: Target) -> str | None:
-    if self._unavailable():
-      return self._unavailable()
     o, x = call.options, call.operands
     if not target.interpret:
       platform = chips.lowering_platform()

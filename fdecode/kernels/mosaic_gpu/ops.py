@@ -48,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from fdecode.combine import MASK_VALUE
+from fdecode.combine import MASK_VALUE, merge_states
 from fdecode.kernels import triton as triton_kernels
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.mosaic_gpu.plan import BLOCK_ROWS, TILE_COLS
@@ -255,10 +255,29 @@ def combine(o, lse, *, batch: int, num_tokens: int, group: int, hq: int, out_dty
   """A Hopper kernel's split states (float32 ``o [B, (Hkv,) n_splits, R_p, Dv]``, lse
   likewise without Dv) merged by the Triton combine kernel (interpreted where the Hopper
   kernel is), which writes row r = t * G + g of kv head h at query head ``h * G + g`` of
-  token t: ``(out [B, T, Hq, Dv] in out_dtype, lse float32 [B, T, Hq])``."""
+  token t: ``(out [B, T, Hq, Dv] in out_dtype, lse float32 [B, T, Hq])``. On a JAX without
+  Pallas' Triton backend, by XLA (`merge_split_major`)."""
+  if not triton_kernels.pallas_triton_available():
+    return merge_split_major(o, lse, num_tokens=num_tokens, group=group, hq=hq, out_dtype=out_dtype)
   out, out_lse = triton_kernels.combine_split_major(o, lse, num_tokens=num_tokens, group=group, hq=hq,
                                                     out_dtype=out_dtype, interpret=interpreted(interpret))
   return out.reshape(batch, num_tokens, hq, o.shape[-1]), out_lse.reshape(batch, num_tokens, hq)
+
+
+def merge_split_major(o, lse, *, num_tokens: int, group: int, hq: int, out_dtype):
+  """`combine`'s merge in XLA (`fdecode.combine.merge_states` over the split axis), for a JAX
+  without Pallas' Triton backend: ``o [B, (Hkv,) n_splits, R_p, Dv]`` float32, lse likewise
+  without Dv -> ``(out [B, T, Hq, Dv] in out_dtype, lse float32 [B, T, Hq])``, row
+  r = t * G + g of kv head h at query head ``h * G + g`` of token t (the padded rows
+  ``R_p > T * G`` dropped)."""
+  if o.ndim == 4:  # one kv head
+    o, lse = o[:, None], lse[:, None]
+  b, hkv, _, _, dv = o.shape
+  out, out_lse = merge_states(o, lse, axis=2)  # [B, Hkv, R_p, Dv], [B, Hkv, R_p]
+  rows = num_tokens * group
+  out = out[:, :, :rows].reshape(b, hkv, num_tokens, group, dv).transpose(0, 2, 1, 3, 4)
+  out_lse = out_lse[:, :, :rows].reshape(b, hkv, num_tokens, group).transpose(0, 2, 1, 3)
+  return out.reshape(b, num_tokens, hq, dv).astype(out_dtype), out_lse.reshape(b, num_tokens, hq)
 
 
 def outputs(out, lse, *, single: bool, return_lse: bool):

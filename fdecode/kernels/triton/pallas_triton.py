@@ -2,9 +2,10 @@
 this JAX has it: `plgpu`, or None with `MISSING` saying why.
 
 Every Triton kernel module imports ``plgpu`` from here, so fdecode imports and runs on a
-JAX without it: `fdecode.route` then sends GPU calls to the XLA path (one warning) and
-refuses ``impl="pallas"`` (and ``impl="mosaic_gpu"``, whose split merge is a Triton kernel)
-by name."""
+JAX without it: `fdecode.route` then sends GPU calls to the Hopper MLA kernel where it
+applies and to the XLA path elsewhere (one warning), and refuses ``impl="pallas"`` by name;
+the Hopper kernels merge their splits with XLA instead of the Triton combine
+(`fdecode.kernels.mosaic_gpu.ops.combine`)."""
 
 from __future__ import annotations
 
