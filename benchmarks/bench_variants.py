@@ -28,7 +28,7 @@ from fdecode import config as config_lib
 from fdecode.kernels.common import block as blk
 from fdecode.kernels.triton import block_size
 from fdecode.kernels.common.modifiers import Modifiers
-from fdecode.kernels.xla.plan import occupancy_splits
+from fdecode.kernels.xla.plan import split_count
 from _records import add_json_arg, machine_line, record, table_records, write  # benchmarks/ is on sys.path
 from _timing import timeit
 from bench_decode import as_float32_words, floor_fn
@@ -78,7 +78,7 @@ def kernel_blocks(b, s, hkv, lengths, num_tokens, window):
   from fdecode.kernels.common.modifiers import window_tokens  # pylint: disable=g-import-not-at-top
   mods = Modifiers(window=window)
   seen = window_tokens(s, num_tokens, mods)
-  splits = occupancy_splits(b, hkv, max(-(-seen // bk), 1), config_lib.num_parallel_units("gpu"))
+  splits = split_count(b, hkv, max(-(-seen // bk), 1), config_lib.num_parallel_units("gpu"))
   count = 0
   for end in lengths:
     for j in range(splits):

@@ -9,11 +9,12 @@ import jax
 from jax import Array
 from jax.typing import ArrayLike
 
-from fdecode.call import DecodeOptions, Impl, Interpret, KvLayout, ScoreOptions, canonical_call, run
+from fdecode.call import canonical_call, run
 from fdecode.dispatch import recording_plans
 from fdecode.kernels.backend import Refused
 from fdecode.kernels.common import chips
-from fdecode.validation import ARRAY_ARGS, describe, static_scalar
+from fdecode.options import ARRAY_ARGS, DecodeOptions, Impl, Interpret, KvLayout, ScoreOptions, split_call
+from fdecode.validation import describe, static_scalar
 
 if TYPE_CHECKING:
   from fdecode.kernels.mosaic_gpu import MlaPlan, RowsPlan
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
   from fdecode.kernels.xla import XlaPlan
 
 # DecodeOptions, Impl, Interpret, KvLayout, ScoreOptions: the types of the public signatures
-# (`fdecode.call`), imported from here by the entry points that forward to flash_decode.
+# (`fdecode.options`), imported from here by the entry points that forward to flash_decode.
 
 Plan = Union["XlaPlan", "TritonPlan", "CallPlan", "MlaPlan", "RowsPlan"]
 
@@ -109,7 +110,7 @@ def flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: Array
       float32, 0 or of magnitude in ``[2**-126, float32 max]``.
     num_splits: chunks of the token axis processed in parallel, each yielding a partial
       state merged by `merge_states`. ``None``: compiled Triton gives every SM of the GPU two
-      programs (`fdecode.kernels.triton.plan.gpu_num_splits`); elsewhere the backend's plan decides
+      programs (`fdecode.kernels.triton.plan.split_count`); elsewhere the backend's plan decides
       (`fdecode.kernels.mosaic_tpu.plan.split_count`, `fdecode.kernels.xla.plan.make_plan`).
       Any positive value gives the same result within float tolerance. ``"balance"``:
       on a paged cache without mask, bias or index list, the Triton kernel runs a fixed
@@ -237,15 +238,16 @@ def flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: Array
       / integers out of range (int32 included); with ``impl="pallas"`` compiled for GPU,
       for head dims the Triton kernel cannot tile; with ``impl="mosaic_gpu"``, for a call
       its kernels do not take or a trace not for an sm_90 GPU (see ``impl``); a static
-      option (`fdecode.validation.STATIC_ARGS`: softmax_scale, num_splits, block_k, causal,
-      window, logits_soft_cap, v_head_dim, interpret, return_lse) given traced: under ``jit``
-      pass it with ``static_argnames`` or close over it with ``functools.partial``.
+      option (`fdecode.options.STATIC_ARGS`: softmax_scale, num_splits, block_k, causal,
+      window, logits_soft_cap, v_head_dim, interpret, batch_invariant, split_size,
+      return_lse) given traced: under ``jit`` pass it with ``static_argnames`` or close
+      over it with ``functools.partial``.
     TypeError: an array argument that is neither an array nor a rectangular list of
       numbers.
   """
   options = dict(locals())
   return_lse = static_scalar("return_lse", options.pop("return_lse"))
-  return run(canonical_call(**options), return_lse)
+  return run(canonical_call(*split_call(**options)), return_lse)
 
 
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -263,7 +265,7 @@ def plan(q: ArrayLike | jax.ShapeDtypeStruct, k: ArrayLike | jax.ShapeDtypeStruc
   ``RowsPlan``: sm_90, or ``impl="mosaic_gpu"``), as a `Plans` tuple whose ``refused``
   names each backend tried before the chosen one and why it did not take the call (the
   route: `fdecode.route.ROUTES`). ``q``, ``k``, ``v``, ``lengths`` and the
-  array keyword arguments (`fdecode.validation.ARRAY_ARGS`): arrays or `jax.ShapeDtypeStruct`s
+  array keyword arguments (`fdecode.options.ARRAY_ARGS`): arrays or `jax.ShapeDtypeStruct`s
   (or lists); every other keyword argument as `flash_decode` takes it. Nothing runs or
   compiles: the call is traced. Empty for ``impl="reference"`` and for a call with no
   sequence or no new token.
@@ -302,6 +304,6 @@ def _check_values(traced, given) -> None:
   options = {n: x for n, x in given.items() if n != "return_lse"}
 
   def check(abstract):
-    canonical_call(**abstract, **concrete, **options)
+    canonical_call(*split_call(**abstract, **concrete, **options))
 
   jax.eval_shape(check, abstract)

@@ -13,12 +13,11 @@ capacity, Dk / Dv key / value head dims, K index slots.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, NamedTuple, TypedDict, Union
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
-from jax.typing import ArrayLike
 
 from fdecode import config as config_lib
 from fdecode import route
@@ -30,50 +29,9 @@ from fdecode.kernels.backend import Decode, Operands, Options
 from fdecode.kernels import mosaic_gpu
 from fdecode.kernels.common import modifiers
 from fdecode.kernels.common import sparse as sparse_lib
-from fdecode.validation import (as_arrays, check_concrete_lengths, check_kv_offset, describe, static_options,
-                                static_scale, to_int32, validate_args)
-
-IMPLS = ("pallas", "mosaic_gpu", "xla", "reference")
-
-# The types of the public signatures (flash_decode's, and what ragged_decode, cascade_decode
-# and sharded_flash_decode forward to it).
-Impl = Literal["pallas", "mosaic_gpu", "xla", "reference"]
-KvLayout = Literal["HND", "NHD"]
-Interpret = Union[bool, pltpu.InterpretParams, mosaic_gpu.InterpretGPUParams, None]
-
-
-class ScoreOptions(TypedDict, total=False):
-  """`flash_decode`'s keyword options that `ragged_decode` forwards (all but the cache's
-  layout and table, ``kv_offset`` and ``return_lse``), with their types."""
-  k_scale: ArrayLike | None
-  v_scale: ArrayLike | None
-  k_offset: ArrayLike | None
-  v_offset: ArrayLike | None
-  softmax_scale: float | None
-  num_splits: int | Literal["balance"] | None
-  block_k: int | None
-  impl: Impl | None
-  interpret: Interpret
-  causal: bool
-  mask: ArrayLike | None
-  bias: ArrayLike | None
-  alibi_slopes: ArrayLike | None
-  window: int | None
-  logits_soft_cap: float | None
-  sinks: ArrayLike | None
-  v_head_dim: int | None
-  k_rope: ArrayLike | None
-  indices: ArrayLike | None
-  batch_invariant: bool
-  split_size: int | None
-
-
-class DecodeOptions(ScoreOptions, total=False):
-  """Every keyword option of `flash_decode` but ``return_lse``, with its type."""
-  block_tables: ArrayLike | None
-  kv_offset: ArrayLike | None
-  kv_layout: KvLayout
-
+from fdecode.options import IMPLS, CallArrays, StaticOptions
+from fdecode.validation import (as_arrays, check_concrete_lengths, check_kv_offset, describe, static_scale, to_int32,
+                                validate_args)
 
 class Call(NamedTuple):
   """A `flash_decode` call, validated and canonical (`canonical_call`): ``q4`` ``[B, T, Hq,
@@ -81,7 +39,7 @@ class Call(NamedTuple):
   sequence's end relative to the cache's first token), the static ``mods`` and their
   canonical ``mod_arrays`` and ``sinks``, the static ``softmax_scale`` and ``cfg``, and the
   call's other options as `fdecode.dispatch.decode` takes them. ``source``: a
-  `fdecode.kernels.triton.RowSource` of which ``q4`` (and the view's block tables, or a
+  `fdecode.kernels.backend.RowSource` of which ``q4`` (and the view's block tables, or a
   contiguous view's caches) are gathers (a `fdecode.ragged` part), or None."""
   q4: object
   view: CacheView
@@ -101,33 +59,23 @@ class Call(NamedTuple):
   source: object = None
 
 
-def canonical_call(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale=None,
-                   softmax_scale=None, num_splits=None, block_k=None, impl=None,
-                   interpret=None, k_offset=None, v_offset=None, kv_offset=None,
-                   causal=True, mask=None, bias=None, alibi_slopes=None, window=None,
-                   logits_soft_cap=None, sinks=None, v_head_dim=None, k_rope=None, indices=None,
-                   kv_layout="HND", batch_invariant=False, split_size=None) -> Call:
-  """`flash_decode`'s arguments (but ``return_lse``), checked (every `flash_decode` error)
-  and put in the form the backends take: a `Call`."""
-  statics = static_options(softmax_scale=softmax_scale, num_splits=num_splits, block_k=block_k, causal=causal,
-                           window=window, logits_soft_cap=logits_soft_cap, v_head_dim=v_head_dim, interpret=interpret,
-                           batch_invariant=batch_invariant, split_size=split_size)
-  (softmax_scale, num_splits, block_k, causal, window, logits_soft_cap, v_head_dim, interpret, batch_invariant,
-   split_size) = statics.values()
-  _check_invariant_mode(batch_invariant, split_size, impl, num_splits, indices)
+def canonical_call(arrays: CallArrays, opts: StaticOptions) -> Call:
+  """`flash_decode`'s arguments (but ``return_lse``): its ``arrays`` and its static ``opts``
+  (checked as far as no shape is needed: `fdecode.options.split_call`), checked against each
+  other (every `flash_decode` error) and put in the form the backends take: a `Call`."""
+  o = opts
+  impl, interpret, window, indices = o.impl, o.interpret, o.window, arrays.indices
+  _check_invariant_mode(o.batch_invariant, o.split_size, impl, o.num_splits, indices)
   (q, k, v, lengths, block_tables, k_scale, v_scale, k_offset, v_offset, kv_offset, mask, bias,
-   alibi_slopes, sinks, k_rope, indices) = as_arrays(
-       q=q, k=k, v=v, lengths=lengths, block_tables=block_tables, k_scale=k_scale, v_scale=v_scale,
-       k_offset=k_offset, v_offset=v_offset, kv_offset=kv_offset, mask=mask, bias=bias,
-       alibi_slopes=alibi_slopes, sinks=sinks, k_rope=k_rope, indices=indices)
+   alibi_slopes, sinks, k_rope, indices) = as_arrays(**arrays._asdict())
   # The cache layout, resolved once: the view goes down to `decode` and each path as it is
   # (the Triton kernel reads token-major caches in place); the checks see head-major shapes.
   view = CacheView.of(k, v, block_tables=block_tables, k_rope=k_rope, k_scale=k_scale, v_scale=v_scale,
-                      k_offset=k_offset, v_offset=v_offset, kv_layout=kv_layout)
+                      k_offset=k_offset, v_offset=v_offset, kv_layout=o.kv_layout)
   k, v, k_rope = view.head_major_shapes()
   k_scale, v_scale, k_offset, v_offset = view.k_scale, view.v_scale, view.k_offset, view.v_offset
   try:
-    single_token, dv = validate_args(q, k, v, lengths, block_tables, v_head_dim=v_head_dim, k_rope=k_rope)
+    single_token, dv = validate_args(q, k, v, lengths, block_tables, v_head_dim=o.v_head_dim, k_rope=k_rope)
     k_scale, k_offset = validate_quant("k", k, k_scale, k_offset)
     if v is None and (v_scale is not None or v_offset is not None):
       raise ValueError("flash_decode: v_scale / v_offset given with v=None: the values are k's first "
@@ -147,9 +95,9 @@ def canonical_call(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale
     raise ValueError("flash_decode: impl='mosaic_gpu' does not take kv_offset (the Hopper kernels read a "
                      "whole sequence's cache)")
   interpret = route.resolve_interpret(impl, interpret)
-  cfg = config_lib.Config.from_args(num_splits, block_k, bool(batch_invariant), split_size).bounded(
+  cfg = config_lib.Config.from_args(o.num_splits, o.block_k, bool(o.batch_invariant), o.split_size).bounded(
       max(view.capacity, 0 if indices is None else np.shape(indices)[-1]))
-  scale = static_scale(softmax_scale, q.shape[-1])
+  scale = static_scale(o.softmax_scale, q.shape[-1])
   check_concrete_lengths(lengths, None if kv_offset is not None else view.capacity)
   if kv_offset is not None:
     check_kv_offset(kv_offset, lengths, q.shape[0])
@@ -159,8 +107,8 @@ def canonical_call(q, k, v, lengths, *, block_tables=None, k_scale=None, v_scale
   q4 = q.reshape(q.shape[0], 1, *q.shape[1:]) if single_token else q  # one reshape, not an expand_dims
   hkv = view.kv_heads
   mods, mod_arrays, sinks = modifiers.canonicalize(
-      q4.shape, hkv, view.capacity, causal=causal, mask=mask, bias=bias,
-      alibi_slopes=alibi_slopes, sinks=sinks, window=window, logits_soft_cap=logits_soft_cap)
+      q4.shape, hkv, view.capacity, causal=o.causal, mask=mask, bias=bias,
+      alibi_slopes=alibi_slopes, sinks=sinks, window=window, logits_soft_cap=o.logits_soft_cap)
   if indices is not None:
     indices = sparse_lib.validate(indices, q.shape, hkv, mods=mods, has_mask=mask is not None,
                                   has_bias=bias is not None)
@@ -187,7 +135,7 @@ def part(c: Call, q4, view: CacheView, lengths, *, source, rows=None, cfg=None) 
     view: the part's cache view: ``c.view`` with the part's block tables (int32 ``[B, n]``),
       or a contiguous cache's rows of ``c.view``'s (canonical) arrays.
     lengths: int32 ``[B]``.
-    source: the part's `fdecode.kernels.triton.RowSource`.
+    source: the part's `fdecode.kernels.backend.RowSource`.
     rows: the part's rows of the step's per-row ``mask`` / ``bias`` (``[B, T, S]`` or
       ``[B, T, Hq, S]``) and ``indices`` (``[B, T, K]`` or ``[B, T, Hkv, K]``), those the
       step has.

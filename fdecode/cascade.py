@@ -38,7 +38,8 @@ from fdecode.api import DecodeOptions, flash_decode
 from fdecode.cache.tables import check_concrete_page_ids
 from fdecode.combine import apply_sinks, merge_states
 from fdecode.cache.quant import is_quantized, validate_quant
-from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, static_options
+from fdecode.options import ARRAY_ARGS, static_options
+from fdecode.validation import as_array, as_arrays
 
 # Position-dependent options that row packing cannot express: a packed row would need its
 # own sequence's positions inside the prefix call, which sees every row at once.

@@ -36,7 +36,8 @@ from fdecode.cache.layout import CacheView, kv_head_axis
 from fdecode.combine import apply_sinks, combine_across
 from fdecode.cache.meshes import host_values
 from fdecode.cache.quant import canonical_scale
-from fdecode.validation import ARRAY_ARGS, as_array, as_arrays, short_repr, static_options
+from fdecode.options import ARRAY_ARGS, static_options
+from fdecode.validation import as_array, as_arrays, short_repr
 
 # A mesh axis name, several (their product), or none.
 AxisNames = str | tuple[str, ...] | None

@@ -23,9 +23,6 @@ F32_MAX = float(np.finfo(np.float32).max)
 # product normal for every |s| >= 2**-26, below float32's resolution of exp(s) near 1.
 SOFT_CAP_MAX = 2.0 ** 100
 
-# flash_decode's array arguments: Python lists / tuples of them are converted with numpy.
-ARRAY_ARGS = ("q", "k", "v", "lengths", "block_tables", "k_scale", "v_scale", "k_offset", "v_offset",
-              "kv_offset", "mask", "bias", "alibi_slopes", "sinks", "k_rope", "indices")
 # Largest tuning knobs: int32, and a block_k rounded up to a power of two must stay in int32.
 TUNING_KNOB_MAX = {"num_splits": 2 ** 31 - 1, "block_k": 2 ** 30, "split_size": 2 ** 30}
 # A traced softmax_scale has a way around the kernel: scale q instead.
@@ -202,42 +199,18 @@ def tuning_knob(name, value, caller: str | None = None):
   return int(value)
 
 
-def _num_splits(x, caller) -> int | str:
+def static_num_splits(x, caller) -> int | str:
+  """num_splits: ``"balance"``, or a tuning knob (`tuning_knob`)."""
   return x if isinstance(x, str) and x == "balance" else tuning_knob("num_splits", x, caller)
 
 
-def _v_head_dim(x, caller) -> int:
+def static_v_head_dim(x, caller) -> int:
   """v_head_dim's shape-free check (its range, ``[1, k.shape[-1]]``, is `validate_args`')."""
   x = static_scalar("v_head_dim", x, caller)
   if isinstance(x, bool) or not isinstance(x, numbers.Integral):
     raise ValueError(f"{caller}: v_head_dim must be a static int (Dv: the values are k's first v_head_dim "
                      f"columns); got v_head_dim={describe(x)}")
   return int(x)
-
-
-# flash_decode's static options and their checks that need no shape (None is always allowed);
-# return_lse and interpret are only never traced here (flash_decode checks interpret itself).
-_STATIC_CHECKS = {
-    "softmax_scale": lambda x, caller: static_scale(x, 1, caller), "num_splits": _num_splits,
-    "block_k": lambda x, caller: tuning_knob("block_k", x, caller),
-    "causal": lambda x, caller: static_bool("causal", x, caller), "window": static_window,
-    "logits_soft_cap": static_soft_cap, "v_head_dim": _v_head_dim,
-    "return_lse": lambda x, caller: static_scalar("return_lse", x, caller),
-    "interpret": lambda x, caller: static_scalar("interpret", x, caller),
-    "batch_invariant": lambda x, caller: static_bool("batch_invariant", x, caller),
-    "split_size": lambda x, caller: tuning_knob("split_size", x, caller),
-}
-STATIC_ARGS = tuple(_STATIC_CHECKS)
-
-
-def static_options(caller: str = "flash_decode", **options) -> dict:
-  """``options`` (`flash_decode` keywords) with each static one (`STATIC_ARGS`: compiled into
-  the kernels, so they key its jit) as the Python value it holds, checked as far as no shape
-  is needed; the others come back as given. A traced static raises ValueError naming it
-  and how to pass it static (`traced_static`); a concrete numpy / jax scalar is taken as
-  its value (`static_scalar`), in the domain flash_decode checks."""
-  return {n: _STATIC_CHECKS[n](x, caller) if n in _STATIC_CHECKS and x is not None else x
-          for n, x in options.items()}
 
 
 def check_int32(name, x, caller: str = "flash_decode", *, low: int = INT32_MIN, high: int = INT32_MAX) -> None:

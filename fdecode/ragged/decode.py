@@ -45,7 +45,7 @@ Where they run:
   MLA caches are refused (the MLA kernel takes T = 1 only, so not the prefill blocks).
   Each part's query rows (and each prefill block's table row, or contiguous cache row)
   are gathers of the packed q (and of the block tables, or the caches); the Triton
-  kernels read them in place through their indices (`fdecode.kernels.triton.RowSource`);
+  kernels read them in place through their indices (`fdecode.kernels.backend.RowSource`);
   every other path reads the gathers. (A program exported for several platforms at once,
   ``jax.export(..., platforms=[...])``, picks its branch at run time, so it computes the
   gathers wherever it runs: export one program per platform.)
@@ -59,6 +59,7 @@ write nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal, Unpack, overload
 
@@ -68,18 +69,14 @@ from jax import Array, lax
 from jax.typing import ArrayLike
 
 from fdecode.cache.layout import CacheView, check_layout
-from fdecode.call import KvLayout, ScoreOptions, decode_of
+from fdecode.call import decode_of
 from fdecode.ragged.checks import CALLER, check_shapes, check_values
 from fdecode.ragged.parts import Step, searchsorted, step_calls, two_parts, with_call
 from fdecode.ragged.write import write_new_tokens
 from fdecode import route
 from fdecode.route import resolve_interpret
-from fdecode.validation import as_arrays, static_options, to_int32
-# flash_decode's keywords ragged_decode forwards; the per-row ones are indexed by row.
-_OPTIONS = ("k_scale", "v_scale", "k_offset", "v_offset", "softmax_scale", "num_splits", "block_k",
-            "impl", "interpret", "return_lse", "causal", "mask", "bias", "alibi_slopes", "window",
-            "logits_soft_cap", "sinks", "v_head_dim", "k_rope", "indices", "batch_invariant", "split_size")
-_PER_SEQ = ("k_scale", "v_scale", "k_offset", "v_offset", "k_rope")  # contiguous: a batch axis
+from fdecode.options import ARRAY_ARGS, RAGGED_OPTIONS, KvLayout, ScoreOptions, StaticOptions, static_options_of
+from fdecode.validation import as_arrays, static_scalar, to_int32
 
 
 class RaggedOptions(ScoreOptions, total=False):
@@ -179,17 +176,18 @@ def ragged_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, kv_lens: Arra
       table names, which another sequence listing it then sees.
     TypeError: an unknown keyword, or an array argument that is not an array.
   """
-  unknown = sorted(set(options) - set(_OPTIONS))
+  unknown = sorted(set(options) - set(RAGGED_OPTIONS))
   if "kv_offset" in unknown:
     raise ValueError(f"{CALLER}: kv_offset is not taken: kv_lens count each sequence's cached tokens")
   if unknown:
     raise TypeError(f"{CALLER}: unexpected keyword(s) {unknown}; it takes kv_layout, new_k, new_v "
-                    f"and flash_decode's {list(_OPTIONS)}")
+                    f"and flash_decode's {list(RAGGED_OPTIONS)}")
   check_layout(kv_layout, CALLER)
+  arrays = {n: options.pop(n) for n in ARRAY_ARGS if n in options}
+  return_lse = options.pop("return_lse", False)
+  return_lse = bool(False if return_lse is None else static_scalar("return_lse", return_lse, CALLER))
   # The static options key the compiled step: Python values, checked as flash_decode checks them.
-  options = static_options(CALLER, **options)
-  arrays = {n: options.pop(n) for n in ("k_scale", "v_scale", "k_offset", "v_offset", "mask", "bias",
-                                        "alibi_slopes", "sinks", "k_rope", "indices") if n in options}
+  opts = static_options_of(CALLER, kv_layout=kv_layout, **options)
   (q, k, v, kv_lens, block_tables, cu_q_lens, num_seqs, new_k, new_v, *rest) = as_arrays(
       CALLER, q=q, k=k, v=v, kv_lens=kv_lens, block_tables=block_tables, cu_q_lens=cu_q_lens,
       num_seqs=num_seqs, new_k=new_k, new_v=new_v, **arrays)
@@ -199,17 +197,15 @@ def ragged_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, kv_lens: Arra
                            kv_layout, arrays)
   view = CacheView(k, v, block_tables=block_tables, layout=kv_layout, paged=paged)  # shapes checked above
   check_values(kv_lens, block_tables, cu_q_lens, num_seqs, n_rows, m, view.capacity, num_pages=view.num_pages,
-               page_size=view.page_size, window=options.get("window"), writes=new_k is not None)
-  return_lse = bool(options.pop("return_lse", False))
-  if options.get("impl") == "pallas" and options.get("interpret") is None:
+               page_size=view.page_size, window=opts.window, writes=new_k is not None)
+  if opts.impl == "pallas" and opts.interpret is None:
     # Resolved here, not at trace time: it keys the compiled step (as in flash_decode).
-    options["interpret"] = resolve_interpret("pallas", None)
-  statics = tuple(sorted((n, _hashable(x)) for n, x in options.items()))
+    opts = dataclasses.replace(opts, interpret=resolve_interpret("pallas", None))
   try:
     view = view.with_arrays(block_tables=None if not paged else to_int32(block_tables))
     out, lse, k_out, v_out = _ragged(q, view, to_int32(kv_lens), to_int32(cu_q_lens),
                                      to_int32(jnp.reshape(num_seqs, (-1,))[:1]), new_k, new_v, arrays,
-                                     statics=statics)
+                                     opts=opts)
   except (ValueError, TypeError) as e:  # a flash_decode check: say whose call it was
     msg = str(e)
     if msg.startswith("flash_decode:"):
@@ -223,25 +219,20 @@ def ragged_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, kv_lens: Arra
   return result[0] if len(result) == 1 else result
 
 
-def _hashable(x):
-  return tuple(x) if isinstance(x, list) else x
-
-
-@functools.partial(jax.jit, static_argnames=("statics",))
-def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
+@functools.partial(jax.jit, static_argnames=("opts",))
+def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, opts: StaticOptions):
   """The jit-compiled step: clip, write, attend (the Triton step, or the two-part path).
   ``view``: the caches (`fdecode.cache.layout.CacheView`: k, v in the caller's layout,
-  int32 block tables)."""
-  opts = dict(statics)
+  int32 block tables); ``opts``: the step's static options (they key the compilation)."""
   k, v = view.k, view.v
   n_rows, m = q.shape[0], kv_lens.shape[0]
-  dv = opts.get("v_head_dim") if v is None else v.shape[-1]
+  dv = opts.v_head_dim if v is None else v.shape[-1]
   hq = q.shape[1]
   if n_rows == 0 or m == 0:  # no row or no sequence: nothing to write or attend
     return jnp.zeros((n_rows, hq, dv), q.dtype), jnp.full((n_rows, hq), -jnp.inf, jnp.float32), k, v
   given = (cu, kv_lens, num_seqs)  # as given: the Triton kernels clip them as row_positions does
   geometry = row_positions(kv_lens, cu, num_seqs, n_rows, view.capacity)
-  impl, interp = opts.get("impl"), opts.get("interpret")
+  impl, interp = opts.impl, opts.interpret
   if new_k is not None:
     k, v = write_new_tokens(view, new_k, new_v, *geometry[3:], impl=impl, interpret=interp, step=given)
   # The caches in the caller's layout: flash_decode reads token-major ones in place (`fdecode.cache.layout`).
@@ -251,8 +242,7 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, statics):
   capacity = view.capacity
   step_args = lambda st: (*step_calls(st), st.given, st.block, capacity)
   # The batch-invariant mode runs both parts on its own path (`fdecode.kernels.xla.invariant`).
-  step_takes = ("indices" not in arrays and opts.get("num_splits") in (None, "balance")
-                and not opts.get("batch_invariant"))
+  step_takes = "indices" not in arrays and opts.num_splits in (None, "balance") and not opts.batch_invariant
   out, lse = route.lower_step(decode_of(st.call), step_takes=step_takes, step_args=step_args, two_parts=two_parts,
                               operand=st)
   return out, lse, k, v

@@ -19,7 +19,8 @@ from jax import lax
 
 from fdecode.cache.layout import QUANT_ARRAYS, CacheView
 from fdecode.call import Call, canonical_call, decode_of, part, run
-from fdecode.kernels.triton import RowSource
+from fdecode.kernels.backend import RowSource
+from fdecode.options import CallArrays, StaticOptions
 from fdecode.ragged.checks import PER_ROW
 from fdecode import route
 
@@ -31,7 +32,8 @@ class Step(NamedTuple):
   offsets in ``view``'s layout (``view``: the caches' `CacheView`, its int32 block tables
   when paged); ``geometry``: `fdecode.ragged.row_positions`' ``(cu, lens, q_len, seq,
   pos)``; ``given``: the step's ``(cu_q_lens, kv_lens, num_seqs)`` as given (int32); ``arrays``:
-  the per-call option arrays (modifiers, sinks); ``opts``: the static options; ``dv``: Dv;
+  the per-call option arrays (modifiers, sinks); ``opts``: the static options (the caches'
+  layout ``view.layout`` among them); ``dv``: Dv;
   ``call``: the step's `fdecode.call.Call` (`with_call`)."""
   q: object
   caches: dict
@@ -39,7 +41,7 @@ class Step(NamedTuple):
   geometry: tuple
   given: tuple
   arrays: dict
-  opts: dict
+  opts: StaticOptions
   dv: int
   call: Call | None = None
 
@@ -94,10 +96,10 @@ def with_call(st: Step) -> Step:
   its decode part's call: each live sequence's last row (T = 1) over the whole caches.
   The prefill blocks' calls are built from it (`fdecode.call.part`)."""
   last, lengths = _last_rows(st)
-  c = canonical_call(st.q[last][:, None], st.caches["k"], st.caches["v"], lengths,
-                     block_tables=st.view.block_tables, kv_layout=st.view.layout, **_cache_opts(st.caches),
-                     **_shared(st), **_per_row(st, last, (last.shape[0], 1)), **st.opts)
-  return st._replace(call=c)
+  arrays = CallArrays(st.q[last][:, None], st.caches["k"], st.caches["v"], lengths,
+                      block_tables=st.view.block_tables, **_cache_opts(st.caches), **_shared(st),
+                      **_per_row(st, last, (last.shape[0], 1)))
+  return st._replace(call=canonical_call(arrays, st.opts))
 
 
 def _shared(st: Step):
@@ -169,7 +171,7 @@ def _batched(st: Step):
 def two_parts(st: Step):
   """The step's ``(out [N, Hq, Dv], lse [N, Hq])``: the decode part's call, the prefill
   blocks' (looped or batched, as the backend reads them), the rows gathered from both."""
-  q, view, arrays, opts = st.q, st.view, st.arrays, st.opts
+  q, arrays = st.q, st.arrays
   n_rows, hq = q.shape[:2]
   dec_o, dec_l = run(_decode_call(st)[0], return_lse=True)
   if n_rows < 2:  # no sequence has a row before its last: no prefill block

@@ -18,7 +18,8 @@ LAYERS = (
     ("fdecode.flax",),                                             # layers
     ("fdecode",),                                                  # the package face
     ("fdecode.api", "fdecode.ragged", "fdecode.cascade", "fdecode.sharding"),  # entry points
-    ("fdecode.call", "fdecode.dispatch", "fdecode.route", "fdecode.derivatives"),  # the canonical call, the one route to a backend, its derivative
+    # the canonical call and its options, the one route to a backend, its derivative
+    ("fdecode.call", "fdecode.options", "fdecode.dispatch", "fdecode.route", "fdecode.derivatives"),
     ("fdecode.kernels",),                                          # backends, their plans and block math
     ("fdecode.cache",),                                            # cache formats, quantization, writes
     ("fdecode.validation", "fdecode.combine", "fdecode.config", "fdecode.reference"),  # the base

@@ -37,7 +37,7 @@ def test_xla_splits_follow_the_documented_rule(platform):
                  kv_layout=read_layout(layout, hkv), token_bytes=token_bytes)
     case = (b, hkv, s, paged, quantized, layout, token_bytes, p)
     assert p.kv_layout == read_layout(layout, hkv) and p.tokens == s, case
-    heuristic = max(xla.occupancy_splits(b, hkv, max(s, 1), units), s // CHUNK)
+    heuristic = max(xla.split_count(b, hkv, max(s, 1), units), s // CHUNK)
     if not paged and not quantized and p.kv_layout == "HND":  # one batched matmul: a divisor of S
       assert p.num_splits == xla.largest_divisor_at_most(s, heuristic), case
       assert s % p.num_splits == 0 or s == 0, case

@@ -73,3 +73,20 @@ def test_a_type_checker_sees_the_public_types(tmp_path):
   misuse = [i + 1 for i, line in enumerate(USER_SCRIPT.splitlines()) if "triton" in line or "windw" in line]
   assert bad_lines == set(misuse), result.stdout + result.stderr  # the misspelt option and impl, nothing else
   assert any("windw" in line and 'did you mean "window"' in line for line in errors), errors
+
+
+def test_the_typed_keywords_are_the_declared_options():
+  """The typed keyword dicts and `flash_decode`'s signature name what `fdecode.options`
+  declares once (`CallArrays`, `StaticOptions`): one added there and not here fails."""
+  import dataclasses
+  import inspect
+
+  import fdecode
+  from fdecode import options
+  from fdecode.ragged.decode import RaggedOptions
+  keys = lambda typed: typed.__required_keys__ | typed.__optional_keys__
+  fields = {f.name for f in dataclasses.fields(options.StaticOptions)}
+  assert keys(options.DecodeOptions) == (set(options.ARRAY_ARGS[4:]) | fields)
+  assert keys(options.ScoreOptions) | {"return_lse"} == set(options.RAGGED_OPTIONS) == keys(RaggedOptions)
+  signature = set(inspect.signature(fdecode.flash_decode).parameters)
+  assert signature == set(options.ARRAY_ARGS) | set(options.STATIC_ARGS)

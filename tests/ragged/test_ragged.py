@@ -52,7 +52,7 @@ def test_window_soft_cap_and_modifiers(dtype):
 
 def test_triton_reads_rows_in_place_per_sequence_grid():
   """The interpreted Triton kernels read each part's q rows and each prefill block's table
-  row through their indices (`fdecode.kernels.triton.RowSource`), not gathers. A fixed
+  row through their indices (`fdecode.kernels.backend.RowSource`), not gathers. A fixed
   split count turns the balanced schedule off, so this runs the per-sequence grid's reads
   with a per-row bias gathered per part (`test_matches_reference` runs the balanced one);
   rows before a sequence's own in a block (its first, partial block) read other sequences'

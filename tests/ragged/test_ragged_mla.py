@@ -12,6 +12,7 @@ import fdecode
 from fdecode.kernels.common import chips
 from fdecode.cache.quant import quantize
 from fdecode.call import canonical_call
+from fdecode.options import split_call
 from helpers.ragged import batch, check, per_sequence, spy_step
 
 
@@ -56,5 +57,5 @@ def test_hopper_keeps_only_the_decode_parts_it_takes(gpu, dtype, g, paged, expec
               block_tables=jnp.zeros((m, s // 16), jnp.int32) if paged else None,
               **({} if dtype == "bfloat16" else dict(k_scale=0.5)))
   # The Triton step leaves the decode part to the Hopper MLA kernel: the step runs as two decodes.
-  step = route.step_path(decode_of(canonical_call(**call, v_head_dim=512)), "gpu", step_takes=True)
+  step = route.step_path(decode_of(canonical_call(*split_call(**call, v_head_dim=512))), "gpu", step_takes=True)
   assert (step is None) is expected, step

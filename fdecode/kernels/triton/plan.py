@@ -4,7 +4,7 @@
 sub-plans: the query rows a program holds (`RowPlan`) and the column pieces of each head dim (`ColumnPlan`; both
 tiled by `fdecode.kernels.triton.tiles`), how the cache is read (`CachePlan`, its `Read` mode), the dtypes and scales
 (`DtypePlan`), the key block and warps that fit the registers and shared memory (`fdecode.kernels.triton.launch`),
-how a sequence's blocks are dealt to programs (`WorkPlan`: the split rule's count, `_split_count`, or the balanced
+how a sequence's blocks are dealt to programs (`WorkPlan`: the split rule's count, `_call_splits`, or the balanced
 schedule's work items) and what a `RowSource`'s indices give (`SourcePlan`). The kernels take the plan as it is.
 
 ``interpret=True`` runs the *same* plan in Pallas' interpreter (the same row tiles, pieces and block; a target GPU's
@@ -30,7 +30,8 @@ from fdecode.kernels.triton.combine import COMBINE_CHUNK, CombinePlan, combine_w
 from fdecode.kernels.triton.geometry import StepPart
 from fdecode.kernels.triton.launch import MIN_DOT, Launch, launch_plan, load_convert_bytes, row_state_factor
 from fdecode.kernels.triton.schedule import Schedule
-from fdecode.kernels.triton.source import RowSource, SourcePlan, source_plan
+from fdecode.kernels.backend import RowSource
+from fdecode.kernels.triton.source import SourcePlan, source_plan
 from fdecode.kernels.triton.tiles import F32_PIECE, PIECE_COLS, column_pieces, row_tiling, triton_unsupported
 from fdecode.kernels.triton.tuned import LAUNCH
 from fdecode.kernels import xla as xla_kernels
@@ -215,7 +216,7 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
 
   ``q_shape``: ``[B, T, Hq, Dq]``; ``k`` / ``v`` / ``k_rope`` in ``kv_layout``, ``v`` None for MLA (values are
   ``k[..., :v_head_dim]``); scales canonical rank 4; ``index_slots``: K of a sparse call's index lists (None:
-  dense), ``sparse_fold`` its `fdecode.kernels.common.sparse.Sparse` fold. ``num_splits`` None: `_split_count`;
+  dense), ``sparse_fold`` its `fdecode.kernels.common.sparse.Sparse` fold. ``num_splits`` None: `_call_splits`;
   with ``balance``, the balanced schedule where it applies (`_balanced`). ``block_k`` None:
   `fdecode.config.DEFAULT_BLOCK_K`. ``gpu``: the target (None: `fdecode.kernels.common.chips.lowering_gpu`).
   ``source``: a `RowSource` the kernels read q (and table rows or cache rows, if it has them) through; not with
@@ -244,8 +245,8 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
                     cache_batch=cache_batch, sparse_fold=sparse_fold)
   slots = index_slots if index_slots is not None else window_tokens(seq_len, t, mods)
   work = _work(gpu, launch, rows, columns.dv, b=b, balanced=balanced, num_splits=num_splits, interpret=interpret,
-               split_count=lambda: _split_count(gpu, launch, rows, columns.dv, caches, b=b, slots=slots,
-                                                interpret=interpret))
+               default_splits=lambda: _call_splits(gpu, launch, rows, columns.dv, caches, b=b, slots=slots,
+                                                   interpret=interpret))
   return TritonPlan(gpu=gpu.name, interpret=bool(interpret), rows=rows, columns=columns, cache=cache, dtypes=dtypes,
                     launch=launch, work=work, mods=mods, has_sinks=bool(has_sinks), source=source_plan(source, step))
 
@@ -331,34 +332,35 @@ def _launch(gpu, rows: RowPlan, columns: ColumnPlan, dtypes: DtypePlan, caches, 
                      reserve=LAUNCH.differing_rows_reserve if differing_rows else 0)
 
 
-def _work(gpu, launch: Launch, rows: RowPlan, dv: int, *, b, balanced, num_splits, interpret, split_count) -> WorkPlan:
+def _work(gpu, launch: Launch, rows: RowPlan, dv: int, *, b, balanced, num_splits, interpret,
+          default_splits) -> WorkPlan:
   """Balanced: B work items and one wave more (`INTERPRET_EXTRA_ITEMS` interpreted), one
-  split each; else the given split count or ``split_count()``'s. The combine's tiling to match."""
+  split each; else the given split count or ``default_splits()``'s. The combine's tiling to match."""
   hkv, items = rows.kv_heads, b
   if balanced:
     extra = INTERPRET_EXTRA_ITEMS if interpret else -(-gpu.sms * launch.residency(gpu)[1] // (hkv * rows.row_blocks))
     items, num_splits = b + extra, 1
   elif num_splits is None:
-    num_splits = split_count()
+    num_splits = default_splits()
   tiling = (segment_combine_tiling(b, hkv, rows.num_rows, dv, items, gpu.sms) if balanced
             else (1, combine_width(int(num_splits), dv), COMBINE_CHUNK))
   return WorkPlan(num_splits=int(num_splits), balanced=balanced, items=items, batch=b, combine_tiling=tiling)
 
 
-def _split_count(gpu: chips.Gpu, launch: Launch, rows: RowPlan, dv: int, caches, *, b: int, slots: int,
+def _call_splits(gpu: chips.Gpu, launch: Launch, rows: RowPlan, dv: int, caches, *, b: int, slots: int,
                  interpret: bool) -> int:
   """The split rule of a call of ``slots`` tokens (S, its window's, or K listed), ``num_splits``
-  None: compiled, `gpu_num_splits` (the least predicted time among counts that fill a wave of
-  ``gpu``); interpreted, `fdecode.kernels.xla.plan.occupancy_splits` for the host's cores (the
+  None: compiled, `split_count` (the least predicted time among counts that fill a wave of
+  ``gpu``); interpreted, `fdecode.kernels.xla.plan.split_count` for the host's cores (the
   module doc says why)."""
   hkv = rows.kv_heads
   blocks = max(-(-slots // launch.block), 1)
   if interpret:
-    return xla_kernels.occupancy_splits(b, hkv, blocks, config_lib.num_parallel_units("cpu"))
+    return xla_kernels.split_count(b, hkv, blocks, config_lib.num_parallel_units("cpu"))
   cols_bytes = sum(x.shape[-1] * jnp.dtype(x.dtype).itemsize for x in caches)
-  return gpu_num_splits(gpu.sms, launch.residency(gpu), b * hkv * rows.row_blocks, blocks,
-                        cache_bytes=b * hkv * slots * cols_bytes,
-                        split_bytes=2 * 4 * b * hkv * rows.block_r * rows.row_blocks * (dv + 1))
+  return split_count(gpu.sms, launch.residency(gpu), b * hkv * rows.row_blocks, blocks,
+                     cache_bytes=b * hkv * slots * cols_bytes,
+                     split_bytes=2 * 4 * b * hkv * rows.block_r * rows.row_blocks * (dv + 1))
 
 
 def gpu_busy(programs: int, sms: int, resident: int) -> float:
@@ -367,7 +369,7 @@ def gpu_busy(programs: int, sms: int, resident: int) -> float:
   losses. Balance: the busiest SM streams ``ceil(programs / SMs)`` programs against the
   mean ``programs / SMs`` (below one per SM, idle SMs). Waves: when an SM's share of the
   bandwidth needs all ``resident`` programs in flight, the last partial wave runs at
-  ``waves / ceil(waves)``. `gpu_num_splits` chooses by it; benchmarks/compile_report.py
+  ``waves / ceil(waves)``. `split_count` chooses by it; benchmarks/compile_report.py
   predicts with it from the compiled kernel's residency."""
   per_sm = programs / sms
   balance = per_sm / math.ceil(per_sm)
@@ -375,7 +377,7 @@ def gpu_busy(programs: int, sms: int, resident: int) -> float:
   return min(balance, waves / math.ceil(waves) if waves >= 1 else 1.0)
 
 
-def gpu_num_splits(sms: int, residency: tuple[int, int], work: int, num_blocks: int,
+def split_count(sms: int, residency: tuple[int, int], work: int, num_blocks: int,
                    cache_bytes: float, split_bytes: float) -> int:
   """GPU split count: the one with the least predicted time, ``(cache_bytes + splits *
   split_bytes) / gpu_busy``, among those that give every SM `PROGRAMS_PER_SM` programs.

@@ -32,7 +32,7 @@ from fdecode.kernels.triton.combine import combine
 from fdecode.kernels.triton.kernel import split_kernel
 from fdecode.kernels.triton.operands import Operand, flatten, whole
 from fdecode.kernels.triton.plan import Read, TritonPlan
-from fdecode.kernels.triton.source import RowSource
+from fdecode.kernels.backend import RowSource
 
 
 class SplitOperands(NamedTuple):

@@ -68,7 +68,7 @@ def make_plan(*, batch: int, kv_heads: int, tokens: int, platform: str, paged: b
   for the heuristic:
 
   * sparse: chunks of about `CHUNK_TOKENS` slots.
-  * otherwise the parallelism heuristic (`occupancy_splits` on ``platform``'s cores),
+  * otherwise the parallelism heuristic (`split_count` on ``platform``'s cores),
     raised to chunks of about `CHUNK_TOKENS` tokens (one chunk's scores, or its
     gathered / dequantized pages, stay cache-sized: 0.50 of the floor at S=16384 on a
     2-core CPU vs 0.38 unsplit, benchmarks/RESULTS.md). A contiguous float head-major
@@ -97,7 +97,7 @@ def make_plan(*, batch: int, kv_heads: int, tokens: int, platform: str, paged: b
     return XlaPlan(max(num_splits or 1, -(-score_bytes // CHUNK_SCORE_BYTES)), layout, tokens, loop=True)
   if num_splits:
     return XlaPlan(num_splits, layout, tokens)
-  n = occupancy_splits(batch, kv_heads, max(s, 1), config_lib.num_parallel_units(platform))
+  n = split_count(batch, kv_heads, max(s, 1), config_lib.num_parallel_units(platform))
   n = max(n, s // CHUNK_TOKENS)
   if not paged and layout == "HND" and not quantized:
     return XlaPlan(largest_divisor_at_most(s, n), layout, tokens)  # no loop: one batched matmul
@@ -114,7 +114,7 @@ def per_sequence(total, batch):
   return each if isinstance(each, int) else 0
 
 
-def occupancy_splits(batch: int, kv_heads: int, num_blocks: int, num_units: int) -> int:
+def split_count(batch: int, kv_heads: int, num_blocks: int, num_units: int) -> int:
   """The XLA path's parallelism rule (`make_plan`), the CPU's split count, which the Triton
   interpreter keeps too (`fdecode.kernels.triton.plan`).
 

@@ -11,7 +11,7 @@ import pytest
 from fdecode.kernels.common import chips
 from fdecode.kernels.common.block import decode_fp8_bits
 from fdecode.kernels.triton import (LAUNCH, PROGRAMS_PER_SM, CalibrationSample, check_calibration, gpu_busy,
-                                    gpu_num_splits, launch_plan, measure_calibration)
+                                    split_count, launch_plan, measure_calibration)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
@@ -54,7 +54,7 @@ def test_gpu_splits_fill_every_sm_twice():
   """At least `PROGRAMS_PER_SM` programs a SM (or one a block); at most one split per
   block; a busy chip is not split; judged at every residency between, with the merge bytes."""
   sms, kv = chips.H100.sms, 2 ** 27
-  pick = lambda residency, work, blocks, split_bytes=2 ** 17: gpu_num_splits(
+  pick = lambda residency, work, blocks, split_bytes=2 ** 17: split_count(
       sms, residency, work, blocks, cache_bytes=kv, split_bytes=split_bytes)
   for residency, work in [((3, 4), 8), ((1, 3), 64), ((2, 2), 1), ((3, 4), 512)]:
     splits = pick(residency, work, 8192)
