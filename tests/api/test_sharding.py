@@ -188,9 +188,9 @@ def test_combine_across_in_a_user_shard_map_is_exact_and_deterministic():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_combine_across_carries_every_bit_of_each_state(dtype):
   """The gathered states reach the merge bit for bit, NaN, inf, -0.0 and empty parts
-  included (jax 0.10.2 has no public all_gather_invariant; a float pmax would drop the
-  NaN on XLA:CPU): the result equals `merge_states` of the stacked states, bit for bit,
-  on 1-D and 2-D axes, Explicit and Auto meshes."""
+  included (a gather by float ``pmax`` would drop the NaN on XLA:CPU): the result equals
+  `merge_states` of the stacked states, bit for bit, on 1-D and 2-D axes, Explicit and
+  Auto meshes."""
   rng = np.random.default_rng(0)
   o = jnp.asarray(rng.standard_normal((8, 3, 4)), dtype)
   o = o.at[1, 0, 0].set(jnp.nan).at[2, 1].set(-0.0).at[3, 2, 1].set(jnp.inf)
