@@ -15,6 +15,10 @@ scales) of the benchmark grid (Hq=32, Hkv=8, D=128, every sequence full, at B x 
   the roofline time beside the per-step overhead (~0.35 us a step, spread over the
   chip's TensorCores) that double buffering has to hide.
 
+``--invariant``: the batch-invariant mode's grid instead (bf16, Hq=32, Hkv=8, B = 1 / 8 / 64
+x S = 4k / 32k / 128k), each shape's default plan (``bf16``) beside the mode's
+(``invariant``): on GPU the Triton kernels' invariant plan, on TPU the Mosaic kernels'.
+
 Run in the compile tier's environment (``scripts/compile_tier`` makes ``.venv-chips``):
 ``JAX_PLATFORMS=cpu .venv-chips/bin/python benchmarks/compile_report.py [--chips h100,a100] [--json OUT]``.
 The tables go to stdout (markdown, for benchmarks/RESULTS.md); the rows to ``--json``
@@ -41,6 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import fdecode  # noqa: E402
+from fdecode.config import DEFAULT_SPLIT_SIZE  # noqa: E402
 from fdecode.kernels.common import chips  # noqa: E402
 from fdecode.kernels.triton import gpu_busy  # noqa: E402
 from _records import add_json_arg, machine_line, record, write  # noqa: E402  (benchmarks/ is on sys.path)
@@ -48,6 +53,9 @@ from _records import add_json_arg, machine_line, record, write  # noqa: E402  (b
 GRID = {"B=1 S=32k": (1, 8, 32, 32768), "B=8 S=32k": (8, 8, 32, 32768),
         "B=64 S=4k": (64, 8, 32, 4096), "B=1 Hkv=1 S=1M": (1, 1, 8, 1 << 20)}
 VARIANTS = ("bf16", "paged16", "int8", "fp8")
+INVARIANT_GRID = {f"B={b} S={s // 1024}k": (b, 8, 32, s) for b in (1, 8, 64) for s in (4096, 32768, 131072)}
+INVARIANT_VARIANTS = ("bf16", "invariant")
+SHAPES = {**GRID, **INVARIANT_GRID}  # (the names both grids hold are the same shapes)
 D = 128
 _STEP_OVERHEAD_S = 0.35e-6  # per Mosaic grid step (RESULTS.md, roofline on paper)
 
@@ -66,6 +74,8 @@ def _arrays(spec, variant, b, hkv, hq, s):
   k, v = spec(lead + (D,), dtype), spec(lead + (D,), dtype)
   if variant in ("int8", "fp8"):
     opts.update(k_scale=spec(lead + (1,), jnp.float32), v_scale=spec(lead + (1,), jnp.float32))
+  if variant == "invariant":
+    opts["batch_invariant"] = True
   return q, k, v, spec((b,), jnp.int32), opts
 
 
@@ -77,16 +87,21 @@ def kv_bytes(variant, b, hkv, s) -> int:
 
 def _build(target, *, variant, shape):
   q, k, v, n, opts = _arrays(target.spec, variant, *shape)
-  return (lambda q, k, v, n, opts: fdecode.flash_decode(q, k, v, n, **opts)), (q, k, v, n, opts)
+  static = {name: opts.pop(name) for name in ("batch_invariant",) if name in opts}  # closed over, not traced
+  return (lambda q, k, v, n, opts: fdecode.flash_decode(q, k, v, n, **opts, **static)), (q, k, v, n, opts)
 
 
 CASES = {f"{v} {g}": functools.partial(_build, variant=v, shape=shape)
          for g, shape in GRID.items() for v in VARIANTS}
+INVARIANT_CASES = {f"{v} {g}": functools.partial(_build, variant=v, shape=shape)
+                   for g, shape in INVARIANT_GRID.items() for v in INVARIANT_VARIANTS}
+DEFAULT_NAMES = list(CASES)
+CASES.update({n: c for n, c in INVARIANT_CASES.items() if n not in CASES})
 
 
 def gpu_row(gpu: chips.Gpu, name: str, report: dict) -> dict:
   variant, grid_name = name.split(" ", 1)
-  b, hkv, hq, s = GRID[grid_name]
+  b, hkv, hq, s = SHAPES[grid_name]
   kv = kv_bytes(variant, b, hkv, s)
   if not report["ok"]:
     return dict(case=name, error=report["error"][-300:])
@@ -105,15 +120,20 @@ def gpu_row(gpu: chips.Gpu, name: str, report: dict) -> dict:
 def tpu_row(tpu: chips.Tpu, target, name: str, report: dict) -> dict:
   from fdecode.kernels.mosaic_tpu.plan import plan, split_count  # pylint: disable=g-import-not-at-top
   variant, grid_name = name.split(" ", 1)
-  b, hkv, hq, s = GRID[grid_name]
+  b, hkv, hq, s = SHAPES[grid_name]
+  kv = kv_bytes(variant, b, hkv, s)
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)
   q, k, v, _, opts = _arrays(spec, variant, b, hkv, hq, s)
+  invariant = opts.pop("batch_invariant", False)
   q_rows = spec((b, hkv, hq // hkv, D), jnp.bfloat16)
   p = plan(q_rows, k, v, **opts)
   blocks = -(-s // p.block)
-  splits = split_count(b, hkv, blocks, tpu.cores_per_chip)
-  steps = b * hkv * splits * -(-blocks // splits)
-  kv = kv_bytes(variant, b, hkv, s)
+  if invariant:  # `fdecode.kernels.mosaic_tpu.plan.make_plan`'s split_size: every split of whole blocks, stepped
+    per = -(-DEFAULT_SPLIT_SIZE // p.block)
+    steps = b * hkv * -(-blocks // per) * per
+  else:
+    splits = split_count(b, hkv, blocks, tpu.cores_per_chip)
+    steps = b * hkv * splits * -(-blocks // splits)
   return dict(case=name, ok=report["ok"], error=None if report["ok"] else report["error"][-300:],
               vmem=p.vmem_bytes, vmem_limit=p.vmem_limit_bytes, tokens_per_step=p.block,
               bytes_per_step=kv // steps, steps=steps, floor_us=kv / tpu.bandwidth * 1e6,
@@ -157,7 +177,7 @@ def records_of(chip: str, rows: list[dict], machine: str) -> list[dict]:
   out = []
   for r in rows:
     variant, grid_name = r["case"].split(" ", 1)
-    b, hkv, hq, s = GRID[grid_name]
+    b, hkv, hq, s = SHAPES[grid_name]
     common = dict(shape=dict(B=b, S=s, Hkv=hkv, Hq=hq, D=D), seconds=None, nbytes=None, machine=machine,
                   dtype={"int8": "int8", "fp8": "float8_e4m3fn"}.get(variant, "bfloat16"), chip=chip, case=r["case"])
     if chip in chips.GPUS and "error" in r:
@@ -179,16 +199,18 @@ def main(argv=None):
   from fdecode.devtools.compile_check import Target, run_cases  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--chips", default="h100,a100,v5e,v6e")
+  parser.add_argument("--invariant", action="store_true", help="the batch-invariant mode's grid (module doc)")
   add_json_arg(parser, "compile_report")
   args = parser.parse_args(argv)
   machine = f"{machine_line()}; deviceless compiles, no chip ran"
   tables, data, records = [], {}, []
+  names = list(INVARIANT_CASES) if args.invariant else DEFAULT_NAMES
   for chip in args.chips.split(","):
-    reports = run_cases(chip, os.path.abspath(__file__), list(CASES))
+    reports = run_cases(chip, os.path.abspath(__file__), names)
     if chip in chips.GPUS:
-      rows = [gpu_row(chips.GPUS[chip], n, reports[n]) for n in CASES]
+      rows = [gpu_row(chips.GPUS[chip], n, reports[n]) for n in names]
     else:
-      rows = [tpu_row(chips.TPUS[chip], Target(chip), n, reports[n]) for n in CASES]
+      rows = [tpu_row(chips.TPUS[chip], Target(chip), n, reports[n]) for n in names]
     data[chip] = rows
     records += records_of(chip, rows, machine)
     tables.append(markdown(chip, rows))

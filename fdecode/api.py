@@ -217,13 +217,15 @@ def flash_decode(q: ArrayLike, k: ArrayLike, v: ArrayLike | None, lengths: Array
       the other sequences' lengths, masks and capacity), run to run, and whether its token
       was decoded alone, as one row of a multi-token (prefill) call or in `ragged_decode`.
       The cache is split every ``split_size`` positions from position 0, the splits are
-      merged left to right, and each product has one shape per (sequence, kv head,
-      token) (`fdecode.kernels.xla.invariant`). Runs the XLA path on every platform (impl
-      None or ``"xla"``; other impls, ``num_splits`` and ``indices`` raise ValueError); a
-      window is masked, not sliced. Guarantees and cost: ``docs/semantics.md``
-      (Reproducibility).
+      merged left to right, and every product and row sum has one shape whatever B and
+      T. Runs on the route's kernels where they have an invariant plan (GPU: Triton; TPU:
+      Mosaic; interpreted with ``impl="pallas"``), else on the XLA path
+      (`fdecode.kernels.xla.invariant`); impl None, ``"xla"`` or ``"pallas"`` (other
+      impls, ``num_splits`` and ``indices`` raise ValueError). Guarantees, exceptions and
+      cost: ``docs/semantics.md`` (Reproducibility).
     split_size: static int >= 1, cache positions per split in that mode (default 1024;
-      rounded up to whole pages over a paged cache). Only with ``batch_invariant=True``.
+      rounded up to whole pages on the XLA path, to whole key blocks in the kernels). Only
+      with ``batch_invariant=True``.
 
   Returns:
     ``out`` shaped like ``q`` with last dim Dv, dtype ``q.dtype``; with ``return_lse``

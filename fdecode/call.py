@@ -186,8 +186,10 @@ def decode_of(c: Call, sparse=None, lists=None) -> Decode:
   return Decode(options, Operands(c.q4, c.view, c.ends, lists or {}, c.mod_arrays, c.sinks, source))
 
 
-# The impls that take the batch-invariant mode (`fdecode.kernels.xla.invariant`, on every platform).
-INVARIANT_IMPLS = (None, "xla")
+# The impls that take the batch-invariant mode: the XLA path (`fdecode.kernels.xla.invariant`, on
+# every platform) and the Pallas kernels with an invariant plan (Triton's: compiled, or
+# interpreted on any host); where a route's kernel has none, the XLA path runs the call.
+INVARIANT_IMPLS = (None, "xla", "pallas")
 
 
 def _check_invariant_mode(batch_invariant, split_size, impl, num_splits, indices):
@@ -198,8 +200,8 @@ def _check_invariant_mode(batch_invariant, split_size, impl, num_splits, indices
                        "batch_invariant=True with it (num_splits sets the default path's splits)")
     return
   if impl not in INVARIANT_IMPLS:
-    raise ValueError(f"flash_decode: batch_invariant=True runs the batch-invariant XLA path on every platform "
-                     f"(impl None or 'xla'); got impl={describe(impl)}")
+    raise ValueError(f"flash_decode: batch_invariant=True runs with impl None, 'xla' or 'pallas' (the XLA "
+                     f"path or the Triton kernels' invariant plan); got impl={describe(impl)}")
   if num_splits is not None:
     raise ValueError(f"flash_decode: batch_invariant=True fixes the split size, not a split count: pass "
                      f"split_size= instead of num_splits={describe(num_splits)}")

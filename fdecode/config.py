@@ -17,6 +17,8 @@ import jax
 from fdecode.validation import tuning_knob
 
 DEFAULT_BLOCK_K = 128
+# The batch-invariant mode's default split size: cache positions per split.
+DEFAULT_SPLIT_SIZE = 1024
 # Parallel units assumed when lowering for a platform with no device here: an H100's
 # 132 SMs; one TensorCore per TPU chip (v5e / v6e).
 _DEFAULT_UNITS = {"gpu": 132, "tpu": 1}
@@ -35,9 +37,12 @@ class Config:
       a fixed grid of work items that deal out each sequence's live blocks
       (`fdecode.kernels.triton`); other paths pick their splits as for ``None``.
     batch_invariant: the batch-invariant mode (``flash_decode(batch_invariant=True)``):
-      splits of ``split_size`` positions at absolute positions, merged in one order
-      (`fdecode.kernels.xla.invariant`).
-    split_size: positions per split in that mode (None: `fdecode.kernels.xla.invariant.SPLIT_SIZE`).
+      splits of ``split_size`` positions at absolute positions, merged in one order (each
+      backend's invariant plan: `fdecode.kernels.xla.invariant`, the Triton and Mosaic
+      ``make_plan(split_size=)``).
+    split_size: positions per split in that mode (None: `DEFAULT_SPLIT_SIZE`; each backend
+      rounds it up to its own unit: whole pages on the XLA path, whole key blocks in the
+      Triton kernel).
   """
 
   num_splits: int | None = None
@@ -58,6 +63,14 @@ class Config:
   def __post_init__(self):
     for name in ("num_splits", "block_k", "split_size"):  # numpy / jax integers become plain ints
       object.__setattr__(self, name, tuning_knob(name, getattr(self, name)))
+
+  @property
+  def invariant_split(self) -> int | None:
+    """The batch-invariant mode's positions per split (`DEFAULT_SPLIT_SIZE` unless
+    ``split_size`` says), or None outside the mode."""
+    if not self.batch_invariant:
+      return None
+    return DEFAULT_SPLIT_SIZE if self.split_size is None else self.split_size
 
   def bounded(self, tokens: int) -> "Config":
     """These knobs lowered to what a call over ``tokens`` tokens (S, or K index slots) can

@@ -12,7 +12,8 @@ bf16), sparse (``indices=``), splits (``num_splits=4``: the combine kernel; ``"b
 ragged (`ragged_decode` with the fused write: outputs and written caches against the
 same call with ``impl="reference"``), grad (the backward of the default dispatch's decode,
 contiguous and paged, against plain autodiff of dense float32 attention), invariant
-(``batch_invariant=True``: a sequence alone and in a batch of 4, equal bit for bit), and hopper (``impl="mosaic_gpu"``: MLA bf16, MLA
+(``batch_invariant=True``: a sequence alone and in a batch of 4, and a 5-token call's
+rows against each token decoded alone, equal bit for bit), and hopper (``impl="mosaic_gpu"``: MLA bf16, MLA
 int8, rows bf16 / int8 / paged; on a GPU only on sm_90, else "skipped: <reason>").
 
 On a GPU the Triton cases run the default dispatch (``impl=None``) or ``impl="pallas"``
@@ -276,6 +277,22 @@ def _invariant(st: _Setup):
   return [((o4[:1], l4[:1]), (o1, l1))], 0.0
 
 
+def _invariant_prefill(st: _Setup):
+  """``batch_invariant=True`` (on a GPU the Triton kernels' invariant plan, key blocks of 16):
+  each row of a 5-token call against that token decoded alone, for equality (tolerance 0)."""
+  import fdecode  # pylint: disable=g-import-not-at-top
+  s, d, t = st.s, st.d, 5
+  q, k, v = st.rand((3, t, 12, d), jnp.bfloat16), st.rand((3, 4, s, d), jnp.bfloat16), st.rand((3, 4, s, d), jnp.bfloat16)
+  lengths = jnp.asarray([s, 17 + t, s // 2 + 1], jnp.int32)
+  mode = dict(batch_invariant=True, split_size=16, block_k=16, return_lse=True)
+  out, lse = fdecode.flash_decode(q, k, v, lengths, **mode)
+  pairs = []
+  for i in range(t):
+    o1, l1 = fdecode.flash_decode(q[:, i], k, v, lengths - (t - 1 - i), **mode)
+    pairs.append(((out[:, i], lse[:, i]), (o1, l1)))
+  return pairs, 0.0
+
+
 # The cases, as data: (name, family, builder, its parameters); `_cases` binds each to a setup.
 _BF16, _F32 = jnp.bfloat16, jnp.float32
 CASES = (
@@ -296,6 +313,7 @@ CASES = (
     ("grad_contiguous_f32", "grad", _grad, dict(paged=False)),
     ("grad_paged1_f32", "grad", _grad, dict(paged=True)),
     ("invariant_batch_of_4_bf16", "invariant", _invariant, {}),
+    ("invariant_prefill_rows_bf16", "invariant", _invariant_prefill, {}),
     ("hopper_mla_bf16", "hopper", _hopper_mla, dict(qdtype=None)),
     ("hopper_mla_int8", "hopper", _hopper_mla, dict(qdtype=jnp.int8)),
     ("hopper_rows_bf16", "hopper", _hopper_rows, dict(qdtype=None)),

@@ -179,7 +179,7 @@ class TakesEveryCall:
 
 
 # Why a Pallas backend refuses ``batch_invariant=True``.
-NO_INVARIANT_PLAN = "it has no batch-invariant plan (the XLA path runs the mode: fdecode.kernels.xla.invariant)"
+NO_INVARIANT_PLAN = "it has no batch-invariant plan (the route takes the next backend that has one; the XLA path has)"
 
 
 class Refused(NamedTuple):

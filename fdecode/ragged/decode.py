@@ -241,7 +241,8 @@ def _ragged(q, view, kv_lens, cu, num_seqs, new_k, new_v, arrays, *, opts: Stati
                       arrays=arrays, opts=opts, dv=dv))
   capacity = view.capacity
   step_args = lambda st: (*step_calls(st), st.given, st.block, capacity)
-  # The batch-invariant mode runs both parts on its own path (`fdecode.kernels.xla.invariant`).
+  # The batch-invariant mode runs the step as two decodes, each on its backend's invariant plan
+  # (the Triton step's balanced schedule deals blocks by the step's load, so it is not invariant).
   step_takes = "indices" not in arrays and opts.num_splits in (None, "balance") and not opts.batch_invariant
   out, lse = route.lower_step(decode_of(st.call), step_takes=step_takes, step_args=step_args, two_parts=two_parts,
                               operand=st)

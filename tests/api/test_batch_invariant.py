@@ -4,10 +4,14 @@ row of a multi-token (prefill) call or in a ragged step. Compared with ``np.arra
 in the manner of FlashInfer's batch-invariance test: rows of a batch against the same rows
 computed in a smaller one."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from jax.experimental.pallas import tpu as pltpu
 
 import fdecode
 from fdecode.kernels.xla.invariant import SPLIT_SIZE
@@ -66,39 +70,96 @@ def _take(opts, rows):
 
 
 FORMS = ["contiguous", "nhd", "paged1", "paged8", "int8", "mla"]
+# The paths that run the mode: the XLA path, and the Pallas kernels' invariant plans in their
+# interpreters running the compiled plans: Triton's (impl="pallas" on CPU: an H100's plan) and
+# Mosaic's (a TPU InterpretParams: v5e's), key blocks of SPLIT so that a split is one block.
+IMPLS = {"xla": dict(), "triton": dict(impl="pallas", block_k=SPLIT),
+         "mosaic": dict(impl="pallas", interpret=pltpu.InterpretParams(), block_k=SPLIT)}
+F32, BF16 = jnp.float32, jnp.bfloat16
+# Every form in both dtypes on the XLA path. The interpreters (15-20 s a case): each kernel's
+# reads, float32, and paged bfloat16: Triton every form, Mosaic its three reads (contiguous,
+# a pool, a token-major pool in place) and MLA (its page size 1 took 53 s, a DMA a position;
+# tests/kernels/mosaic_tpu runs it).
+INTERPRETED = {"triton": FORMS, "mosaic": ["contiguous", "nhd", "mla"]}
+CASES = [pytest.param(i, f, d, id=f"{i}-{f}-{jnp.dtype(d).name}") for i, f, d in
+         [("xla", f, d) for f in FORMS for d in (F32, BF16)]
+         + [(i, f, F32) for i, forms in INTERPRETED.items() for f in forms]
+         + [(i, "paged8", BF16) for i in INTERPRETED]]
+# The modifiers the interpreters run: those that make a kernel's rows see different blocks or
+# slots (the XLA path runs them all; the others are elementwise on the scores, as in the default
+# plans the kernel tests check).
+MODIFIERS = ["window", "softcap", "alibi", "sinks", "mask", "bias", "noncausal"]
+KERNEL_MODIFIERS = {"window", "mask"}
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("form", FORMS)
-def test_prefill_rows_equal_decoding_each_token(form, dtype):
+def _decode_vs_prefill(impl, form, dtype, extra):
+  """(rows of a T-token call, each token decoded alone) over the lengths the tests use."""
+  rng = np.random.default_rng(0)
+  b, hkv, g, d, s, t = 3, 2, 3, 32, 112, 7  # T * G = 21 rows: two of the interpreter's 16-row tiles
+  k, v, opts = _forms(rng, b, hkv, s, d, dtype, form)
+  q = jnp.asarray(rng.standard_normal((b, t, hkv * g, d)), dtype)
+  # Rows at positions 27-33 (2s - 1, 2s, 2s + 1), 96-102 (length 97) and 105-111 (S - 1).
+  lengths = jnp.array([2 * SPLIT + 2, 6 * SPLIT + t, s], jnp.int32)
+  mode = dict(**IMPLS[impl], **extra, **opts)
+  call = jax.jit(lambda q, k, v, n: fdecode.flash_decode(q, k, v, n, return_lse=True, **mode))  # one compile a shape
+  out, lse = call(q, k, v, lengths)
+  alone = [call(q[:, i], k, v, lengths - (t - 1 - i)) for i in range(t)]
+  return (q, k, v, lengths, opts, mode), (out, lse), alone
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_the_comparison_sees_splits_laid_from_the_length(impl):
+  """The control: outside the mode, with splits dealt over each call's own length, decoding
+  a token alone gives other bits than its row of the prefill (so the tests below can fail)."""
+  _, (out, lse), alone = _decode_vs_prefill(impl, "contiguous", jnp.float32, dict(num_splits=2))
+  assert sum(not same(o1, out[:, i]) for i, (o1, _) in enumerate(alone)) >= 3
+
+
+@pytest.mark.parametrize("impl, form, dtype", CASES)
+def test_prefill_rows_equal_decoding_each_token(impl, form, dtype):
   """Each row of a T-token call equals that token decoded alone (length = its position + 1),
   at lengths around split boundaries (s - 1, s, s + 1) and 97; and a sequence alone equals
   its rows in the batch."""
-  rng = np.random.default_rng(0)
-  b, hkv, g, d, s, t = 4, 2, 3, 32, 112, 5
-  k, v, opts = _forms(rng, b, hkv, s, d, dtype, form)
-  q = jnp.asarray(rng.standard_normal((b, t, hkv * g, d)), dtype)
-  lengths = jnp.array([SPLIT + t - 1, 2 * SPLIT + 1, 97, s], jnp.int32)  # last rows at s-1, s+1, 96, S-1
-  mode = dict(batch_invariant=True, split_size=SPLIT, **opts)
-  kk = k if form != "mla" else k
-  out, lse = fdecode.flash_decode(q, kk, v, lengths, return_lse=True, **mode)
-  ref = fdecode.flash_decode(q, kk, v, lengths, impl="reference", **opts)
+  (q, k, v, lengths, opts, mode), (out, lse), alone = _decode_vs_prefill(
+      impl, form, dtype, dict(batch_invariant=True, split_size=SPLIT))
+  t = q.shape[1]
+  ref = fdecode.flash_decode(q, k, v, lengths, impl="reference", **opts)
   tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
-  for i in range(t):
-    o1, l1 = fdecode.flash_decode(q[:, i], kk, v, lengths - (t - 1 - i), return_lse=True, **mode)
+  for i, (o1, l1) in enumerate(alone):
     assert same(o1, out[:, i]) and same(l1, lse[:, i]), f"token {i}"
-  for bi in (1, 3):
+  for bi in (1,):
     rows = slice(bi, bi + 1)
     o2, l2 = fdecode.flash_decode(q[rows], k if "block_tables" in opts else k[rows], v if v is None or "block_tables" in opts
                                   else v[rows], lengths[rows], return_lse=True, **_take(mode, rows))
     assert same(o2, out[rows]) and same(l2, lse[rows]), f"sequence {bi} alone"
 
 
-@pytest.mark.parametrize("mods", [dict(window=7), dict(logits_soft_cap=5.0), dict(alibi=True), dict(sinks=True),
-                                  dict(mask=True), dict(bias=True), dict(causal=False)],
-                         ids=["window", "softcap", "alibi", "sinks", "mask", "bias", "noncausal"])
-def test_modifiers_keep_rows_invariant(mods):
+def test_mosaic_row_sums_hold_at_32_rows_of_128_positions():
+  """The Mosaic kernels hold all of a kv head's rows, T * G of them padded to 8: at 32 rows
+  and key blocks of 128, XLA:CPU's sum along the last axis rounds a row otherwise than at 8
+  (the interpreter's float32 decode and prefill differed in every row, measured), so the
+  mode's row sums are products (`fdecode.kernels.common.block.row_sums`)."""
+  rng = np.random.default_rng(6)
+  b, hkv, g, d, s, t = 2, 2, 4, 64, 512, 8
+  k, v = _cache(rng, b, hkv, s, d, jnp.float32)
+  q = jnp.asarray(rng.standard_normal((b, t, hkv * g, d)), jnp.float32)
+  n = jnp.array([300, 512], jnp.int32)
+  mode = dict(IMPLS["mosaic"], batch_invariant=True, split_size=256, block_k=128)
+  call = jax.jit(lambda q, n: fdecode.flash_decode(q, k, v, n, return_lse=True, **mode))
+  out, lse = call(q, n)
+  for i in range(t):
+    o1, l1 = call(q[:, i], n - (t - 1 - i))
+    assert same(o1, out[:, i]) and same(l1, lse[:, i]), f"token {i}"
+
+
+MODS = {"window": dict(window=7), "softcap": dict(logits_soft_cap=5.0), "alibi": dict(alibi=True),
+        "sinks": dict(sinks=True), "mask": dict(mask=True), "bias": dict(bias=True), "noncausal": dict(causal=False)}
+
+
+@pytest.mark.parametrize("impl, mods", [pytest.param(i, MODS[m], id=f"{i}-{m}") for i in IMPLS for m in MODIFIERS
+                                        if i == "xla" or m in KERNEL_MODIFIERS])
+def test_modifiers_keep_rows_invariant(mods, impl):
   rng = np.random.default_rng(1)
   b, hkv, g, d, s, t = 3, 2, 2, 16, 64, 4
   k, v = _cache(rng, b, hkv, s, d, jnp.float32)
@@ -116,35 +177,38 @@ def test_modifiers_keep_rows_invariant(mods):
   mask = jnp.asarray(rng.random((b, s)) < 0.7) if "mask" in mods else None
   bias = jnp.asarray(rng.standard_normal((b, s)), jnp.float32) if "bias" in mods else None
   causal = mods.get("causal", True)
-  mode = dict(batch_invariant=True, split_size=SPLIT, causal=causal, **opts)
+  mode = dict(batch_invariant=True, split_size=SPLIT, causal=causal, **IMPLS[impl], **opts)
   extra = lambda rows: {n: x[rows] for n, x in (("mask", mask), ("bias", bias)) if x is not None}
   out, lse = fdecode.flash_decode(q, k, v, lengths, return_lse=True, **mode, **extra(slice(None)))
+  decode = jax.jit(lambda q, n: fdecode.flash_decode(q, k, v, n, return_lse=True, **mode, **extra(slice(None))))
   ref = fdecode.flash_decode(q, k, v, lengths, impl="reference", causal=causal, **opts, **extra(slice(None)))
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
   if causal:
     for i in range(t):
-      o1, l1 = fdecode.flash_decode(q[:, i], k, v, lengths - (t - 1 - i), return_lse=True, **mode,
-                                    **extra(slice(None)))
+      o1, l1 = decode(q[:, i], lengths - (t - 1 - i))
       assert same(o1, out[:, i]) and same(l1, lse[:, i]), f"token {i}"
   rows = slice(1, 2)
   o2, l2 = fdecode.flash_decode(q[rows], k[rows], v[rows], lengths[rows], return_lse=True, **mode, **extra(rows))
   assert same(o2, out[rows]) and same(l2, lse[rows])
 
 
-def test_randomized_batches():
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_randomized_batches(impl):
   """A sequence's rows in random batches (its place, the others' lengths and contents, the
-  batch's capacity) equal it alone, run to run."""
+  batch's capacity: 5 to 13 splits, which one reduction over all splits would round by)
+  equal it alone, run to run. (Capacities in whole key blocks: docs/semantics.md says why.)"""
   rng = np.random.default_rng(2)
   hkv, g, d = 2, 4, 32
   s_own = 80
   k0, v0 = _cache(rng, 1, hkv, s_own, d, jnp.float32)
   q0 = jnp.asarray(rng.standard_normal((1, 2, hkv * g, d)), jnp.float32)
   n0 = jnp.array([61], jnp.int32)
-  mode = dict(batch_invariant=True, split_size=SPLIT)
+  mode = dict(batch_invariant=True, split_size=SPLIT, **IMPLS[impl])
   alone, alone_lse = fdecode.flash_decode(q0, k0, v0, n0, return_lse=True, **mode)
-  for trial in range(4):
+  trials = 2 if impl == "mosaic" else 4
+  for trial in range(trials):
     b = int(rng.integers(2, 7))
-    s = int(rng.choice([s_own, 96, 128]))
+    s = int(rng.choice([s_own, 96, 208]))
     at = int(rng.integers(0, b))
     k, v = _cache(rng, b, hkv, s, d, jnp.float32)
     k = k.at[at, :, :s_own].set(k0[0]).at[at, :, s_own:].set(jnp.nan)  # garbage past its capacity
@@ -155,7 +219,8 @@ def test_randomized_batches():
     assert same(out[at], alone[0]) and same(lse[at], alone_lse[0]), f"trial {trial}: B={b} S={s} at {at}"
 
 
-def test_ragged_step_rows_equal_flash_decode():
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_ragged_step_rows_equal_flash_decode(impl):
   """A ragged step's rows (a prefill chunk and decodes beside it) equal flash_decode of each
   sequence alone, decoded token by token."""
   rng = np.random.default_rng(3)
@@ -169,14 +234,15 @@ def test_ragged_step_rows_equal_flash_decode():
   kv_lens = jnp.array([SPLIT + 2, 33, 17], jnp.int32)
   cu = jnp.array(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
   q = jnp.asarray(rng.standard_normal((sum(q_lens), hkv * g, d)), jnp.float32)
-  mode = dict(batch_invariant=True, split_size=SPLIT)
+  mode = dict(batch_invariant=True, split_size=SPLIT, **IMPLS[impl])
   out, lse = fdecode.ragged_decode(q, kp, vp, kv_lens, tables, cu, jnp.array([m], jnp.int32), return_lse=True,
                                    **mode)
+  decode = jax.jit(lambda q, n, table: fdecode.flash_decode(q, kp, vp, n, block_tables=table, return_lse=True,
+                                                             **mode))
   row = 0
   for i, ql in enumerate(q_lens):
     for j in range(ql):
-      o1, l1 = fdecode.flash_decode(q[row][None], kp, vp, kv_lens[i:i + 1] - (ql - 1 - j),
-                                    block_tables=tables[i:i + 1], return_lse=True, **mode)
+      o1, l1 = decode(q[row][None], kv_lens[i:i + 1] - (ql - 1 - j), tables[i:i + 1])
       assert same(o1[0], out[row]) and same(l1[0], lse[row]), f"sequence {i} row {j}"
       row += 1
 
@@ -205,6 +271,17 @@ def test_plan_does_not_depend_on_the_batch(platform):
     n = jax.ShapeDtypeStruct((b,), jnp.int32)
     (p,) = fdecode.plan(q, k, k, n, platform=platform, batch_invariant=True)
     plans.append(p)
+  if platform == "gpu":  # the Triton kernel's invariant plan: the batch is its grid's first axis, nothing more
+    assert all(dataclasses.replace(p.work, items=0, batch=0) == dataclasses.replace(plans[0].work, items=0, batch=0)
+               and dataclasses.replace(p, work=plans[0].work) == plans[0] for p in plans), plans
+    assert plans[0].work.split_blocks * plans[0].launch.block == SPLIT_SIZE
+    assert plans[0].work.num_splits == 32768 // SPLIT_SIZE and plans[0].rows.row_blocks == 1
+    return
+  if platform == "tpu":  # the Mosaic kernels' invariant plan (nothing of it names B)
+    assert all(p == plans[0] for p in plans), plans
+    assert plans[0].backend == "mosaic" and plans[0].split_blocks * plans[0].sizes.block == SPLIT_SIZE
+    assert plans[0].num_splits == 32768 // SPLIT_SIZE
+    return
   assert all(p == plans[0] for p in plans), plans
   assert plans[0].split_size == SPLIT_SIZE and plans[0].num_splits == 32768 // SPLIT_SIZE
 
@@ -218,7 +295,8 @@ def test_paged_split_rounds_up_to_pages():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(batch_invariant=True, impl="pallas"), "impl None or 'xla'"),
+    (dict(batch_invariant=True, impl="reference"), "impl None, 'xla' or 'pallas'"),
+    (dict(batch_invariant=True, impl="mosaic_gpu"), "impl None, 'xla' or 'pallas'"),
     (dict(batch_invariant=True, num_splits=4), "split_size= instead of num_splits=4"),
     (dict(split_size=64), "pass batch_invariant=True"),
     (dict(batch_invariant=True, split_size=0), "split_size must be a positive int"),

@@ -447,12 +447,13 @@ V6E_SKIP = {"paged2-bf16-d128", "paged1-f32-d128", "paged16-int8-token", "nhd-pa
 
 
 def names_for(target_name: str) -> list[str]:
-  """The cases a target compiles: all of them (the pod slice on TPU only, the Mosaic GPU
-  kernels on sm_90 only; on v6e the ragged steps of `V6E_RAGGED` and none of `V6E_SKIP`)."""
+  """The cases a target compiles: all of them (the pod slice on TPU only, `GPU_ONLY` on GPUs
+  only, the Mosaic GPU kernels on sm_90 only; on v6e the ragged steps of `V6E_RAGGED` and none of `V6E_SKIP`)."""
   is_gpu = target_name in chips.GPUS
   sm90 = is_gpu and chips.GPUS[target_name].capability == (9, 0)
   v6e_drops = lambda n: n in V6E_SKIP or (n.startswith("ragged-") and n not in V6E_RAGGED)
-  return [n for n in CASES if not (is_gpu and n in TPU_ONLY) and (sm90 or n not in SM90_ONLY)
+  return [n for n in CASES if not (is_gpu and n in TPU_ONLY) and (is_gpu or n not in GPU_ONLY)
+          and (sm90 or n not in SM90_ONLY)
           and not (target_name == "v6e" and v6e_drops(n))]
 
 
@@ -462,8 +463,8 @@ BENCH = {"bench-b1-s32k": (1, 8, 32, 32768), "bench-b8-s32k": (8, 8, 32, 32768),
          "bench-b64-s4k": (64, 8, 32, 4096), "bench-b1-hkv1-s1m": (1, 1, 8, 1 << 20)}
 
 
-def _bench(target, b, hkv, hq, s, paged=None):
-  return _contiguous(target, dk=128, b=b, hkv=hkv, g=hq // hkv, s=s, paged=paged)
+def _bench(target, b, hkv, hq, s, paged=None, **static):
+  return _contiguous(target, dk=128, b=b, hkv=hkv, g=hq // hkv, s=s, paged=paged, **static)
 
 
 for _n, (_b, _hkv, _hq, _s) in BENCH.items():
@@ -485,7 +486,13 @@ def _grad(target, **kw):
 # (pool gradients through the page gather's transpose).
 CASES["grad-contiguous-bf16-d128"] = functools.partial(_grad, dk=128)
 CASES["grad-paged16-bf16-t4"] = functools.partial(_grad, dk=128, paged=16, t=4)
-# The batch-invariant mode: the XLA path on every chip (`fdecode.kernels.xla.invariant`), a
-# paged bf16 cache at T = 4.
+# The batch-invariant mode's plans (each kernel family's `make_plan(split_size=)`): a paged
+# bf16 cache at T = 4 (GPU: Triton; TPU: the Mosaic paged kernel, its row sums as products).
 CASES["invariant-paged16-bf16-t4"] = functools.partial(_contiguous, dk=128, paged=16, t=4, batch_invariant=True)
-PLAIN_XLA.add("invariant-paged16-bf16-t4")
+# The benchmark's heads at B = 1 / 8 / 64, S = 32k: the same kernel and splits at every B
+# (test_gpu_invariant_plans_do_not_depend_on_the_batch). B = 8 and 64 on GPUs only: the TPU
+# plan names no B (tests/api/test_batch_invariant.py), and B = 1 compiles its contiguous kernel.
+INVARIANT_BENCH = {f"invariant-b{b}-s32k": b for b in (1, 8, 64)}
+for _n, _b in INVARIANT_BENCH.items():
+  CASES[_n] = functools.partial(_bench, b=_b, hkv=8, hq=32, s=32768, batch_invariant=True)
+GPU_ONLY = {"invariant-b8-s32k", "invariant-b64-s32k"}

@@ -18,7 +18,7 @@ import pytest
 from fdecode.kernels.common import chips
 from fdecode.kernels.triton import merges_parts
 
-from cases import BENCH, CASES, PLAIN_XLA, SM90_ONLY, TARGETS, TPU_XLA, names_for
+from cases import BENCH, CASES, INVARIANT_BENCH, PLAIN_XLA, SM90_ONLY, TARGETS, TPU_XLA, names_for
 
 
 @pytest.fixture(scope="session")
@@ -86,6 +86,25 @@ def test_benchmark_shapes_fill_every_sm(target, name, reports):
     resident = gpu.resident_programs(threads=k["threads"], regs=k["regs"], smem=k["smem"])
     assert math.prod(k["grid"]) >= gpu.sms * min(resident, PROGRAMS_PER_SM), (
         f"{name} on {target}: {k['grid']} ({resident} resident a SM)")
+
+
+@pytest.mark.parametrize("target", [t for t in TARGETS if t in chips.GPUS])
+def test_gpu_invariant_plans_do_not_depend_on_the_batch(target, reports):
+  """The batch-invariant mode's compiled GPU program at B = 1 / 8 / 64 (S = 32k): the Triton
+  split kernel and the combine, the split kernel's grid ``(B, Hkv * row blocks, S / split)``
+  (the split size's count whatever B), its shared memory and threads the same at every B.
+  (Registers may not be: on A100 ptxas gave B = 1 one more, 159 against 158, its
+  sequence index folded to 0; the arithmetic is the same.)"""
+  from fdecode.kernels.xla.invariant import SPLIT_SIZE  # pylint: disable=g-import-not-at-top
+  split = {}
+  for name, b in INVARIANT_BENCH.items():
+    report = reports[target][name]
+    assert report["ok"], f"{name} on {target}: {report.get('error')}"
+    assert report["launches"] <= 2, f"{name} on {target}: {report['launches']} launches ({report['kernels']})"
+    (k,) = [k for k in report["kernels"] if k["name"].startswith("fdecode_split_kv_triton")]
+    assert k["grid"][0] == b and k["grid"][2] == 32768 // SPLIT_SIZE, f"{name} on {target}: {k['grid']}"
+    split[b] = (tuple(k["grid"][1:]), k["smem"], k["threads"])
+  assert len(set(split.values())) == 1, f"{target}: {split}"
 
 
 def calibration_samples(target_name: str, reports: dict, names) -> list:

@@ -162,7 +162,20 @@ def init_state(rows: int, v_pieces):
   return acc, jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32)
 
 
-def online_update(state, s, visible, live, v_pieces, bad=None, guard: bool = False):
+def row_sums(p, by_dot: bool = False):
+  """float32 ``[R_p, 1]``: each row's sum of ``p`` ``[R_p, bk]``. ``by_dot``: as a product
+  with a column of ones (the batch-invariant mode in the Mosaic kernels, whose row tile is
+  every row of the call): XLA:CPU's sum along the last axis rounds by the row count (rows
+  of 32 x 128 and more, measured in the TPU interpreter's arithmetic, 2026-12-02), a
+  product's rows do not."""
+  if not by_dot:
+    return jnp.sum(p, axis=1, keepdims=True)
+  ones = jnp.ones((p.shape[1], 128), jnp.float32)
+  return lax.dot_general(p, ones, (((1,), (0,)), ((), ())), precision=lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)[:, :1]
+
+
+def online_update(state, s, visible, live, v_pieces, bad=None, guard: bool = False, sums_by_dot: bool = False):
   """One block of the online softmax.
 
   Args:
@@ -176,6 +189,7 @@ def online_update(state, s, visible, live, v_pieces, bad=None, guard: bool = Fal
       `guard_values` poisoned; they are selected to 0 too.
     guard: static; find those rows here instead and poison their scores (the
       `guard_values` semantics, with the transpose of ``bad`` a reshape).
+    sums_by_dot: static; the row sums as a product (`row_sums`).
 
   Returns:
     the updated state.
@@ -190,7 +204,7 @@ def online_update(state, s, visible, live, v_pieces, bad=None, guard: bool = Fal
   m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
   alpha = jnp.exp(m - m_new)
   p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
-  l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+  l_new = alpha * l + row_sums(p, sums_by_dot)
   new_acc = []
   for a, v in zip(acc, v_pieces):
     v = jnp.where(live, v, jnp.zeros_like(v))
@@ -253,6 +267,22 @@ def split_range(end, split, num_splits: int, num_tokens: int, seq_len: int, bk: 
   per = _cdiv(hi - lo, num_splits)
   first = lo + split * per
   return first, jnp.minimum(first + per, hi)
+
+
+def fixed_split_range(end, split, split_blocks: int, num_tokens: int, seq_len: int, bk: int, mods: Modifiers):
+  """The batch-invariant mode's blocks ``[first, last)`` of split ``split``: the split holds
+  the ``split_blocks`` blocks from absolute block ``split * split_blocks``, whatever the
+  sequence's end, the call's T or the batch; of them the program runs those some row may
+  see (from the window's first block to the sequence's end; none past it). A block no row
+  of this program sees leaves its state's bits as they were (`online_update`: every score
+  selected away, ``alpha`` exactly 1, ``p`` exactly 0), so a row's state is the same
+  whether the call's other rows made the program run more blocks or fewer."""
+  live_end = jnp.clip(end, 0, seq_len)
+  hi = _cdiv(live_end, bk)
+  lo = window_start(end, num_tokens, seq_len, mods) // bk
+  first = jnp.maximum(split * split_blocks, lo)
+  last = jnp.minimum((split + 1) * split_blocks, hi)
+  return first, jnp.maximum(first, last)
 
 
 def row_source(rows_p: int, group: int, num_tokens: int, form, shape, first_row=0):

@@ -35,7 +35,7 @@ class ContiguousOperands(NamedTuple):
 
 
 def _contiguous_kernel(ins, bufs, o_ref, lse_ref, m_ref, l_ref, *acc_refs, softmax_scale, steps_per_split,
-                       num_splits, seq_len, num_rows, group, num_tokens, k_pieces, v_pieces, mods):
+                       num_splits, seq_len, num_rows, group, num_tokens, k_pieces, v_pieces, mods, split_blocks):
   # ins: `ContiguousOperands` of refs; bufs: none (no DMA of its own). o [R_p, Dv], lse [R_p, 1];
   # scratch m [R_p, 1], l [R_p, 1], acc [R_p, w] per value piece.
   del bufs
@@ -43,7 +43,7 @@ def _contiguous_kernel(ins, bufs, o_ref, lse_ref, m_ref, l_ref, *acc_refs, softm
   rows_p, bk = ins.q.shape[0], ins.k.shape[0]
   end = ins.ends[b]
   live_end = jnp.clip(end, 0, seq_len)
-  first, last = blk.split_range(end, split, num_splits, num_tokens, seq_len, bk, mods)
+  first, last = _split_blocks(end, split, num_splits, num_tokens, seq_len, bk, mods, split_blocks)
   start = (first + step) * bk
 
   @pl.when(step == 0)
@@ -67,7 +67,7 @@ def _contiguous_kernel(ins, bufs, o_ref, lse_ref, m_ref, l_ref, *acc_refs, softm
     s, visible, live = modify(s, mods, rows, start, live_end, bk, loaded, end=end,
                               seq_len=seq_len, group=group, num_tokens=num_tokens)
     state = (tuple(ref[...] for ref in acc_refs), m_ref[...], l_ref[...])
-    acc, m, l = blk.online_update(state, s, visible, live, vb, bad)
+    acc, m, l = blk.online_update(state, s, visible, live, vb, bad, sums_by_dot=split_blocks > 0)
     m_ref[...], l_ref[...] = m, l
     for ref, a in zip(acc_refs, acc):
       ref[...] = a
@@ -78,8 +78,16 @@ def _contiguous_kernel(ins, bufs, o_ref, lse_ref, m_ref, l_ref, *acc_refs, softm
     store_partials(o_ref, lse_ref, v_pieces, o_pieces, lse)
 
 
+def _split_blocks(end, split, num_splits, num_tokens, seq_len, bk, mods, split_blocks):
+  """This split's blocks: `block.split_range`'s, or the batch-invariant mode's
+  (`block.fixed_split_range`, ``split_blocks`` > 0)."""
+  if split_blocks:
+    return blk.fixed_split_range(end, split, split_blocks, num_tokens, seq_len, bk, mods)
+  return blk.split_range(end, split, num_splits, num_tokens, seq_len, bk, mods)
+
+
 def contiguous_call(q_rows, ends, p: Plan, cache, modifier_arrays, *, num_rows, num_tokens, softmax_scale, num_splits,
-                    interpret, mods, v_head_dim):
+                    interpret, mods, v_head_dim, split_blocks: int = 0):
   """The contiguous kernel's partials ``(o [B, Hkv, n_splits, R_p, Dv], lse [..., R_p, 1])`` over
   the operands `fdecode.kernels.mosaic_tpu.kernel.mosaic_partials` takes (``cache``: its
   `fdecode.cache.layout.CacheView`, ``modifier_arrays`` the modifiers' mask / bias / alibi)."""
@@ -92,11 +100,11 @@ def contiguous_call(q_rows, ends, p: Plan, cache, modifier_arrays, *, num_rows, 
   dv = v_head_dim if v is None else v.shape[-1]
   bk = p.block
   num_blocks = pl.cdiv(max(seq_len, 1), bk)
-  steps = pl.cdiv(num_blocks, num_splits)
+  steps = split_blocks or pl.cdiv(num_blocks, num_splits)
 
   def kv_block(i, h, split, step, ends_ref):
-    # This split's blocks (`block.split_range`); past its last, repeat it (no new DMA).
-    first, last = blk.split_range(ends_ref[i], split, num_splits, num_tokens, seq_len, bk, mods)
+    # This split's blocks (`_split_blocks`); past its last, repeat it (no new DMA).
+    first, last = _split_blocks(ends_ref[i], split, num_splits, num_tokens, seq_len, bk, mods, split_blocks)
     return jnp.clip(jnp.minimum(first + step, last - 1), 0, num_blocks - 1)
 
   def cache(x):
@@ -129,7 +137,7 @@ def contiguous_call(q_rows, ends, p: Plan, cache, modifier_arrays, *, num_rows, 
   kernel = by_name(functools.partial(
       _contiguous_kernel, softmax_scale=softmax_scale, steps_per_split=steps, num_splits=num_splits,
       seq_len=seq_len, num_rows=r, group=r // num_tokens, num_tokens=num_tokens, k_pieces=k_pieces,
-      v_pieces=v_pieces, mods=mods), ops.layout)
+      v_pieces=v_pieces, mods=mods, split_blocks=split_blocks), ops.layout)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=ops.num_scalar_prefetch,
       grid=(b, hkv, num_splits, steps),

@@ -51,7 +51,7 @@ from fdecode.kernels.mosaic_tpu.token_major import TokenMajorRead
 
 def mosaic_partials(q_rows, ends, cache, modifier_arrays, *, num_tokens: int, softmax_scale: float, num_splits: int,
                     plan: Plan, interpret, mods: Modifiers = Modifiers(), v_head_dim=None,
-                    read: TokenMajorRead | None = None):
+                    read: TokenMajorRead | None = None, split_blocks: int = 0):
   """Per-split partial states from the Mosaic (TPU) kernels.
 
   Args:
@@ -76,6 +76,8 @@ def mosaic_partials(q_rows, ends, cache, modifier_arrays, *, num_tokens: int, so
       ``kv_heads_per_program`` and ``head_axis`` from `token_major_read` for NHD).
     interpret: False (compile for TPU) or a ``pltpu.InterpretParams`` (TPU semantics on
       CPU: simulated HBM / VMEM / SMEM, DMAs and semaphores).
+    split_blocks: the batch-invariant mode's blocks per split (`CallPlan.split_blocks`; 0:
+      the split count's splits over each sequence's live blocks).
 
   Returns:
     ``(o, lse)``: float32 ``[B, Hkv, n_splits, R, Dv]`` and ``[B, Hkv, n_splits, R]``.
@@ -88,7 +90,7 @@ def mosaic_partials(q_rows, ends, cache, modifier_arrays, *, num_tokens: int, so
   if bias is not None and jnp.dtype(bias.dtype).itemsize > 4:  # no 64-bit vectors in the kernel
     modifier_arrays = dict(modifier_arrays, bias=bias.astype(jnp.float32))
   kw = dict(num_rows=r, num_tokens=num_tokens, softmax_scale=softmax_scale, num_splits=num_splits,
-            interpret=interpret, mods=mods, v_head_dim=v_head_dim)
+            interpret=interpret, mods=mods, v_head_dim=v_head_dim, split_blocks=split_blocks)
   ends = ends.astype(jnp.int32)
   block_tables = cache.block_tables
   if cache.layout == "NHD":

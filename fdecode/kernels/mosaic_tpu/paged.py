@@ -127,7 +127,7 @@ def _head_operands(ins, bufs, slot, hh, paging: _Paging) -> dict:
 
 
 def _paged_kernel(ins, bufs, o_ref, lse_ref, sems, *, softmax_scale, num_splits, paging: _Paging, num_rows, group,
-                  num_tokens, k_pieces, v_pieces, mods):
+                  num_tokens, k_pieces, v_pieces, mods, split_blocks=0):
   # ins: `PagedOperands` of refs; bufs: the DMA'd operands' VMEM buffers, by the same names
   #   ([2, block, D|nt], [2, block, Hkv, D] for a whole-head-axis read, [2, heads, block, nt]
   #   for a scale of several heads, [2, heads, M, block] for mask / bias); o [heads, R_p, Dv],
@@ -141,7 +141,10 @@ def _paged_kernel(ins, bufs, o_ref, lse_ref, sems, *, softmax_scale, num_splits,
   live_end = jnp.clip(end, 0, seq_len)
   live_pages = (live_end + paging.page_size - 1) // paging.page_size  # int32 (pl.cdiv: int64 under x64)
   first_page = window_start(end, num_tokens, seq_len, mods) // paging.page_size
-  first, last = blk.split_range(end, split, num_splits, num_tokens, seq_len, block, mods)
+  if split_blocks:  # the batch-invariant mode: fixed splits at absolute positions
+    first, last = blk.fixed_split_range(end, split, split_blocks, num_tokens, seq_len, block, mods)
+  else:
+    first, last = blk.split_range(end, split, num_splits, num_tokens, seq_len, block, mods)
   copies = functools.partial(_copies, ins, bufs, sems, b=b, j=j, live_pages=live_pages, first_page=first_page,
                              paging=paging)
 
@@ -166,7 +169,7 @@ def _paged_kernel(ins, bufs, o_ref, lse_ref, sems, *, softmax_scale, num_splits,
       s = blk.block_scores(q_pieces[hh], kb, softmax_scale)
       s, visible, live = modify(s, mods, rows, step * block, live_end, block, (x["mask"], x["bias"], x["alibi"]),
                                 end=end, seq_len=seq_len, group=group, num_tokens=num_tokens)
-      new_states.append(blk.online_update(state, s, visible, live, vb, bad))
+      new_states.append(blk.online_update(state, s, visible, live, vb, bad, sums_by_dot=split_blocks > 0))
     return tuple(new_states)
 
   states = double_buffered(first, last, start, wait, body,
@@ -177,7 +180,7 @@ def _paged_kernel(ins, bufs, o_ref, lse_ref, sems, *, softmax_scale, num_splits,
 
 
 def paged_call(q_rows, ends, tables, p: Plan, cache, modifier_arrays, *, num_rows, num_tokens, softmax_scale, num_splits,
-               interpret, mods, v_head_dim, read: TokenMajorRead | None = None):
+               interpret, mods, v_head_dim, read: TokenMajorRead | None = None, split_blocks: int = 0):
   """The paged kernel's partials ``(o [B, Hkv, n_splits, R_p, Dv], lse [..., R_p, 1])`` over the
   operands `fdecode.kernels.mosaic_tpu.kernel.mosaic_partials` takes (``tables`` int32 ``[B,
   n]``; ``cache``: the pool's `fdecode.cache.layout.CacheView`; ``modifier_arrays``: the
@@ -239,7 +242,8 @@ def paged_call(q_rows, ends, tables, p: Plan, cache, modifier_arrays, *, num_row
   paging = _Paging(read, token_major, word_dtypes, p.pages_per_step, page_size, num_pages, table_len)
   kernel = by_name(functools.partial(
       _paged_kernel, softmax_scale=softmax_scale, num_splits=num_splits, paging=paging, num_rows=r,
-      group=r // num_tokens, num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods), ops.layout)
+      group=r // num_tokens, num_tokens=num_tokens, k_pieces=k_pieces, v_pieces=v_pieces, mods=mods,
+      split_blocks=split_blocks), ops.layout)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=ops.num_scalar_prefetch,
       grid=(b, hkv // heads, num_splits),

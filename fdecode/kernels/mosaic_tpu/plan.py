@@ -200,6 +200,9 @@ class CallPlan:
     num_splits: chunks of the token axis (0 for ``backend="xla"``: its own plan decides).
     upcast_query: a float16 query computes in float32 (over a cache that is not float16).
     reason: why the kernels do not take the call (``backend="xla"``), else None.
+    split_blocks: the batch-invariant mode's blocks (``sizes.block`` positions) per split,
+      laid at absolute positions (`fdecode.kernels.common.block.fixed_split_range`); 0:
+      the split rule's count, dealt over each sequence's live blocks.
   """
   backend: str
   sparse: bool = False
@@ -209,6 +212,7 @@ class CallPlan:
   num_splits: int = 0
   upcast_query: bool = False
   reason: str | None = None
+  split_blocks: int = 0
 
 
 def _struct(x):
@@ -216,7 +220,7 @@ def _struct(x):
 
 
 def make_plan(q_rows, view: CacheView, *, extra: dict, num_tokens: int, num_splits: int | None = None,
-              block_k: int | None = None, count_splits: bool = True) -> CallPlan:
+              block_k: int | None = None, count_splits: bool = True, split_size: int | None = None) -> CallPlan:
   """The plan of one Mosaic call (arrays or ShapeDtypeStructs): the read mode, the fallback
   to XLA, the block sizes and the split count, each decided here only.
 
@@ -227,7 +231,9 @@ def make_plan(q_rows, view: CacheView, *, extra: dict, num_tokens: int, num_spli
   ``num_splits`` None: `split_count` over the blocks the rows see, on one program per
   (sequence, kv heads of a program). ``count_splits`` False: the plan without its split
   count (``num_splits`` 0), all a refusal needs: nothing of it depends on B (a symbolic B
-  under ``jax.export`` is never compared)."""
+  under ``jax.export`` is never compared). ``split_size``: the batch-invariant mode: splits
+  of that many positions rounded up to whole blocks (the block depends on the cache's
+  widths and dtypes, never on T or B), ``ceil(capacity / split)`` of them."""
   b, hkv = q_rows.shape[:2]
   if any(x is not None and jnp.dtype(x.dtype).itemsize > 4 for x in (q_rows, view.k, view.v, view.k_rope)):
     return CallPlan("xla", reason="64-bit operands (jax_enable_x64): a TPU has no 64-bit vectors")
@@ -270,6 +276,11 @@ def make_plan(q_rows, view: CacheView, *, extra: dict, num_tokens: int, num_spli
       p = plan(qs, k, v, block_k=block_k, **args)
   if not count_splits:
     return CallPlan("mosaic", sparse=sparse, read=how, as_pool=as_pool, sizes=p, upcast_query=upcast)
+  if split_size is not None:
+    split_blocks = max(-(-split_size // p.block), 1)
+    splits = max(-(-view.capacity // (split_blocks * p.block)), 1)
+    return CallPlan("mosaic", sparse=sparse, read=how, as_pool=as_pool, sizes=p, num_splits=splits,
+                    upcast_query=upcast, split_blocks=split_blocks)
   if sparse:
     seen, programs = slots, hkv
   else:

@@ -1,7 +1,8 @@
 """The Triton kernels as a `fdecode.kernels.backend.Backend`: compiled for the GPU lowered
 for, or in Pallas' interpreter (``Target.interpret``: the same plan, on any host). It
 refuses where this JAX has no Pallas Triton backend, head dims its dot cannot tile
-(compiled), and the batch-invariant mode. A ragged step asks it for the step whole
+(compiled). Its batch-invariant plan: `fdecode.kernels.triton.plan.make_plan`'s
+``split_size``. A ragged step asks it for the step whole
 (``ragged_step``: `fdecode.kernels.triton.triton_step`) and for its cache write (``write``)."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from fdecode.kernels.backend import NO_INVARIANT_PLAN, Decode, States, Target, compute_dtype
+from fdecode.kernels.backend import Decode, States, Target, compute_dtype
 from fdecode.kernels.triton.pallas_triton import MISSING, available
 from fdecode.kernels.triton.plan import TritonPlan
 from fdecode.kernels.triton.ragged_step import triton_step
@@ -31,8 +32,6 @@ class TritonBackend:
   def refuses(self, call: Decode, target: Target) -> str | None:
     if not available():
       return MISSING
-    if call.options.cfg.batch_invariant:
-      return NO_INVARIANT_PLAN
     if not target.interpret:
       return unsupported(call.operands.view, call.options.v_head_dim)
     return None

@@ -50,7 +50,11 @@ class CombinePlan:
   (``n_splits`` work items), each sequence merging its own run of items, which its
   program derives from the sequences' ends (`fdecode.kernels.triton.schedule`), in tiles
   of ``rows`` query rows, ``chunk`` items a loop step (`segment_combine_tiling`; ``width``
-  columns)."""
+  columns). ``ordered``: the batch-invariant mode's merge, the splits folded into the
+  running state one at a time, left to right (`_fold`): a split no row of it sees (lse
+  -inf, before or after the others) changes no bit, so the count of splits (the cache's
+  capacity) does not enter a row's result, where one reduction over all of them would
+  round by it."""
   num_splits: int
   width: int
   num_tokens: int
@@ -63,6 +67,7 @@ class CombinePlan:
   schedule: Schedule | None = None
   rows: int = 1
   chunk: int = COMBINE_CHUNK
+  ordered: bool = False
 
   @property
   def num_rows(self) -> int:
@@ -127,10 +132,13 @@ def _kernel(*refs, plan: CombinePlan, layout):
   row = pl.program_id(1) % plan.num_rows
   h = pl.program_id(1) // plan.num_rows
   c = pl.program_id(2) * w
-  live = lax.iota(jnp.int32, sp) < n
-  lse = plgpu.load(lse_ref.at[pl.ds(0, sp)], mask=live, other=-jnp.inf)
-  o = plgpu.load(o_ref.at[pl.ds(0, sp), pl.ds(c, w)], mask=live[:, None], other=0.0)
-  out, out_lse = merge_by(o, lse, *_reductions(lambda x: x))
+  if plan.ordered:
+    out, out_lse = _fold(lse_ref, o_ref, n, c, w)
+  else:
+    live = lax.iota(jnp.int32, sp) < n
+    lse = plgpu.load(lse_ref.at[pl.ds(0, sp)], mask=live, other=-jnp.inf)
+    o = plgpu.load(o_ref.at[pl.ds(0, sp), pl.ds(c, w)], mask=live[:, None], other=0.0)
+    out, out_lse = merge_by(o, lse, *_reductions(lambda x: x))
   out, out_lse = out.reshape(1, w), out_lse.reshape(1, 1)
   head = h * plan.group + row % plan.group
   if sinks_ref is not None:
@@ -141,6 +149,21 @@ def _kernel(*refs, plan: CombinePlan, layout):
   @pl.when(pl.program_id(2) == 0)
   def _():
     out_lse_ref[pl.ds(dst, 1)] = out_lse.reshape(1)
+
+
+def _fold(lse_ref, o_ref, n: int, c, w: int):
+  """One row's ``n`` split states (``lse_ref`` f32 ``[n]``, ``o_ref`` f32 ``[n, Dv]``, columns
+  ``[c, c + w)``) merged left to right, a pair at a time -> ``(out f32 [w], lse f32 [])``."""
+  merge = lambda o, lse: merge_by(o, lse, *_reductions(lambda x: x))
+  pair = lax.iota(jnp.int32, 2) == 0
+
+  def step(i, state):
+    lse = lse_ref[pl.ds(i, 1)]  # [1]
+    o = o_ref[pl.ds(i, 1), pl.ds(c, w)]  # [1, w]
+    return merge(jnp.where(pair[:, None], state[0][None], o), jnp.where(pair, state[1], lse))
+
+  empty = (jnp.zeros((w,), jnp.float32), jnp.array(-jnp.inf, jnp.float32))
+  return lax.fori_loop(0, n, step, empty)
 
 
 def merge_run(lse_ref, o_ref, first, last, row, col, valid, chunk: int):

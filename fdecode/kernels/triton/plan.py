@@ -141,12 +141,21 @@ class WorkPlan:
   ``balanced`` work items (``items`` programs on grid axis 0) over the ``batch`` B
   sequences (`fdecode.kernels.triton.schedule`). ``combine_tiling``: ``(rows, width,
   chunk)`` of a combine program (one row and ``width`` columns, all splits at once;
-  balanced: `fdecode.kernels.triton.combine.segment_combine_tiling`)."""
+  balanced: `fdecode.kernels.triton.combine.segment_combine_tiling`). ``split_blocks``:
+  the batch-invariant mode's key blocks per split (`fixed`)."""
   num_splits: int
   balanced: bool
   items: int
   batch: int
   combine_tiling: tuple
+  split_blocks: int = 0
+
+  @property
+  def fixed(self) -> bool:
+    """The batch-invariant mode's splits: ``split_blocks`` blocks each, at absolute
+    positions (`fdecode.kernels.common.block.fixed_split_range`); 0: the split rule's
+    count, dealt over each sequence's live blocks."""
+    return self.split_blocks > 0
 
   @property
   def final(self) -> bool:
@@ -203,14 +212,15 @@ class TritonPlan:
     return CombinePlan(num_splits=self.work.items if self.work.balanced else self.work.num_splits, width=width,
                        num_tokens=self.rows.num_tokens, group=self.rows.group, hq=self.rows.hq, dv=self.columns.dv,
                        out_dtype=self.dtypes.out_dtype, interpret=self.interpret, schedule=self.schedule, rows=rows,
-                       chunk=chunk)
+                       chunk=chunk, ordered=self.work.fixed)
 
 
 def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block_tables=None, k_rope=None,
               k_scale=None, v_scale=None, k_offset=None, v_offset=None, v_head_dim=None, mods=Modifiers(),
               has_mask_or_bias=False, has_sinks=False, index_slots=None, sparse_fold=1, num_splits=None, block_k=None,
               balance=False, interpret=False, gpu: chips.Gpu | None = None,
-              source: RowSource | None = None, step: StepPart | None = None) -> TritonPlan:
+              source: RowSource | None = None, step: StepPart | None = None,
+              split_size: int | None = None) -> TritonPlan:
   """The plan of one call (arguments canonical, `fdecode.dispatch`; arrays or `jax.ShapeDtypeStruct` s: only
   shapes and dtypes are read).
 
@@ -221,6 +231,8 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   `fdecode.config.DEFAULT_BLOCK_K`. ``gpu``: the target (None: `fdecode.kernels.common.chips.lowering_gpu`).
   ``source``: a `RowSource` the kernels read q (and table rows or cache rows, if it has them) through; not with
   index lists. ``step``: a ragged step's part (with a source holding the step's arrays, on the balanced schedule).
+  ``split_size``: the batch-invariant mode (`_invariant_work`): splits of that many positions (rounded up to
+  whole key blocks) at absolute positions, one row tile and key block whatever T, no balanced schedule.
 
   Raises ValueError, compiled, for shapes `triton_unsupported` names. The interpreter runs them with pieces
   narrower than a dot tile (no compiled plan exists to mirror)."""
@@ -229,24 +241,32 @@ def make_plan(q_shape, k, v, *, compute_dtype, out_dtype, kv_layout="HND", block
   paged, compute_bytes = block_tables is not None, jnp.dtype(compute_dtype).itemsize
   columns = _columns(k, v, k_rope, k_scale, v_scale, v_head_dim, compute_bytes, interpret)
   dtypes = _dtypes(gpu, k, v, (k_scale, k_offset, v_scale, v_offset), compute_dtype, out_dtype, paged, source)
-  rows = _rows(t, hq, kv_heads(k.shape, kv_layout, paged), dq, columns.dv, compute_bytes)
+  invariant = split_size is not None
+  if invariant and (index_slots is not None or step is not None or num_splits is not None):
+    raise ValueError("make_plan: split_size (the batch-invariant mode) takes no index lists, ragged step or "
+                     f"split count; got index_slots={index_slots}, step={step}, num_splits={num_splits}")
+  rows = _rows(t, hq, kv_heads(k.shape, kv_layout, paged), dq, columns.dv, compute_bytes, invariant)
   seq_len, cache_rows, page_size, num_pages, table_len = _cache_geometry(k, block_tables, kv_layout)
   cache_batch = 0 if source is None or source.caches is None else source.caches.k.shape[0]
-  balanced = _balanced(balance, num_splits, paged or cache_batch > 0, index_slots, has_mask_or_bias, step)
+  balanced = not invariant and _balanced(balance, num_splits, paged or cache_batch > 0, index_slots,
+                                         has_mask_or_bias, step)
   caches = [x for x in (k, v, k_rope) if x is not None]
   launch = _launch(gpu, rows, columns, dtypes, caches, dq=dq, block_k=block_k,
                    quantized=k_scale is not None or v_scale is not None,
                    gathered=(paged and page_size < MIN_DOT) or (index_slots is not None and compute_bytes == 4),
-                   differing_rows=blk.rows_may_differ(t, mods) and (balanced or compute_bytes == 4))
+                   differing_rows=invariant or (blk.rows_may_differ(t, mods) and (balanced or compute_bytes == 4)))
   if not paged:
     cache_rows = max(cache_rows, launch.block)  # a cache shorter than one block is padded to it
   cache = CachePlan(read=_read(paged, index_slots is not None, cache_batch), kv_layout=kv_layout, seq_len=seq_len,
                     cache_rows=cache_rows, page_size=page_size, num_pages=num_pages, table_len=table_len,
                     cache_batch=cache_batch, sparse_fold=sparse_fold)
   slots = index_slots if index_slots is not None else window_tokens(seq_len, t, mods)
-  work = _work(gpu, launch, rows, columns.dv, b=b, balanced=balanced, num_splits=num_splits, interpret=interpret,
-               default_splits=lambda: _call_splits(gpu, launch, rows, columns.dv, caches, b=b, slots=slots,
-                                                   interpret=interpret))
+  if invariant:
+    work = _invariant_work(launch, rows, columns.dv, b=b, seq_len=seq_len, split_size=split_size)
+  else:
+    work = _work(gpu, launch, rows, columns.dv, b=b, balanced=balanced, num_splits=num_splits, interpret=interpret,
+                 default_splits=lambda: _call_splits(gpu, launch, rows, columns.dv, caches, b=b, slots=slots,
+                                                     interpret=interpret))
   return TritonPlan(gpu=gpu.name, interpret=bool(interpret), rows=rows, columns=columns, cache=cache, dtypes=dtypes,
                     launch=launch, work=work, mods=mods, has_sinks=bool(has_sinks), source=source_plan(source, step))
 
@@ -290,9 +310,14 @@ def _dtypes(gpu: chips.Gpu, k, v, quant_arrays, compute_dtype, out_dtype, paged,
                    fp8_bits=fp8_bits)
 
 
-def _rows(t: int, hq: int, hkv: int, dq: int, dv: int, compute_bytes: int) -> RowPlan:
-  block_r, row_blocks = row_tiling(t * (hq // hkv), dq, dv, compute_bytes)
-  return RowPlan(num_tokens=t, group=hq // hkv, hq=hq, block_r=block_r, row_blocks=row_blocks)
+def _rows(t: int, hq: int, hkv: int, dq: int, dv: int, compute_bytes: int, invariant: bool = False) -> RowPlan:
+  """The row tiles (`row_tiling`). Batch-invariant: one token's tile whatever T (T tokens'
+  rows packed into as many of them as they fill), so a row's products have one shape."""
+  g = hq // hkv
+  block_r, row_blocks = row_tiling(g if invariant else t * g, dq, dv, compute_bytes)
+  if invariant:
+    row_blocks = -(-max(t * g, 1) // block_r)
+  return RowPlan(num_tokens=t, group=g, hq=hq, block_r=block_r, row_blocks=row_blocks)
 
 
 def _cache_geometry(k, block_tables, kv_layout):
@@ -345,6 +370,16 @@ def _work(gpu, launch: Launch, rows: RowPlan, dv: int, *, b, balanced, num_split
   tiling = (segment_combine_tiling(b, hkv, rows.num_rows, dv, items, gpu.sms) if balanced
             else (1, combine_width(int(num_splits), dv), COMBINE_CHUNK))
   return WorkPlan(num_splits=int(num_splits), balanced=balanced, items=items, batch=b, combine_tiling=tiling)
+
+
+def _invariant_work(launch: Launch, rows: RowPlan, dv: int, *, b: int, seq_len: int, split_size: int) -> WorkPlan:
+  """The batch-invariant mode's splits: ``split_size`` positions rounded up to whole key
+  blocks, laid at absolute positions over the ``seq_len`` addressable ones (the count
+  depends on the cache's capacity only: not on B, T, the ends or the GPU)."""
+  split_blocks = max(-(-split_size // launch.block), 1)
+  num_splits = max(-(-seq_len // (split_blocks * launch.block)), 1)
+  return WorkPlan(num_splits=num_splits, balanced=False, items=b, batch=b,
+                  combine_tiling=(1, combine_width(num_splits, dv), COMBINE_CHUNK), split_blocks=split_blocks)
 
 
 def _call_splits(gpu: chips.Gpu, launch: Launch, rows: RowPlan, dv: int, caches, *, b: int, slots: int,

@@ -21,7 +21,7 @@ def plan_view(q, view, *, compute, mods, v_head_dim, cfg, interpret, has_mask_or
                 has_mask_or_bias=has_mask_or_bias, has_sinks=has_sinks, index_slots=index_slots,
                 sparse_fold=sparse_fold, num_splits=cfg.num_splits, block_k=cfg.block_k,
                 balance=cfg.balance if balance is None else balance, interpret=interpret, source=source,
-                step=step)
+                step=step, split_size=cfg.invariant_split)
   return p, read_view(p, view, source)
 
 

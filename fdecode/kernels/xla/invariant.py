@@ -45,13 +45,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from fdecode.cache.layout import capacity, token_axis
+from fdecode.config import DEFAULT_SPLIT_SIZE
 from fdecode.cache.paged import gather_pages_head_major, gather_token_major_pages
 from fdecode.combine import MASK_VALUE, finalize_state, merge_states
 from fdecode.kernels.common.modifiers import Modifiers, row_bounds
 from fdecode.kernels.xla.dense import _vary_together, load_pages, load_rows, pad_tokens
 
 # The default split size: cache positions per split.
-SPLIT_SIZE = 1024
+SPLIT_SIZE = DEFAULT_SPLIT_SIZE
 # A token block's broadcast keys (all sequences, float32 words) stay under this many bytes.
 TOKEN_BLOCK_BYTES = 8 << 20
 
