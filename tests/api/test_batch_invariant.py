@@ -76,11 +76,11 @@ FORMS = ["contiguous", "nhd", "paged1", "paged8", "int8", "mla"]
 IMPLS = {"xla": dict(), "triton": dict(impl="pallas", block_k=SPLIT),
          "mosaic": dict(impl="pallas", interpret=pltpu.InterpretParams(), block_k=SPLIT)}
 F32, BF16 = jnp.float32, jnp.bfloat16
-# Every form in both dtypes on the XLA path. The interpreters (15-20 s a case): each kernel's
-# reads, float32, and paged bfloat16: Triton every form, Mosaic its three reads (contiguous,
-# a pool, a token-major pool in place) and MLA (its page size 1 took 53 s, a DMA a position;
-# tests/kernels/mosaic_tpu runs it).
-INTERPRETED = {"triton": FORMS, "mosaic": ["contiguous", "nhd", "mla"]}
+# Every form in both dtypes on the XLA path. The interpreters (10-20 s a case, so the fewest that
+# cover each kernel's reads), float32 and paged bfloat16: Triton contiguous, page size 1, 8-bit
+# and MLA (a token-major cache is the contiguous read with another BlockSpec); Mosaic contiguous
+# and a token-major pool read in place (its page size 1 took 53 s, a DMA a position).
+INTERPRETED = {"triton": ["contiguous", "paged1", "int8", "mla"], "mosaic": ["contiguous", "nhd"]}
 CASES = [pytest.param(i, f, d, id=f"{i}-{f}-{jnp.dtype(d).name}") for i, f, d in
          [("xla", f, d) for f in FORMS for d in (F32, BF16)]
          + [(i, f, F32) for i, forms in INTERPRETED.items() for f in forms]
@@ -107,10 +107,12 @@ def _decode_vs_prefill(impl, form, dtype, extra):
   return (q, k, v, lengths, opts, mode), (out, lse), alone
 
 
-@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("impl", ["xla", "triton"])
 def test_the_comparison_sees_splits_laid_from_the_length(impl):
   """The control: outside the mode, with splits dealt over each call's own length, decoding
-  a token alone gives other bits than its row of the prefill (so the tests below can fail)."""
+  a token alone gives other bits than its row of the prefill (so the tests below can fail).
+  (Mosaic's default plan deals its splits by the same `block.split_range`: 5 of 7 rows differ,
+  measured; its own control is test_mosaic_row_sums_hold_at_32_rows_of_128_positions.)"""
   _, (out, lse), alone = _decode_vs_prefill(impl, "contiguous", jnp.float32, dict(num_splits=2))
   assert sum(not same(o1, out[:, i]) for i, (o1, _) in enumerate(alone)) >= 3
 
@@ -128,7 +130,7 @@ def test_prefill_rows_equal_decoding_each_token(impl, form, dtype):
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
   for i, (o1, l1) in enumerate(alone):
     assert same(o1, out[:, i]) and same(l1, lse[:, i]), f"token {i}"
-  for bi in (1,):
+  for bi in (1,) if impl == "xla" else ():  # a sequence's place in the batch: test_randomized_batches too
     rows = slice(bi, bi + 1)
     o2, l2 = fdecode.flash_decode(q[rows], k if "block_tables" in opts else k[rows], v if v is None or "block_tables" in opts
                                   else v[rows], lengths[rows], return_lse=True, **_take(mode, rows))
@@ -205,7 +207,7 @@ def test_randomized_batches(impl):
   n0 = jnp.array([61], jnp.int32)
   mode = dict(batch_invariant=True, split_size=SPLIT, **IMPLS[impl])
   alone, alone_lse = fdecode.flash_decode(q0, k0, v0, n0, return_lse=True, **mode)
-  trials = 2 if impl == "mosaic" else 4
+  trials = 4 if impl == "xla" else 2
   for trial in range(trials):
     b = int(rng.integers(2, 7))
     s = int(rng.choice([s_own, 96, 208]))
