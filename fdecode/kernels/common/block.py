@@ -256,33 +256,28 @@ def _cdiv(a, b: int):
   return (a + b - 1) // b
 
 
-def split_range(end, split, num_splits: int, num_tokens: int, seq_len: int, bk: int, mods: Modifiers):
+def split_range(end, split, num_splits: int, num_tokens: int, seq_len: int, bk: int, mods: Modifiers,
+                split_blocks: int = 0):
   """Blocks ``[first, last)`` of ``bk`` tokens that split ``split`` of ``num_splits``
   processes: the blocks any row may see (from the window's first block to the
   sequence's end) are dealt out evenly, so no split reads a block outside the window or
-  past the end, and a short or windowed sequence still uses every split."""
+  past the end, and a short or windowed sequence still uses every split.
+
+  ``split_blocks`` > 0 (static): the batch-invariant mode's layout instead. Split ``split``
+  holds the ``split_blocks`` blocks from absolute block ``split * split_blocks``, whatever
+  the sequence's end, the call's T or the batch, and runs those of them some row may see.
+  A block no row of a program sees leaves its state's bits as they were (`online_update`:
+  every score selected away, ``alpha`` exactly 1, ``p`` exactly 0), so a row's state is the
+  same whether the call's other rows made the program run more blocks or fewer."""
   live_end = jnp.clip(end, 0, seq_len)
   hi = _cdiv(live_end, bk)
   lo = jnp.minimum(window_start(end, num_tokens, seq_len, mods) // bk, hi)
+  if split_blocks:
+    first = jnp.maximum(split * split_blocks, lo)
+    return first, jnp.maximum(first, jnp.minimum((split + 1) * split_blocks, hi))
   per = _cdiv(hi - lo, num_splits)
   first = lo + split * per
   return first, jnp.minimum(first + per, hi)
-
-
-def fixed_split_range(end, split, split_blocks: int, num_tokens: int, seq_len: int, bk: int, mods: Modifiers):
-  """The batch-invariant mode's blocks ``[first, last)`` of split ``split``: the split holds
-  the ``split_blocks`` blocks from absolute block ``split * split_blocks``, whatever the
-  sequence's end, the call's T or the batch; of them the program runs those some row may
-  see (from the window's first block to the sequence's end; none past it). A block no row
-  of this program sees leaves its state's bits as they were (`online_update`: every score
-  selected away, ``alpha`` exactly 1, ``p`` exactly 0), so a row's state is the same
-  whether the call's other rows made the program run more blocks or fewer."""
-  live_end = jnp.clip(end, 0, seq_len)
-  hi = _cdiv(live_end, bk)
-  lo = window_start(end, num_tokens, seq_len, mods) // bk
-  first = jnp.maximum(split * split_blocks, lo)
-  last = jnp.minimum((split + 1) * split_blocks, hi)
-  return first, jnp.maximum(first, last)
 
 
 def row_source(rows_p: int, group: int, num_tokens: int, form, shape, first_row=0):

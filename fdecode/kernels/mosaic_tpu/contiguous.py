@@ -43,7 +43,7 @@ def _contiguous_kernel(ins, bufs, o_ref, lse_ref, m_ref, l_ref, *acc_refs, softm
   rows_p, bk = ins.q.shape[0], ins.k.shape[0]
   end = ins.ends[b]
   live_end = jnp.clip(end, 0, seq_len)
-  first, last = _split_blocks(end, split, num_splits, num_tokens, seq_len, bk, mods, split_blocks)
+  first, last = blk.split_range(end, split, num_splits, num_tokens, seq_len, bk, mods, split_blocks)
   start = (first + step) * bk
 
   @pl.when(step == 0)
@@ -78,14 +78,6 @@ def _contiguous_kernel(ins, bufs, o_ref, lse_ref, m_ref, l_ref, *acc_refs, softm
     store_partials(o_ref, lse_ref, v_pieces, o_pieces, lse)
 
 
-def _split_blocks(end, split, num_splits, num_tokens, seq_len, bk, mods, split_blocks):
-  """This split's blocks: `block.split_range`'s, or the batch-invariant mode's
-  (`block.fixed_split_range`, ``split_blocks`` > 0)."""
-  if split_blocks:
-    return blk.fixed_split_range(end, split, split_blocks, num_tokens, seq_len, bk, mods)
-  return blk.split_range(end, split, num_splits, num_tokens, seq_len, bk, mods)
-
-
 def contiguous_call(q_rows, ends, p: Plan, cache, modifier_arrays, *, num_rows, num_tokens, softmax_scale, num_splits,
                     interpret, mods, v_head_dim, split_blocks: int = 0):
   """The contiguous kernel's partials ``(o [B, Hkv, n_splits, R_p, Dv], lse [..., R_p, 1])`` over
@@ -103,8 +95,8 @@ def contiguous_call(q_rows, ends, p: Plan, cache, modifier_arrays, *, num_rows, 
   steps = split_blocks or pl.cdiv(num_blocks, num_splits)
 
   def kv_block(i, h, split, step, ends_ref):
-    # This split's blocks (`_split_blocks`); past its last, repeat it (no new DMA).
-    first, last = _split_blocks(ends_ref[i], split, num_splits, num_tokens, seq_len, bk, mods, split_blocks)
+    # This split's blocks (`block.split_range`); past its last, repeat it (no new DMA).
+    first, last = blk.split_range(ends_ref[i], split, num_splits, num_tokens, seq_len, bk, mods, split_blocks)
     return jnp.clip(jnp.minimum(first + step, last - 1), 0, num_blocks - 1)
 
   def cache(x):

@@ -141,10 +141,7 @@ def _paged_kernel(ins, bufs, o_ref, lse_ref, sems, *, softmax_scale, num_splits,
   live_end = jnp.clip(end, 0, seq_len)
   live_pages = (live_end + paging.page_size - 1) // paging.page_size  # int32 (pl.cdiv: int64 under x64)
   first_page = window_start(end, num_tokens, seq_len, mods) // paging.page_size
-  if split_blocks:  # the batch-invariant mode: fixed splits at absolute positions
-    first, last = blk.fixed_split_range(end, split, split_blocks, num_tokens, seq_len, block, mods)
-  else:
-    first, last = blk.split_range(end, split, num_splits, num_tokens, seq_len, block, mods)
+  first, last = blk.split_range(end, split, num_splits, num_tokens, seq_len, block, mods, split_blocks)
   copies = functools.partial(_copies, ins, bufs, sems, b=b, j=j, live_pages=live_pages, first_page=first_page,
                              paging=paging)
 

@@ -201,7 +201,7 @@ class CallPlan:
     upcast_query: a float16 query computes in float32 (over a cache that is not float16).
     reason: why the kernels do not take the call (``backend="xla"``), else None.
     split_blocks: the batch-invariant mode's blocks (``sizes.block`` positions) per split,
-      laid at absolute positions (`fdecode.kernels.common.block.fixed_split_range`); 0:
+      laid at absolute positions (`fdecode.kernels.common.block.split_range` with ``split_blocks``); 0:
       the split rule's count, dealt over each sequence's live blocks.
   """
   backend: str

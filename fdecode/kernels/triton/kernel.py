@@ -327,9 +327,7 @@ def split_kernel(*refs, plan: TritonPlan, softmax_scale: float, layout, ids=None
   if plan.cache.read.sparse:
     first, last = slot_range(_index_bounds(refs.idx, bk, first_visible, live_end), ids[2], plan.work.num_splits, bk)
   else:
-    first, last = blk.split_range(end, at.split, at.count, rp.num_tokens, seq_len, bk, mods)
-  if plan.work.fixed:
-    first, last = blk.fixed_split_range(end, at.split, plan.work.split_blocks, rp.num_tokens, seq_len, bk, mods)
+    first, last = blk.split_range(end, at.split, at.count, rp.num_tokens, seq_len, bk, mods, plan.work.split_blocks)
 
   def by_rows(ref, form, load_start, step_form):
     """A mask / bias block for the rows: ``[R_p | 1, bk]``, gathered by row (`mod_rows`; a

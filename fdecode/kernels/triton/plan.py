@@ -153,7 +153,7 @@ class WorkPlan:
   @property
   def fixed(self) -> bool:
     """The batch-invariant mode's splits: ``split_blocks`` blocks each, at absolute
-    positions (`fdecode.kernels.common.block.fixed_split_range`); 0: the split rule's
+    positions (`fdecode.kernels.common.block.split_range` with ``split_blocks``); 0: the split rule's
     count, dealt over each sequence's live blocks."""
     return self.split_blocks > 0
 
